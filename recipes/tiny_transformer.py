@@ -1,0 +1,118 @@
+"""A tiny decoder-only causal language model, trained from scratch on text that every machine already has.
+
+Trains: a Llama-style (default) or GPT-2-style transformer built from a `transformers` config (no weights are
+downloaded), with a byte-level BPE tokenizer trained on the corpus and saved with the model.
+Data: CPython's pydoc topics (about 465k characters of English reference text) by default; `--data` takes local
+.txt/.jsonl/.csv files (comma-separated; `--text_field` names the column) or a Hugging Face dataset name.
+Output: `final/` loads with AutoModelForCausalLM / AutoTokenizer.from_pretrained.
+
+To make your own language model, copy this file and change `Config` (sizes, data) and `build_model`
+(any AutoModelForCausalLM config works); `loss` and `build_datasets` usually stay as they are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from trainkit import text
+from trainkit.config import TrainConfig, problem
+
+
+@dataclass(kw_only=True, slots=True)
+class Config(TrainConfig):
+    # Model
+    arch: str = "llama"  # llama | gpt2
+    vocab_size: int = 1024  # the BPE is trained to this size
+    seq_len: int = 128
+    hidden: int = 128
+    layers: int = 4
+    heads: int = 4
+    dropout: float = 0.0  # attention dropout (llama); embedding, residual and attention dropout (gpt2)
+    gradient_checkpointing: bool = False  # recompute activations in backward: less memory, ~30% more compute
+    # Data
+    data: str = "pydoc"  # "pydoc" (built in), local files "a.txt,b.txt", or a Hugging Face dataset name
+    text_field: str = "text"
+    eval_fraction: float = 0.05  # the last blocks of the corpus are held out
+    # Training (overrides of TrainConfig's defaults)
+    batch_size: int = 16
+    lr: float = 3e-3
+    warmup_steps: int = 20
+    weight_decay: float = 0.01
+    max_steps: int = 300
+    eval_every: int = 100
+    eval_batches: int = 2
+
+    def check(self) -> list[str]:
+        problems = []
+        if self.arch not in ("llama", "gpt2"):
+            problems.append(problem(f"arch must be llama or gpt2, got {self.arch!r}", "config field arch",
+                                    "use --arch llama"))
+        if self.hidden % self.heads:
+            problems.append(problem(f"hidden ({self.hidden}) must be a multiple of heads ({self.heads})",
+                                    "config fields hidden, heads", "change --hidden or --heads"))
+        if not 0 < self.eval_fraction < 1:
+            problems.append(problem(f"eval_fraction must be in (0, 1), got {self.eval_fraction}",
+                                    "config field eval_fraction", "use --eval_fraction 0.05"))
+        if self.vocab_size < 300:
+            problems.append(problem(f"vocab_size must hold the 256 bytes and some merges, got {self.vocab_size}",
+                                    "config field vocab_size", "use --vocab_size 1024"))
+        return problems
+
+
+def build_model(cfg: Config) -> torch.nn.Module:
+    if cfg.arch == "llama":
+        config = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden, intermediate_size=cfg.hidden * 4,
+                             num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads,
+                             num_key_value_heads=cfg.heads, max_position_embeddings=cfg.seq_len,
+                             attention_dropout=cfg.dropout, tie_word_embeddings=True)
+        model = LlamaForCausalLM(config)
+    else:
+        config = GPT2Config(vocab_size=cfg.vocab_size, n_embd=cfg.hidden, n_layer=cfg.layers, n_head=cfg.heads,
+                            n_positions=cfg.seq_len, resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout,
+                            attn_pdrop=cfg.dropout)
+        model = GPT2LMHeadModel(config)
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def _data_dir(cfg: Config, cache_dir: Path) -> Path:
+    return cache_dir / f"text-{text.data_key(cfg.data, cfg.text_field, cfg.vocab_size)}"
+
+
+def _blocks(cfg: Config, cache_dir: Path):
+    docs = text.load_documents(cfg.data, cfg.text_field, cache_dir)
+    tokenizer = text.train_tokenizer(docs, cfg.vocab_size, _data_dir(cfg, cache_dir) / "tokenizer")
+    return text.token_blocks(docs, tokenizer, cfg.seq_len)
+
+
+def build_datasets(cfg: Config, cache_dir: Path):
+    blocks = _blocks(cfg, cache_dir)
+    num_eval = max(1, int(len(blocks) * cfg.eval_fraction))
+    split = len(blocks) - num_eval
+    train = blocks.select(range(split)).with_format("torch")
+    held_out = blocks.select(range(split, len(blocks))).with_format("torch")
+    return train, held_out
+
+
+def loss(model: torch.nn.Module, batch: dict) -> torch.Tensor:
+    return model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
+
+
+def tokens_per_sample(cfg: Config) -> int:
+    return cfg.seq_len
+
+
+def summary(cfg: Config, cache_dir: Path) -> dict:
+    """The unigram entropy is the loss of a model that ignores context: eval loss well below it is real learning."""
+    return {"unigram_entropy": text.unigram_entropy(_blocks(cfg, cache_dir))}
+
+
+def export(model, state_dict: dict, cfg: Config, cache_dir: Path, out_dir: Path) -> None:
+    model.save_pretrained(str(out_dir), state_dict=state_dict)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(_data_dir(cfg, cache_dir) / "tokenizer"))
+    tokenizer.save_pretrained(str(out_dir))

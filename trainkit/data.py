@@ -1,0 +1,128 @@
+"""Datasets to per-rank micro-batches, keeping the project's data-order invariant.
+
+The invariant: the sequence of global batches depends only on the seed and the global batch size. Epoch `e` is a
+permutation of the training set drawn from a generator seeded with (seed, e); global batch `g` of that epoch is
+the slice [g*G, (g+1)*G) of it (the last partial global batch is dropped). Every rank cuts its own contiguous part
+out of each global batch and splits that into `grad_accum` micro-batches, so world size, micro-batch size and
+accumulation only decide who computes which samples, never which samples form a step. Accelerate's dataloader
+sharding is not used for this reason: it shards an already-batched loader, which ties the order to world size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+
+@dataclass(frozen=True, slots=True)
+class BatchLayout:
+    """Who computes which part of a global batch."""
+
+    micro_batch: int  # per-process micro-batch
+    grad_accum: int
+    rank: int
+    world_size: int
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro_batch * self.grad_accum * self.world_size
+
+    def micro_slices(self) -> list[slice]:
+        """Positions inside a global batch that this rank computes, one slice per micro-batch, in order."""
+        start = self.rank * self.micro_batch * self.grad_accum
+        return [slice(start + a * self.micro_batch, start + (a + 1) * self.micro_batch)
+                for a in range(self.grad_accum)]
+
+
+def epoch_order(num_samples: int, seed: int, epoch: int) -> torch.Tensor:
+    """The training set's order in one epoch: a fresh permutation every epoch, the same on every rank."""
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    return torch.randperm(num_samples, generator=generator)
+
+
+class GlobalBatchSampler(Sampler[list[int]]):
+    """Yields this rank's micro-batches (lists of dataset indices) for one epoch, global batch by global batch.
+
+    `set_epoch(e)` selects the epoch's permutation; `start_batch` skips global batches already trained on in that
+    epoch (resume). With `shuffle=False` the order is the dataset's (evaluation).
+    """
+
+    def __init__(self, num_samples: int, layout: BatchLayout, seed: int, shuffle: bool = True):
+        if num_samples < layout.global_batch:
+            raise ValueError(f"the dataset has {num_samples} samples, fewer than one global batch "
+                             f"({layout.global_batch})")
+        self.num_samples = num_samples
+        self.layout = layout
+        self.seed = seed
+        self.shuffle = shuffle
+        self.epoch = 0
+        self.start_batch = 0
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return self.num_samples // self.layout.global_batch
+
+    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        self.epoch = epoch
+        self.start_batch = start_batch
+
+    def __len__(self) -> int:
+        return (self.batches_per_epoch - self.start_batch) * self.layout.grad_accum
+
+    def __iter__(self) -> Iterator[list[int]]:
+        if self.shuffle:
+            order = epoch_order(self.num_samples, self.seed, self.epoch)
+        else:
+            order = torch.arange(self.num_samples)
+        size = self.layout.global_batch
+        for g in range(self.start_batch, self.batches_per_epoch):
+            batch = order[g * size:(g + 1) * size]
+            for part in self.layout.micro_slices():
+                yield batch[part].tolist()
+
+
+class TrainStream:
+    """An endless stream of this rank's micro-batches that moves to the next epoch by itself.
+
+    `position` (epoch, global batches done in it) is all that is needed to continue exactly where it stopped.
+    """
+
+    def __init__(self, dataset: Dataset, layout: BatchLayout, seed: int):
+        self.sampler = GlobalBatchSampler(len(dataset), layout, seed)  # type: ignore[arg-type]
+        self.loader = DataLoader(dataset, batch_sampler=self.sampler)
+        self.epoch = 0
+        self.batch_in_epoch = 0
+        self._iterator: Iterator | None = None
+
+    @property
+    def position(self) -> tuple[int, int]:
+        return self.epoch, self.batch_in_epoch
+
+    def seek(self, epoch: int, batch_in_epoch: int) -> None:
+        self.epoch, self.batch_in_epoch = epoch, batch_in_epoch
+        self._iterator = None
+
+    def next_global_batch(self) -> list:
+        """This rank's micro-batches of the next global batch."""
+        if self._iterator is None or self.batch_in_epoch == self.sampler.batches_per_epoch:
+            if self.batch_in_epoch == self.sampler.batches_per_epoch:
+                self.epoch, self.batch_in_epoch = self.epoch + 1, 0
+            self.sampler.set_epoch(self.epoch, self.batch_in_epoch)
+            self._iterator = iter(self.loader)
+        micro_batches = [next(self._iterator) for _ in range(self.sampler.layout.grad_accum)]
+        self.batch_in_epoch += 1
+        return micro_batches
+
+
+def eval_batches(dataset: Dataset, layout: BatchLayout, num_global_batches: int) -> Iterator:
+    """This rank's micro-batches of the first `num_global_batches` global batches of the held-out split, in order."""
+    sampler = GlobalBatchSampler(len(dataset), layout, seed=0, shuffle=False)  # type: ignore[arg-type]
+    sampler.set_epoch(0)
+    limit = min(num_global_batches, sampler.batches_per_epoch) * layout.grad_accum
+    for i, batch in enumerate(DataLoader(dataset, batch_sampler=sampler)):
+        if i == limit:
+            return
+        yield batch

@@ -1,0 +1,99 @@
+"""What a run reports: metrics.jsonl, Accelerate's trackers, the progress bar, throughput, MFU and memory."""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+# Dense bf16/fp16 tensor-core peaks (FLOP/s) of GPUs we know; MFU is reported against these.
+PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "V100": 125e12}
+
+
+def peak_flops(device: torch.device, override: float | None) -> float | None:
+    """The device's peak FLOP/s for MFU; None on CPUs (no meaningful peak) unless given with --peak_flops."""
+    if override:
+        return override
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        return next((flops for key, flops in PEAK_FLOPS.items() if key in name), None)
+    return None
+
+
+def model_flops_per_token(num_params: int) -> float:
+    """Training FLOPs per token ~ 6 N (forward 2N, backward 4N; attention's share is ignored at these sizes)."""
+    return 6.0 * num_params
+
+
+def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Model-state bytes this rank holds: its parameters, their gradients, and the optimizer's state tensors."""
+
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if hasattr(t, "to_local") else t  # a DTensor counts only its local shard
+
+    total = 0
+    for p in model.parameters():
+        total += local(p).numel() * p.element_size()
+        if p.grad is not None:
+            total += local(p.grad).numel() * p.grad.element_size()
+    for state in optimizer.state.values():
+        for value in state.values():
+            if torch.is_tensor(value):
+                total += local(value).numel() * value.element_size()
+    return total
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak device memory on GPUs; peak resident memory of this process on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+class Throughput:
+    """Samples and tokens per second over the steps since the last call."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+
+    def lap(self, samples: int) -> float:
+        now = time.perf_counter()
+        rate = samples / max(now - self.start, 1e-9)
+        self.start = now
+        return rate
+
+
+class MetricsLog:
+    """metrics.jsonl (a line per optimizer step, eval_loss on evaluation steps), trackers and a tqdm bar.
+
+    All on the main process only: other ranks write nothing that the ranks share.
+    """
+
+    def __init__(self, accelerator, output_dir: Path, total_steps: int, initial_step: int, append: bool):
+        self.accelerator = accelerator
+        self.is_main = accelerator.is_main_process
+        self.file = open(output_dir / "metrics.jsonl", "a" if append else "w") if self.is_main else None
+        self.bar = tqdm(total=total_steps, initial=initial_step, disable=not self.is_main, file=sys.stderr,
+                        dynamic_ncols=True, desc="train")
+
+    def step(self, record: dict[str, Any]) -> None:
+        if self.file is not None:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+        self.accelerator.log({k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"},
+                             step=record["step"])
+        self.bar.update(1)
+        self.bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}", refresh=False)
+        if "eval_loss" in record:
+            self.bar.write(f"step {record['step']}: eval loss {record['eval_loss']:.4f}")
+
+    def close(self) -> None:
+        self.bar.close()
+        if self.file is not None:
+            self.file.close()
