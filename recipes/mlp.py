@@ -34,7 +34,7 @@ class Config(TrainConfig):
     data_seed: int = 1234  # the data is the same whatever the training seed
     # Training (overrides of TrainConfig's defaults)
     batch_size: int = 32
-    lr: float = 3e-3
+    lr: float = 1e-2
     max_steps: int = 200
 
     def check(self) -> list[str]:

@@ -43,6 +43,12 @@ def epoch_order(num_samples: int, seed: int, epoch: int) -> torch.Tensor:
     return torch.randperm(num_samples, generator=generator)
 
 
+def _private_generator() -> torch.Generator:
+    """Every new DataLoader iterator draws a base seed; from this generator, not the global RNG that dropout uses
+    (otherwise a resumed run, which makes its iterator at another moment, sees different dropout masks)."""
+    return torch.Generator().manual_seed(0)
+
+
 class GlobalBatchSampler(Sampler[list[int]]):
     """Yields this rank's micro-batches (lists of dataset indices) for one epoch, global batch by global batch.
 
@@ -92,7 +98,7 @@ class TrainStream:
 
     def __init__(self, dataset: Dataset, layout: BatchLayout, seed: int):
         self.sampler = GlobalBatchSampler(len(dataset), layout, seed)  # type: ignore[arg-type]
-        self.loader = DataLoader(dataset, batch_sampler=self.sampler)
+        self.loader = DataLoader(dataset, batch_sampler=self.sampler, generator=_private_generator())
         self.epoch = 0
         self.batch_in_epoch = 0
         self._iterator: Iterator | None = None
@@ -122,7 +128,7 @@ def eval_batches(dataset: Dataset, layout: BatchLayout, num_global_batches: int)
     sampler = GlobalBatchSampler(len(dataset), layout, seed=0, shuffle=False)  # type: ignore[arg-type]
     sampler.set_epoch(0)
     limit = min(num_global_batches, sampler.batches_per_epoch) * layout.grad_accum
-    for i, batch in enumerate(DataLoader(dataset, batch_sampler=sampler)):
+    for i, batch in enumerate(DataLoader(dataset, batch_sampler=sampler, generator=_private_generator())):
         if i == limit:
             return
         yield batch

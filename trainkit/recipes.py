@@ -58,8 +58,7 @@ def load_recipe(name_or_path: str) -> types.ModuleType:
         raise
     except Exception as e:  # a broken recipe file: say which file and what broke, without a traceback
         raise ConfigError([problem(f"recipe {path} failed to import: {type(e).__name__}: {e}", "--recipe",
-                                   "fix the recipe file (python -c 'import runpy; runpy.run_path(PATH)' shows "
-                                   "the traceback)")]) from e
+                                   f"fix the recipe file (`python {path}` shows the traceback)")]) from e
     missing = [name for name in REQUIRED if not hasattr(module, name)]
     if missing:
         raise ConfigError([problem(f"recipe {path} lacks {', '.join(missing)}", "--recipe",

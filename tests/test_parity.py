@@ -1,0 +1,48 @@
+"""The classic data-parallel checks: every split of the same global batch trains exactly like one process."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import launch, max_rel_diff
+
+STEPS = ["--max_steps", "25", "--eval_every", "0", "--warmup_steps", "2"]
+
+
+@pytest.fixture(scope="module")
+def mlp_reference(tmp_path_factory):
+    """One process, micro-batch 32: the curve every other layout of a 32-sample global batch must reproduce."""
+    return launch(tmp_path_factory.mktemp("ref") / "out", "--recipe", "mlp", "--batch_size", "32", *STEPS).check()
+
+
+@pytest.mark.parametrize("config, batch_size, grad_accum", [
+    ("ddp", 16, 1),  # 2 processes x 16
+    (None, 8, 4),  # 1 process, 4 micro-batches of 8
+    ("ddp", 4, 4),  # 2 processes x 4 micro-batches of 4
+])
+def test_mlp_matches_one_process(mlp_reference, run_dir, config, batch_size, grad_accum):
+    run = launch(run_dir("run"), "--recipe", "mlp", "--batch_size", str(batch_size), "--grad_accum",
+                 str(grad_accum), *STEPS, config=config).check()
+    assert run.resolved["global_batch_size"] == 32
+    assert max_rel_diff(run.losses, mlp_reference.losses) <= 1e-5
+    # the curve is a real training curve, not a constant both sides share
+    assert mlp_reference.losses[-1] < 0.5 * mlp_reference.losses[0]
+
+
+def test_transformer_ddp_matches_one_process(run_dir):
+    args = ["--recipe", "tiny_transformer", "--max_steps", "8", "--eval_every", "0", "--hidden", "64",
+            "--layers", "2", "--seq_len", "64"]
+    reference = launch(run_dir("ref"), *args, "--batch_size", "8").check()
+    ddp = launch(run_dir("ddp"), *args, "--batch_size", "4", config="ddp").check()
+    assert ddp.resolved["world_size"] == 2 and ddp.resolved["strategy"] == "ddp"
+    assert max_rel_diff(ddp.losses, reference.losses) <= 1e-5
+    assert reference.losses[-1] < reference.losses[0]
+
+
+def test_unsynchronised_processes_are_refused(run_dir):
+    """Without the runner's cpu=True, a CPU machine runs 2 unrelated copies: the start-up check must say so."""
+    run = launch(run_dir("x"), config="ddp", script="tests/helpers/unsynced_accelerator.py")
+    assert run.returncode != 0
+    assert "Accelerate runs as NO, but the launch asked for ddp (MULTI_CPU on this machine)" in run.stderr
+    assert "Accelerate sees 1 process(es) but the launcher started 2" in run.stderr
+    assert "not refused" not in run.stdout
