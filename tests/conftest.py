@@ -58,6 +58,14 @@ def launch(output_dir: Path, *args: str, config: str | None = None, extra_launch
     return Run(proc.returncode, proc.stdout, proc.stderr, output_dir)
 
 
+def assert_refused(run: Run, message: str, code: int = 2) -> None:
+    """A bad input: the given exit status (any non-zero one under a launcher, which reports a failed child with
+    its own traceback after ours), our `error:` line, and no traceback from the project's code."""
+    assert run.returncode == code or (code and run.returncode != 0 and "ChildFailedError" in run.stderr), run.stderr
+    assert f"error: {message}" in run.stderr or message in run.stderr and "error: " in run.stderr, run.stderr
+    assert 'train.py", line' not in run.stderr and "trainkit/" not in run.stderr, run.stderr
+
+
 def max_rel_diff(a: list[float], b: list[float]) -> float:
     assert len(a) == len(b), f"curves of different lengths: {len(a)} vs {len(b)}"
     return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))

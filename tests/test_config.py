@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from conftest import ROOT, launch
+from conftest import ROOT, assert_refused, launch
 from trainkit.config import ConfigError, build_config, parse_command_line
 from trainkit.recipes import load_recipe
 
@@ -69,16 +69,13 @@ def test_broken_recipe_files(tmp_path, recipe_text, message):
     path = tmp_path / "broken.py"
     path.write_text(recipe_text)
     run = launch(tmp_path / "out", "--recipe", str(path))
-    assert run.returncode == 2
-    assert message in run.stderr and "error: " in run.stderr
-    assert "Traceback" not in run.stderr
-    assert not (tmp_path / "out").exists()
+    assert_refused(run, message)
+    assert "Traceback" not in run.stderr and not (tmp_path / "out").exists()
 
 
 def test_unknown_recipe_name(tmp_path):
-    run = launch(tmp_path / "out", "--recipe", "gpt5")
-    assert run.returncode == 2
-    assert "no shipped recipe named 'gpt5' (--recipe): use one of mlp, tiny_transformer" in run.stderr
+    assert_refused(launch(tmp_path / "out", "--recipe", "gpt5"),
+                   "no shipped recipe named 'gpt5' (--recipe): use one of mlp, tiny_transformer")
 
 
 def test_dry_run_prints_the_resolved_config_and_trains_nothing(tmp_path):
