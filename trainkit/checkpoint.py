@@ -12,13 +12,13 @@ from safetensors.torch import save_file
 from trainkit.config import TrainConfig, config_dict
 
 
-def export_final(accelerator, model, recipe: ModuleType, cfg: TrainConfig, cache_dir: Path, output_dir: Path) -> Path:
+def export_final(accelerator, state_dict: dict, model, recipe: ModuleType, cfg: TrainConfig, cache_dir: Path,
+                 output_dir: Path) -> Path:
     """Consolidated safetensors in output_dir/final, whatever the strategy; written by the main process only.
 
-    `get_state_dict` is called on every rank: under sharded strategies it is a collective that gathers the shards.
-    The folder is written under a temporary name and renamed, so `final/` is never half-written.
+    `state_dict` is the gathered full state dict (Strategy.full_state_dict). The folder is written under a
+    temporary name and renamed, so `final/` is never half-written.
     """
-    state_dict = accelerator.get_state_dict(model)
     final = output_dir / "final"
     if accelerator.is_main_process:
         tmp = output_dir / "final.tmp"

@@ -204,23 +204,29 @@ def parse_command_line(argv: list[str] | None = None) -> tuple[RunOptions, list[
     return options, overrides
 
 
-def resolved_config(recipe_path: Path, cfg: TrainConfig, overrides: list[tuple[str, str, str]], launch: Launch,
-                    estimated_state_bytes: int, seq_len: int | None) -> dict[str, Any]:
-    """Every effective value (flat), and where each came from under `sources`."""
+def field_sources(cfg: TrainConfig, overrides: list[tuple[str, str, str]]) -> dict[str, str]:
+    """Where each recipe field's value came from: the flag that set it, or the recipe's default."""
     where = {name: source for name, _, source in overrides}
+    return {name: where.get(name, "recipe default") for name in field_names(type(cfg))}
+
+
+def resolved_config(recipe_path: Path, cfg: TrainConfig, sources: dict[str, str], launch: Launch,
+                    zero_stage: int | None, estimated_state_bytes: int, seq_len: int | None) -> dict[str, Any]:
+    """Every effective value (flat), and where each came from under `sources`."""
     values = config_dict(cfg)
     resolved: dict[str, Any] = {
         "recipe": str(recipe_path), "strategy": launch.kind, "world_size": launch.world_size,
-        "num_machines": launch.num_machines, "mixed_precision": launch.mixed_precision, "zero_stage": None,
+        "num_machines": launch.num_machines, "mixed_precision": launch.mixed_precision, "zero_stage": zero_stage,
         "global_batch_size": cfg.batch_size * cfg.grad_accum * launch.world_size,
         "estimated_state_bytes": estimated_state_bytes,
         **values,
     }
     if seq_len is not None:
         resolved["seq_len"] = seq_len
-    sources = {name: where.get(name, "recipe default") for name in values}
+    sources = dict(sources)
     sources.update({name: launch.source for name in ("strategy", "world_size", "num_machines", "mixed_precision")})
     sources["global_batch_size"] = "batch_size x grad_accum x world_size"
     sources["estimated_state_bytes"] = "trainkit.estimate"
+    sources["zero_stage"] = launch.deepspeed_config or "no DeepSpeed"
     resolved["sources"] = sources
     return resolved

@@ -8,14 +8,15 @@ from transformers import get_cosine_with_min_lr_schedule_with_warmup
 from trainkit.config import TrainConfig
 
 
-def build_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
-    """AdamW with weight decay on matrices only (not biases or norm weights), or plain SGD."""
+def build_optimizer(cfg: TrainConfig, model: torch.nn.Module,
+                    adam_class: type[torch.optim.Optimizer] = torch.optim.AdamW) -> torch.optim.Optimizer:
+    """AdamW (or a drop-in such as DeepSpeed's CPU Adam) with weight decay on matrices only, or plain SGD."""
     params = [p for p in model.parameters() if p.requires_grad]
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(params, lr=cfg.lr)
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr)
+    return adam_class([g for g in groups if g["params"]], lr=cfg.lr)
 
 
 def build_scheduler(cfg: TrainConfig, optimizer: torch.optim.Optimizer):

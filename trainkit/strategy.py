@@ -1,17 +1,21 @@
-"""The one place that knows the distributed strategies (single, DDP, DeepSpeed, FSDP) and their CPU quirks.
+"""The one place that knows the distributed strategies (single, DDP, DeepSpeed, FSDP2) and their CPU quirks.
 
-`Launch` is what the launcher asked for: read from the environment that `accelerate launch` (or torchrun, or the
-DeepSpeed launcher) sets up, or from an Accelerate YAML for a dry run. `build_accelerator` turns it into an
-Accelerator that does exactly that on this machine, and `verify_accelerator` refuses to train when Accelerate
-ended up doing something else. The traps handled here are listed in ../shared/PITFALLS.md; each is named where it
-is handled.
+`Launch` is what the launcher asked for: read from the environment that `accelerate launch` sets up, or from an
+Accelerate YAML for a dry run. `check_launch` finds what cannot work before anything is built; `build_accelerator`
+turns the launch into an Accelerator that does exactly that on this machine, and `verify_accelerator` refuses to
+train when Accelerate ended up doing something else. `Strategy` then prepares the model and optimizer and answers
+the few questions the loop has (gradient norm, full weights). Each trap in ../shared/PITFALLS.md is handled where
+its comment names it.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import yaml
@@ -19,10 +23,11 @@ import yaml
 from trainkit.config import ConfigError, TrainConfig, problem
 
 PRECISIONS = ("no", "bf16", "fp16")
+KINDS = {"NO": "single", "MULTI_GPU": "ddp", "MULTI_CPU": "ddp", "DEEPSPEED": "deepspeed", "FSDP": "fsdp"}
 
 
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "false").lower() in ("1", "true", "yes")
+def _true(value: Any) -> bool:
+    return str(value).lower() in ("1", "true", "yes")
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +40,11 @@ class Launch:
     rank: int
     mixed_precision: str  # no | bf16 | fp16
     source: str  # where these values came from, for messages
+    deepspeed_config: str | None = None  # the DeepSpeed JSON
+    deepspeed_inline: bool = False  # DeepSpeed settings given in the YAML instead of a JSON
+    fsdp_version: int = 2
+    fsdp_offload: bool = False
+    fsdp_reshard_after_forward: bool = True
 
     @property
     def is_main(self) -> bool:
@@ -42,19 +52,23 @@ class Launch:
 
     @classmethod
     def from_env(cls) -> Launch:
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
-        if _env_flag("ACCELERATE_USE_DEEPSPEED"):
+        env = os.environ
+        world_size = int(env.get("WORLD_SIZE", "1"))
+        local_world = int(env.get("LOCAL_WORLD_SIZE", str(world_size)))
+        if _true(env.get("ACCELERATE_USE_DEEPSPEED")):
             kind = "deepspeed"
-        elif _env_flag("ACCELERATE_USE_FSDP"):
+        elif _true(env.get("ACCELERATE_USE_FSDP")):
             kind = "fsdp"
         else:
             kind = "ddp" if world_size > 1 else "single"
         return cls(kind=kind, world_size=world_size, num_machines=max(1, world_size // max(1, local_world)),
-                   rank=int(os.environ.get("RANK", "0")),
-                   mixed_precision=os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower(),
-                   source="the launcher's environment" if "ACCELERATE_MIXED_PRECISION" in os.environ
-                   else "no launcher")
+                   rank=int(env.get("RANK", "0")), mixed_precision=env.get("ACCELERATE_MIXED_PRECISION", "no").lower(),
+                   source="the launcher's environment" if "ACCELERATE_MIXED_PRECISION" in env else "no launcher",
+                   deepspeed_config=env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE"),
+                   deepspeed_inline=kind == "deepspeed" and "ACCELERATE_DEEPSPEED_CONFIG_FILE" not in env,
+                   fsdp_version=int(env.get("FSDP_VERSION", "2")),
+                   fsdp_offload=_true(env.get("FSDP_OFFLOAD_PARAMS")),
+                   fsdp_reshard_after_forward=_true(env.get("FSDP_RESHARD_AFTER_FORWARD", "true")))
 
     @classmethod
     def from_yaml(cls, path: str) -> Launch:
@@ -67,21 +81,118 @@ class Launch:
                                        "pass a file from accelerate_configs/")]) from None
         except yaml.YAMLError as e:
             raise ConfigError([problem(f"{path} is not valid YAML: {e}", where, "fix the file")]) from None
-        kinds = {"NO": "single", "MULTI_GPU": "ddp", "MULTI_CPU": "ddp", "DEEPSPEED": "deepspeed", "FSDP": "fsdp"}
         distributed_type = str(data.get("distributed_type", "NO"))
-        if distributed_type not in kinds:
+        if distributed_type not in KINDS:
             raise ConfigError([problem(f"distributed_type {distributed_type} is not supported", where,
-                                       f"use one of {', '.join(kinds)}")])
+                                       f"use one of {', '.join(KINDS)}")])
         world_size = int(data.get("num_processes", 1))
-        kind = kinds[distributed_type]
+        kind = KINDS[distributed_type]
         if kind == "ddp" and world_size == 1:
             kind = "single"
+        ds = data.get("deepspeed_config") or {}
+        fsdp = data.get("fsdp_config") or {}
         return cls(kind=kind, world_size=world_size, num_machines=int(data.get("num_machines", 1)), rank=0,
-                   mixed_precision=str(data.get("mixed_precision", "no")).lower(), source=path)
+                   mixed_precision=str(data.get("mixed_precision", "no")).lower(), source=path,
+                   deepspeed_config=ds.get("deepspeed_config_file"),
+                   deepspeed_inline=kind == "deepspeed" and "deepspeed_config_file" not in ds,
+                   fsdp_version=int(fsdp.get("fsdp_version", 2)),
+                   fsdp_offload=_true(fsdp.get("fsdp_offload_params", False)),
+                   fsdp_reshard_after_forward=_true(fsdp.get("fsdp_reshard_after_forward", True)))
 
 
-def check_launch(launch: Launch, cfg: TrainConfig) -> list[str]:
-    """Problems with this launch on this machine, found before anything is built."""
+# --- DeepSpeed JSON: one source of truth --------------------------------------------------------------------------
+
+def deepspeed_json(launch: Launch, cfg: TrainConfig, sources: dict[str, str]) -> tuple[dict, list[str]]:
+    """The DeepSpeed JSON with every "auto" the run knows filled in, and the problems found.
+
+    An explicit JSON value that disagrees with the run is an error naming both sources: silently preferring one of
+    them is the field's most reported DeepSpeed pain. Clipping is always written explicitly: DeepSpeed's own
+    default (1.0) would silently differ from the other strategies (PITFALLS).
+    """
+    path = launch.deepspeed_config
+    where = f"{path} (deepspeed_config_file in {launch.source})"
+    if launch.deepspeed_inline or not path:
+        return {}, [problem("DeepSpeed settings are given in the Accelerate YAML, not in a JSON", launch.source,
+                            "point deepspeed_config.deepspeed_config_file at a file in ds_configs/")]
+    try:
+        ds = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        return {}, [problem(f"DeepSpeed config {path} does not exist", launch.source,
+                            "run from the repository root or give deepspeed_config_file an absolute path")]
+    except json.JSONDecodeError as e:
+        return {}, [problem(f"{path} is not valid JSON: {e}", launch.source, "fix the file")]
+    problems = []
+    run_values = {
+        "train_micro_batch_size_per_gpu": (cfg.batch_size, sources.get("batch_size", "recipe default")),
+        "gradient_accumulation_steps": (cfg.grad_accum, sources.get("grad_accum", "recipe default")),
+        "train_batch_size": (cfg.batch_size * cfg.grad_accum * launch.world_size,
+                             "batch_size x grad_accum x num_processes"),
+        "gradient_clipping": (float(cfg.max_grad_norm), sources.get("max_grad_norm", "recipe default")),
+    }
+    for key, (value, source) in run_values.items():
+        given = ds.get(key, "auto")
+        if given != "auto" and given != value:
+            problems.append(problem(f"{key} is {given} in {path} but {value} in the run ({source})", where,
+                                    f'set "{key}": "auto" in the JSON so the run fills it, or change {source}'))
+        ds[key] = value
+    for name in ("bf16", "fp16"):
+        section = ds.setdefault(name, {})
+        wanted = launch.mixed_precision == name
+        given = section.get("enabled", "auto")
+        if given != "auto" and bool(given) != wanted:
+            problems.append(problem(f"{name}.enabled is {given} in {path} but mixed_precision is "
+                                    f"{launch.mixed_precision} ({launch.source})", where,
+                                    f'set "{name}": {{"enabled": "auto"}} in the JSON'))
+        section["enabled"] = wanted
+    for section in ("optimizer", "scheduler"):
+        if section in ds:
+            problems.append(problem(f"{path} defines an {section}, and so does the recipe", where,
+                                    f'remove "{section}" from the JSON: the recipe\'s {section} is used under '
+                                    f"every strategy"))
+    zero = ds.get("zero_optimization", {})
+    stage = zero.get("stage")
+    if stage not in (0, 1, 2, 3):
+        problems.append(problem(f"zero_optimization.stage must be 0-3, got {stage!r}", where,
+                                'write the stage explicitly, e.g. "stage": 2'))
+    offload_param = zero.get("offload_param", {}).get("device", "none")
+    if offload_param not in ("none", None) and stage != 3:
+        problems.append(problem(f"offload_param needs ZeRO stage 3, the JSON has stage {stage}", where,
+                                "use ds_configs/zero3_offload.json, or remove offload_param"))
+    offload_opt = zero.get("offload_optimizer", {}).get("device", "none")
+    if offload_opt not in ("none", None) and stage not in (1, 2, 3):
+        problems.append(problem(f"offload_optimizer needs ZeRO stage 1-3, the JSON has stage {stage}", where,
+                                "use ds_configs/zero2_offload.json"))
+    return ds, problems
+
+
+def zero_stage(ds: dict) -> int | None:
+    return ds.get("zero_optimization", {}).get("stage") if ds else None
+
+
+def offloads_optimizer(ds: dict) -> bool:
+    return ds.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none") not in ("none", None)
+
+
+def fill_bucket_sizes(ds: dict, model: torch.nn.Module) -> None:
+    """Replace "auto" bucket sizes with values derived from the model itself.
+
+    Accelerate derives them from `model.config.hidden_size` and raises for models without a config (the MLP);
+    the square root of the largest parameter is the same hidden size for transformers and works for any model.
+    """
+    hidden = int(math.sqrt(max(p.numel() for p in model.parameters())))
+    derived = {"reduce_bucket_size": hidden * hidden, "allgather_bucket_size": hidden * hidden,
+               "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
+               "stage3_param_persistence_threshold": 10 * hidden}
+    zero = ds.get("zero_optimization", {})
+    for key, value in derived.items():
+        if zero.get(key) == "auto":
+            zero[key] = value
+
+
+# --- before anything is built --------------------------------------------------------------------------------------
+
+def check_launch(launch: Launch, cfg: TrainConfig, sources: dict[str, str]) -> tuple[list[str], dict]:
+    """Problems with this launch on this machine (all of them), and the resolved DeepSpeed JSON if any."""
     problems = []
     on_gpu = torch.cuda.is_available()
     where = f"mixed_precision from {launch.source}"
@@ -89,43 +200,83 @@ def check_launch(launch: Launch, cfg: TrainConfig) -> list[str]:
         problems.append(problem(f"unknown precision {launch.mixed_precision!r}", where,
                                 f"use one of {', '.join(PRECISIONS)}"))
     if launch.mixed_precision == "fp16" and not on_gpu:
-        # Accelerate on CPU gives fp16 neither autocast nor a loss scaler: the run would silently be fp32.
+        # Accelerate gives fp16 on CPU neither autocast nor a loss scaler (silently fp32), and DeepSpeed fails with
+        # "Type fp16 is not supported on your device".
         problems.append(problem("fp16 needs a GPU; this machine has none", where,
                                 "use --mixed_precision bf16 (or no) on CPU"))
-    if launch.kind in ("deepspeed", "fsdp"):
-        problems.append(problem(f"the {launch.kind} strategy is not available yet in this runner",
-                                f"distributed_type from {launch.source}", "use single.yaml or ddp.yaml"))
-    return problems
+    if on_gpu and launch.world_size > torch.cuda.device_count() * launch.num_machines:
+        problems.append(problem(f"{launch.world_size} processes but {torch.cuda.device_count()} GPU(s) per machine",
+                                f"num_processes from {launch.source}", "pass --num_processes <= the GPU count"))
+    ds: dict = {}
+    if launch.kind == "deepspeed":
+        ds, ds_problems = deepspeed_json(launch, cfg, sources)
+        problems += ds_problems
+        if ds and offloads_optimizer(ds) and cfg.optimizer != "adamw":
+            problems.append(problem(f"optimizer {cfg.optimizer} cannot run in DeepSpeed's CPU offload (cpu_adam is "
+                                    f"Adam only)", f"{launch.deepspeed_config}", "use --optimizer adamw"))
+    if launch.kind == "fsdp" and launch.fsdp_version != 2:
+        problems.append(problem(f"fsdp_version {launch.fsdp_version}: this runner shards with FSDP2 only",
+                                f"fsdp_config in {launch.source}", "set fsdp_version: 2"))
+    return problems, ds
 
 
-def build_accelerator(launch: Launch, cfg: TrainConfig, output_dir: Path, report_to: list[str]):
+# --- the Accelerator ------------------------------------------------------------------------------------------------
+
+def build_accelerator(launch: Launch, cfg: TrainConfig, ds: dict, output_dir: Path, report_to: list[str]):
     """An Accelerator that does what `launch` asked for on this machine, verified before it is returned."""
     from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
 
     on_gpu = torch.cuda.is_available()
-    accelerator = Accelerator(
-        # A MULTI_GPU launch on a machine without GPUs only becomes MULTI_CPU over gloo when the script asks for
+    kwargs: dict[str, Any] = {}
+    handlers = []
+    if launch.kind == "deepspeed":
+        # Accelerate refuses a YAML mixed_precision next to a DeepSpeed JSON, because its plugin would ignore one of
+        # them. Here the YAML is the one source of precision and the JSON's "auto" was filled from it (a JSON that
+        # disagrees was refused in deepspeed_json), so the two cannot differ.
+        fields = os.environ.get("ACCELERATE_CONFIG_DS_FIELDS", "").split(",")
+        os.environ["ACCELERATE_CONFIG_DS_FIELDS"] = ",".join(f for f in fields if f != "mixed_precision")
+        # Given explicitly so that nothing from the environment overrides the resolved JSON.
+        kwargs["deepspeed_plugin"] = DeepSpeedPlugin(hf_ds_config=ds, gradient_accumulation_steps=cfg.grad_accum,
+                                                     gradient_clipping=float(cfg.max_grad_norm))
+        if not on_gpu and launch.world_size > 1:
+            # Without a backend DeepSpeed forms a world of 2 while Accelerate sees 1 process (data not sharded);
+            # with cpu=True Accelerate would silently train plain DDP instead (PITFALLS). Only with a real world:
+            # a one-process gloo group breaks reduce/gather.
+            handlers.append(InitProcessGroupKwargs(backend="gloo"))
+    else:
+        # A MULTI_GPU launch on a machine without GPUs becomes MULTI_CPU over gloo only when the script asks for
         # the CPU; otherwise every process runs alone as DistributedType.NO (PITFALLS: unsynchronised copies).
-        cpu=not on_gpu,
+        kwargs["cpu"] = not on_gpu
+    if launch.kind == "fsdp":
+        # Accelerate applies FSDP only to GPU-type devices, so the runner applies FSDP2's fully_shard itself on every
+        # device (one code path, tested on CPU); Accelerate must then not wrap the model again.
+        os.environ["ACCELERATE_USE_FSDP"] = "false"
+    accelerator = Accelerator(
         gradient_accumulation_steps=cfg.grad_accum,
         # The schedule is defined in optimizer steps; a prepared scheduler otherwise steps once per process.
         step_scheduler_with_optimizer=False,
         log_with=report_to or None,
         project_dir=str(output_dir),
+        kwargs_handlers=handlers,
+        **kwargs,
     )
     verify_accelerator(launch, accelerator)
     return accelerator
 
 
-EXPECTED_TYPES = {
-    ("single", False): "NO", ("single", True): "NO",
-    ("ddp", False): "MULTI_CPU", ("ddp", True): "MULTI_GPU",
-}
+def expected_distributed_type(launch: Launch) -> str:
+    on_gpu = torch.cuda.is_available()
+    if launch.kind == "single":
+        return "NO"
+    if launch.kind == "deepspeed":
+        return "DEEPSPEED"
+    return "MULTI_GPU" if on_gpu else "MULTI_CPU"  # ddp, and fsdp (sharded by the runner)
 
 
 def verify_accelerator(launch: Launch, accelerator) -> None:
     """Refuse to train unless Accelerate does what the launch asked: N unsynchronised copies is the worst failure."""
-    expected = EXPECTED_TYPES[(launch.kind, torch.cuda.is_available())]
+    expected = expected_distributed_type(launch)
     actual = accelerator.distributed_type.value
     problems = []
     if actual != expected:
@@ -143,14 +294,125 @@ def verify_accelerator(launch: Launch, accelerator) -> None:
         raise ConfigError(problems)
 
 
-def prepare_model(model: torch.nn.Module, launch: Launch, device: torch.device) -> tuple[torch.nn.Module, str | None]:
-    """Strategy-specific model changes before Accelerate wraps it; returns the model and a note for the user."""
-    has_batchnorm = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
-    if not has_batchnorm or launch.world_size == 1:
-        return model, None
-    if device.type == "cpu":
-        # torch's SyncBatchNorm raises on CPU tensors ("expected input tensor to be on GPU"): say so, keep BN local.
-        return model, ("BatchNorm stays per-rank: torch's SyncBatchNorm supports only GPU/XPU devices, so on CPU "
-                       "each rank normalises with its own micro-batch statistics (losses will differ from one "
-                       "process)")
-    return torch.nn.SyncBatchNorm.convert_sync_batchnorm(model), "BatchNorm converted to SyncBatchNorm"
+# --- the model under a strategy --------------------------------------------------------------------------------------
+
+class Strategy:
+    """Prepares model, optimizer and scheduler for the launch, and answers what the loop asks of them."""
+
+    def __init__(self, launch: Launch, accelerator, ds: dict):
+        self.launch = launch
+        self.accelerator = accelerator
+        self.ds = ds
+        self.notes: list[str] = []
+
+    @property
+    def zero_stage(self) -> int | None:
+        return zero_stage(self.ds)
+
+    def build_optimizer(self, cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
+        from trainkit.optim import build_optimizer
+
+        if self.ds and offloads_optimizer(self.ds):
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+            if self.accelerator.is_main_process:
+                print("note: ZeRO-Offload runs Adam in DeepSpeed's cpu_adam op; its first use compiles it "
+                      "(about a minute), later runs reuse ~/.cache/torch_extensions", flush=True)
+            return build_optimizer(cfg, model, adam_class=DeepSpeedCPUAdam)
+        return build_optimizer(cfg, model)
+
+    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Strategy-specific changes before Accelerate sees the model."""
+        if self.ds:
+            fill_bucket_sizes(self.accelerator.state.deepspeed_plugin.deepspeed_config, model)
+        if self.launch.kind == "fsdp":
+            return self._fully_shard(model)
+        has_batchnorm = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
+        if has_batchnorm and self.launch.world_size > 1:
+            if self.accelerator.device.type == "cpu":
+                # torch's SyncBatchNorm raises on CPU tensors ("expected input tensor to be on GPU"): keep BN local.
+                self.notes.append("BatchNorm stays per-rank: torch's SyncBatchNorm supports only GPU/XPU devices, "
+                                  "so on CPU each rank normalises with its own micro-batch statistics (losses will "
+                                  "differ from one process)")
+            else:
+                model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+                self.notes.append("BatchNorm converted to SyncBatchNorm")
+        return model
+
+    def _fully_shard(self, model: torch.nn.Module) -> torch.nn.Module:
+        """FSDP2: shard each block (the transformer's layers, the MLP's Linear layers), then the root."""
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+        model.to(self.accelerator.device)
+        dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
+        precision = self.launch.mixed_precision
+        policy = dict(
+            # Mixed precision FSDP's way: compute in low precision, reduce gradients and keep the shards in fp32.
+            mp_policy=MixedPrecisionPolicy(param_dtype=dtypes.get(precision), reduce_dtype=torch.float32),
+            offload_policy=(CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if self.launch.fsdp_offload
+                            else OffloadPolicy()),
+            reshard_after_forward=self.launch.fsdp_reshard_after_forward,
+        )
+        block_names = set(getattr(model, "_no_split_modules", None) or [])
+        for module in model.modules():
+            is_block = type(module).__name__ in block_names if block_names else isinstance(module, torch.nn.Linear)
+            if is_block and module is not model:
+                fully_shard(module, **policy)
+        fully_shard(model, **policy)
+        unsharded = [name for name, p in model.named_parameters() if not _is_sharded(p, self.launch.world_size)]
+        if unsharded:
+            raise ConfigError([problem(f"FSDP left parameters unsharded: {', '.join(unsharded[:5])}", "fsdp",
+                                       "report this with the recipe; use deepspeed_zero3.yaml meanwhile")])
+        return model
+
+    def prepare(self, model, optimizer, scheduler):
+        if self.launch.kind == "fsdp":  # already sharded: Accelerate would add a DDP wrapper around it
+            optimizer, scheduler = self.accelerator.prepare(optimizer, scheduler)
+            return model, optimizer, scheduler
+        return self.accelerator.prepare(model, optimizer, scheduler)
+
+    def cast_batch(self, batch: Any, model: torch.nn.Module) -> Any:
+        """Move a batch to the device; under DeepSpeed bf16/fp16 the weights themselves are low precision, so float
+        inputs must be cast too ("mat1 and mat2 must have the same dtype" otherwise)."""
+        from accelerate.utils import send_to_device
+
+        batch = send_to_device(batch, self.accelerator.device)
+        if not self.ds or self.launch.mixed_precision == "no":
+            return batch
+        dtype = torch.bfloat16 if self.launch.mixed_precision == "bf16" else torch.float16
+        if isinstance(batch, dict):
+            return {k: v.to(dtype) if torch.is_floating_point(v) else v for k, v in batch.items()}
+        return [t.to(dtype) if torch.is_floating_point(t) else t for t in batch]
+
+    def clip_grad_norm(self, model: torch.nn.Module, max_norm: float) -> float:
+        """Clip to max_norm (0: no clipping) and return the total norm before clipping.
+
+        DeepSpeed clips inside its step with the JSON's gradient_clipping (filled from the same max_norm); the norm
+        is read back from the engine.
+        """
+        norm = self.accelerator.clip_grad_norm_(model.parameters(), max_norm or math.inf)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        return float(norm) if norm is not None else math.nan
+
+    def step_was_skipped(self) -> bool:
+        """fp16's loss scaler skips steps that overflowed; a normal event, counted in metrics."""
+        if self.ds:
+            engine = self.accelerator.deepspeed_engine_wrapped.engine
+            return bool(getattr(engine.optimizer, "overflow", False))
+        return self.accelerator.optimizer_step_was_skipped
+
+    def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The consolidated weights on the main process (a collective: call on every rank)."""
+        if self.launch.kind == "fsdp":
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return self.accelerator.get_state_dict(model)
+
+
+def _is_sharded(param: torch.Tensor, world_size: int) -> bool:
+    from torch.distributed.tensor import DTensor, Shard
+
+    return (isinstance(param, DTensor) and param.device_mesh.size() == world_size
+            and all(isinstance(p, Shard) for p in param.placements))

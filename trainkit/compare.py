@@ -1,0 +1,118 @@
+"""Run one recipe under several strategy configs and compare each loss curve with one process's.
+
+    python -m trainkit.compare --recipe mlp --configs ddp,deepspeed_zero3,fsdp --max_steps 30
+    python -m trainkit.compare --recipe tiny_transformer --configs ddp,fsdp --mixed_precision bf16 -- --hidden 64
+
+The reference is one process without a launcher whose micro-batch is the whole global batch of the others
+(batch_size x grad_accum x num_processes), so every run sees the same global batches (the data-order invariant).
+Prints each config's max relative loss difference per step and writes the curves to a PNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Curve:
+    name: str
+    losses: list[float]
+    returncode: int
+    stderr: str
+
+
+def run_config(config: str | None, recipe: str, output_dir: Path, args: list[str], num_processes: int = 2,
+               mixed_precision: str | None = None, env: dict | None = None) -> Curve:
+    """Train `recipe` under accelerate_configs/<config>.yaml (None: one process, no launcher); return the losses."""
+    if config is None:
+        cmd = [sys.executable, "train.py"]
+    else:
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+               str(ROOT / "accelerate_configs" / f"{config}.yaml"), "--main_process_port", "0",
+               "--num_processes", str(num_processes)]
+        if mixed_precision:
+            cmd += ["--mixed_precision", mixed_precision]
+        cmd.append("train.py")
+    cmd += ["--recipe", recipe, "--output_dir", str(output_dir), "--report_to", "none", "--overwrite", *args]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, **(env or {})})
+    metrics = output_dir / "metrics.jsonl"
+    losses = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()] if metrics.exists() else []
+    return Curve(config or "one process", losses, proc.returncode, proc.stderr)
+
+
+def max_rel_diff(curve: list[float], reference: list[float]) -> float:
+    if len(curve) != len(reference):
+        return float("inf")
+    return max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(curve, reference))
+
+
+def plot(curves: list[Curve], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for i, curve in enumerate(curves):
+        ax.plot(range(1, len(curve.losses) + 1), curve.losses, label=curve.name,
+                linestyle="-" if i == 0 else "--", linewidth=2.5 if i == 0 else 1.2)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("training loss (mean over the global batch)")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--recipe", required=True)
+    parser.add_argument("--configs", required=True, help="comma-separated names from accelerate_configs/")
+    parser.add_argument("--num_processes", type=int, default=2)
+    parser.add_argument("--batch_size", type=int, default=8, help="per-process micro-batch of the launched runs")
+    parser.add_argument("--grad_accum", type=int, default=1)
+    parser.add_argument("--max_steps", type=int, default=20)
+    parser.add_argument("--mixed_precision", choices=["no", "bf16", "fp16"], help="for the launched runs")
+    parser.add_argument("--png", type=Path, default=Path("loss_curves.png"))
+    parser.add_argument("recipe_args", nargs="*", help="more train.py flags, after --")
+    args = parser.parse_args(argv)
+
+    common = ["--max_steps", str(args.max_steps), "--eval_every", "0", *args.recipe_args]
+    global_batch = args.batch_size * args.grad_accum * args.num_processes
+    with tempfile.TemporaryDirectory() as tmp:
+        reference = run_config(None, args.recipe, Path(tmp) / "reference",
+                               ["--batch_size", str(global_batch), *common])
+        if reference.returncode != 0:
+            print(f"error: the one-process reference failed:\n{reference.stderr[-2000:]}", file=sys.stderr)
+            return 1
+        curves = [reference]
+        print(f"{'config':<28} max relative loss difference vs one process ({args.max_steps} steps, "
+              f"global batch {global_batch})")
+        failed = False
+        for config in args.configs.split(","):
+            curve = run_config(config, args.recipe, Path(tmp) / config,
+                               ["--batch_size", str(args.batch_size), "--grad_accum", str(args.grad_accum), *common],
+                               args.num_processes, args.mixed_precision)
+            if curve.returncode != 0:
+                failed = True
+                errors = [line for line in curve.stderr.splitlines() if line.startswith("error:")]
+                print(f"{config:<28} FAILED: {errors[0] if errors else curve.stderr.strip().splitlines()[-1]}")
+                continue
+            curves.append(curve)
+            print(f"{config:<28} {max_rel_diff(curve.losses, reference.losses):.2e}")
+    plot(curves, args.png, f"{args.recipe}: loss per step by strategy")
+    print(f"loss curves: {args.png}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
