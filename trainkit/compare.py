@@ -23,30 +23,49 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @dataclass
-class Curve:
+class Run:
+    """A finished train.py run: its exit status, output and output directory."""
+
     name: str
-    losses: list[float]
     returncode: int
+    stdout: str
     stderr: str
+    output_dir: Path
+
+    @property
+    def metrics(self) -> list[dict]:
+        path = self.output_dir / "metrics.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+    @property
+    def losses(self) -> list[float]:
+        return [m["loss"] for m in self.metrics]
+
+    @property
+    def resolved(self) -> dict:
+        return json.loads((self.output_dir / "resolved_config.json").read_text())
+
+    def check(self) -> Run:
+        assert self.returncode == 0, f"{self.name} failed ({self.returncode}):\n{self.stderr[-4000:]}"
+        return self
 
 
-def run_config(config: str | None, recipe: str, output_dir: Path, args: list[str], num_processes: int = 2,
-               mixed_precision: str | None = None, env: dict | None = None) -> Curve:
-    """Train `recipe` under accelerate_configs/<config>.yaml (None: one process, no launcher); return the losses."""
+def run_config(config: str | None, output_dir: Path, args: list[str], num_processes: int | None = None,
+               launch_args: tuple[str, ...] = (), script: str = "train.py", env: dict | None = None) -> Run:
+    """`python SCRIPT ARGS` (config None), or `accelerate launch --config_file accelerate_configs/<config>.yaml
+    [--num_processes N] LAUNCH_ARGS SCRIPT ARGS`; train.py also gets --output_dir and --report_to none."""
     if config is None:
-        cmd = [sys.executable, "train.py"]
+        cmd = [sys.executable, script]
     else:
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-               str(ROOT / "accelerate_configs" / f"{config}.yaml"), "--main_process_port", "0",
-               "--num_processes", str(num_processes)]
-        if mixed_precision:
-            cmd += ["--mixed_precision", mixed_precision]
-        cmd.append("train.py")
-    cmd += ["--recipe", recipe, "--output_dir", str(output_dir), "--report_to", "none", "--overwrite", *args]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, **(env or {})})
-    metrics = output_dir / "metrics.jsonl"
-    losses = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()] if metrics.exists() else []
-    return Curve(config or "one process", losses, proc.returncode, proc.stderr)
+               str(ROOT / "accelerate_configs" / f"{config}.yaml"), "--main_process_port", "0", *launch_args]
+        if num_processes:
+            cmd += ["--num_processes", str(num_processes)]
+        cmd.append(script)
+    if script == "train.py":
+        cmd += ["--output_dir", str(output_dir), "--report_to", "none"]
+    proc = subprocess.run([*cmd, *args], cwd=ROOT, capture_output=True, text=True, env={**os.environ, **(env or {})})
+    return Run(config or "one process", proc.returncode, proc.stdout, proc.stderr, output_dir)
 
 
 def max_rel_diff(curve: list[float], reference: list[float]) -> float:
@@ -55,7 +74,7 @@ def max_rel_diff(curve: list[float], reference: list[float]) -> float:
     return max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(curve, reference))
 
 
-def plot(curves: list[Curve], path: Path, title: str) -> None:
+def plot(curves: list[Run], path: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -63,7 +82,8 @@ def plot(curves: list[Curve], path: Path, title: str) -> None:
 
     fig, ax = plt.subplots(figsize=(8, 5))
     for i, curve in enumerate(curves):
-        ax.plot(range(1, len(curve.losses) + 1), curve.losses, label=curve.name,
+        losses = curve.losses
+        ax.plot(range(1, len(losses) + 1), losses, label=curve.name,
                 linestyle="-" if i == 0 else "--", linewidth=2.5 if i == 0 else 1.2)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("training loss (mean over the global batch)")
@@ -89,8 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     common = ["--max_steps", str(args.max_steps), "--eval_every", "0", *args.recipe_args]
     global_batch = args.batch_size * args.grad_accum * args.num_processes
     with tempfile.TemporaryDirectory() as tmp:
-        reference = run_config(None, args.recipe, Path(tmp) / "reference",
-                               ["--batch_size", str(global_batch), *common])
+        reference = run_config(None, Path(tmp) / "reference",
+                               ["--recipe", args.recipe, "--batch_size", str(global_batch), *common])
         if reference.returncode != 0:
             print(f"error: the one-process reference failed:\n{reference.stderr[-2000:]}", file=sys.stderr)
             return 1
@@ -99,9 +119,10 @@ def main(argv: list[str] | None = None) -> int:
               f"global batch {global_batch})")
         failed = False
         for config in args.configs.split(","):
-            curve = run_config(config, args.recipe, Path(tmp) / config,
-                               ["--batch_size", str(args.batch_size), "--grad_accum", str(args.grad_accum), *common],
-                               args.num_processes, args.mixed_precision)
+            precision = ("--mixed_precision", args.mixed_precision) if args.mixed_precision else ()
+            curve = run_config(config, Path(tmp) / config,
+                               ["--recipe", args.recipe, "--batch_size", str(args.batch_size), "--grad_accum",
+                                str(args.grad_accum), *common], args.num_processes, precision)
             if curve.returncode != 0:
                 failed = True
                 errors = [line for line in curve.stderr.splitlines() if line.startswith("error:")]
