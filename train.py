@@ -12,17 +12,19 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import sys
 import time
 
 import torch
 from accelerate.utils import set_seed
 
-from trainkit.checkpoint import export_final
+from trainkit.checkpoint import Checkpointer, check_output_dir, clear_outputs, export_final
 from trainkit.config import ConfigError, build_config, field_sources, parse_command_line, problem, resolved_config
 from trainkit.data import BatchLayout, TrainStream, eval_batches
 from trainkit.estimate import count_parameters, estimate_state_bytes
-from trainkit.metrics import MetricsLog, Throughput, model_flops_per_token, peak_flops, peak_memory_bytes, state_bytes
+from trainkit.metrics import (MetricsLog, Throughput, model_flops_per_token, peak_flops, peak_memory_bytes, state_bytes,
+                              summary_line)
 from trainkit.optim import build_scheduler
 from trainkit.recipes import load_recipe, recipe_path
 from trainkit.strategy import Launch, Strategy, build_accelerator, check_launch, zero_stage
@@ -30,6 +32,23 @@ from trainkit.strategy import Launch, Strategy, build_accelerator, check_launch,
 
 class TrainingError(Exception):
     """The run cannot go on (a non-finite loss, say); the message says why and what to do."""
+
+
+class StopSignal:
+    """SIGTERM/SIGINT (preemption, Ctrl-C) asks for a stop; every rank stops at the same step boundary."""
+
+    def __init__(self) -> None:
+        self.name: str | None = None
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.name = signal.Signals(signum).name
+
+    def agreed(self, accelerator) -> bool:
+        """Whether any rank got a signal (a collective: every rank calls it after every step)."""
+        flag = torch.tensor([1.0 if self.name else 0.0], device=accelerator.device)
+        return accelerator.reduce(flag, "sum").item() > 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,26 +69,29 @@ def run(argv: list[str] | None) -> int:
     launch = Launch.from_yaml(options.accelerate_config) if options.accelerate_config else Launch.from_env()
     sources = field_sources(cfg, overrides)
     problems, ds = check_launch(launch, cfg, sources)
-    existing = [name for name in ("metrics.jsonl", "final") if (options.output_dir / name).exists()]
-    if existing and not options.overwrite and not options.dry_run:
-        problems.append(problem(f"{options.output_dir} already holds a run ({', '.join(existing)})", "--output_dir",
-                                "pick a new --output_dir, or pass --overwrite to replace it"))
-    if problems:
-        raise ConfigError(problems)
     num_params = count_parameters(recipe, cfg)
     tokens_per_sample = recipe.tokens_per_sample(cfg) if hasattr(recipe, "tokens_per_sample") else None
     resolved = resolved_config(recipe_path(options.recipe), cfg, sources, launch, zero_stage(ds),
                                estimate_state_bytes(num_params, launch, cfg), tokens_per_sample)
+    found = None
+    if not options.dry_run:
+        dir_problems, found = check_output_dir(options.output_dir, options.resume, options.overwrite, resolved)
+        problems += dir_problems
+    if problems:
+        raise ConfigError(problems)
     if options.dry_run:
         print(json.dumps(resolved, indent=2))
         return 0
 
     # --- build ---
-    options.output_dir.mkdir(parents=True, exist_ok=True)
     accelerator = build_accelerator(launch, cfg, ds, options.output_dir, options.report_to)
     strategy = Strategy(launch, accelerator, ds)
+    checkpointer = Checkpointer(accelerator, strategy, options.output_dir, options.keep_last)
     is_main = accelerator.is_main_process
     if is_main:
+        if options.overwrite:  # asked for explicitly: the earlier run's outputs go
+            clear_outputs(options.output_dir)
+        options.output_dir.mkdir(parents=True, exist_ok=True)
         (options.output_dir / "resolved_config.json").write_text(json.dumps(resolved, indent=2) + "\n")
     accelerator.init_trackers("train", config={k: v for k, v in resolved.items() if isinstance(v, (int, float, str))})
     with accelerator.local_main_process_first():  # one process per machine builds the data caches
@@ -81,13 +103,22 @@ def run(argv: list[str] | None) -> int:
                                        f"({layout.global_batch})", "batch_size x grad_accum x world_size",
                                        "use a smaller --batch_size or --grad_accum, or more data")])
     set_seed(cfg.seed)  # the same initial weights on every rank and in a one-process run
-    model = strategy.prepare_model(recipe.build_model(cfg))
+    model = recipe.build_model(cfg)
+    if found and not checkpointer.exact(found):  # another strategy's checkpoint: weights only, said out loud
+        strategy.notes.append(checkpointer.warm_start(found, model))
+    model = strategy.prepare_model(model)
     optimizer = strategy.build_optimizer(cfg, model)
     scheduler = build_scheduler(cfg, optimizer)
     model, optimizer, scheduler = strategy.prepare(model, optimizer, scheduler)
+    stream = TrainStream(train_set, layout, cfg.seed)
+    start_step, skipped_steps = 0, 0
+    if found:
+        checkpointer.load(found, model, optimizer, scheduler)  # last: it restores this rank's RNG
+        stream.seek(found.state["epoch"], found.state["batch_in_epoch"])
+        start_step, skipped_steps = found.state["step"], found.state["skipped_steps"]
+        strategy.notes.append(f"resumed from {found.path} at step {start_step}")
     for note in strategy.notes if is_main else []:
         print(f"note: {note}", file=sys.stderr)
-    stream = TrainStream(train_set, layout, cfg.seed)
     flops_per_sample = model_flops_per_token(num_params) * (tokens_per_sample or 1)
     peak = peak_flops(accelerator.device, options.peak_flops)
 
@@ -102,13 +133,14 @@ def run(argv: list[str] | None) -> int:
         return accelerator.reduce(total / count, "mean").item()  # equal micro-batches: mean of means = mean
 
     # --- the loop: one iteration per optimizer step; each rank computes grad_accum micro-batches of it ---
-    log = MetricsLog(accelerator, options.output_dir, cfg.max_steps, initial_step=0, append=False)
+    log = MetricsLog(accelerator, options.output_dir, cfg.max_steps, initial_step=start_step)
     throughput, started = Throughput(), time.perf_counter()
     model.train()
     record: dict = {}
-    eval_loss, skipped_steps = float("nan"), 0
     fp16 = launch.mixed_precision == "fp16"
-    for step in range(1, cfg.max_steps + 1):
+    stop = StopSignal()
+    last_step, step = min(cfg.max_steps, options.stop_at or cfg.max_steps), start_step
+    for step in range(start_step + 1, last_step + 1):
         step_loss = torch.zeros(1, device=accelerator.device)  # 1-element: gloo cannot reduce 0-d tensors
         micro_batches = stream.next_global_batch()
         for i, batch in enumerate(micro_batches):
@@ -138,9 +170,20 @@ def run(argv: list[str] | None) -> int:
         if tokens_per_sample:
             record["tokens_per_s"] = samples_per_s * tokens_per_sample
         if step == cfg.max_steps or (cfg.eval_every and step % cfg.eval_every == 0):
-            record["eval_loss"] = eval_loss = evaluate()
+            record["eval_loss"] = evaluate()
         log.step(record)
+        stopping = stop.agreed(accelerator) or step == options.stop_at
+        if stopping or (options.save_every and step % options.save_every == 0):
+            checkpointer.save(step, model, optimizer, scheduler, stream.position, skipped_steps, resolved)
+        if stopping:
+            break
     log.close()
+    if step < cfg.max_steps:  # --stop_at or a signal: a checkpoint, no final export
+        accelerator.end_training()
+        if is_main:
+            print(f"stopped after step {step} ({stop.name or '--stop_at'}); checkpoint in "
+                  f"{checkpointer.root / f'step_{step}'}; continue with --resume latest")
+        return 0
 
     # --- save and summarise ---
     final = export_final(accelerator, strategy.full_state_dict(model), model, recipe, cfg, options.cache_dir,
@@ -148,11 +191,7 @@ def run(argv: list[str] | None) -> int:
     accelerator.end_training()
     if is_main:
         extra = recipe.summary(cfg, options.cache_dir) if hasattr(recipe, "summary") else {}
-        rate = (f"{record['tokens_per_s']:.0f} tokens/s" if tokens_per_sample
-                else f"{record['samples_per_s']:.0f} samples/s")
-        print(f"done: {cfg.max_steps} steps in {time.perf_counter() - started:.1f}s | train loss {record['loss']:.4f}"
-              f" | eval loss {eval_loss:.4f}" + "".join(f" | {k} {v:.4f}" for k, v in extra.items()) +
-              f" | {rate} | outputs in {options.output_dir} (weights: {final})")
+        print(summary_line(record, step - start_step, time.perf_counter() - started, extra, final))
     return 0
 
 

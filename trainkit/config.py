@@ -152,6 +152,10 @@ class RunOptions:
     report_to: list[str]
     peak_flops: float | None
     cache_dir: Path
+    save_every: int
+    keep_last: int
+    resume: str | None
+    stop_at: int | None
 
 
 def parse_command_line(argv: list[str] | None = None) -> tuple[RunOptions, list[tuple[str, str, str]]]:
@@ -172,6 +176,11 @@ def parse_command_line(argv: list[str] | None = None) -> tuple[RunOptions, list[
     parser.add_argument("--cache_dir", type=Path, default=Path(os.environ.get("TRAINKIT_CACHE",
                                                                               Path.home() / ".cache" / "trainkit")),
                         help="tokenizers and tokenised data (default: $TRAINKIT_CACHE or ~/.cache/trainkit)")
+    parser.add_argument("--save_every", type=int, default=0, help="checkpoint every N optimizer steps (0: never)")
+    parser.add_argument("--keep_last", type=int, default=0, help="keep only the newest K checkpoints (0: all)")
+    parser.add_argument("--resume", help="continue from a checkpoint: latest (in --output_dir) or a step_<N> path")
+    parser.add_argument("--stop_at", type=int, help="end after optimizer step N with a checkpoint there; the "
+                        "schedule and data order still follow --max_steps (staged runs)")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="set any recipe field")
     for name in RECIPE_FLAGS:
         parser.add_argument(f"--{name}", help=f"recipe field {name}")
@@ -200,7 +209,14 @@ def parse_command_line(argv: list[str] | None = None) -> tuple[RunOptions, list[
     report_to = [t for t in args.report_to.split(",") if t and t != "none"]
     options = RunOptions(recipe=args.recipe, output_dir=args.output_dir or Path("runs") / Path(args.recipe).stem,
                          overwrite=args.overwrite, dry_run=args.dry_run, accelerate_config=args.accelerate_config,
-                         report_to=report_to, peak_flops=args.peak_flops, cache_dir=args.cache_dir)
+                         report_to=report_to, peak_flops=args.peak_flops, cache_dir=args.cache_dir,
+                         save_every=args.save_every, keep_last=args.keep_last, resume=args.resume,
+                         stop_at=args.stop_at)
+    for flag, value in (("--save_every", options.save_every), ("--keep_last", options.keep_last)):
+        if value < 0:
+            parser.error(f"{flag} must be >= 0, got {value}")
+    if options.stop_at is not None and options.stop_at < 1:
+        parser.error(f"--stop_at must be >= 1, got {options.stop_at}")
     return options, overrides
 
 

@@ -75,10 +75,17 @@ class MetricsLog:
     All on the main process only: other ranks write nothing that the ranks share.
     """
 
-    def __init__(self, accelerator, output_dir: Path, total_steps: int, initial_step: int, append: bool):
+    def __init__(self, accelerator, output_dir: Path, total_steps: int, initial_step: int):
+        """initial_step > 0 (a resume) keeps the lines up to that step and drops those of steps that are redone."""
         self.accelerator = accelerator
         self.is_main = accelerator.is_main_process
-        self.file = open(output_dir / "metrics.jsonl", "a" if append else "w") if self.is_main else None
+        path = output_dir / "metrics.jsonl"
+        self.file = None
+        if self.is_main:
+            kept = [line for line in path.read_text().splitlines(keepends=True)
+                    if json.loads(line)["step"] <= initial_step] if initial_step and path.exists() else []
+            self.file = open(path, "w")
+            self.file.writelines(kept)
         self.bar = tqdm(total=total_steps, initial=initial_step, disable=not self.is_main, file=sys.stderr,
                         dynamic_ncols=True, desc="train")
 
@@ -97,3 +104,17 @@ class MetricsLog:
         self.bar.close()
         if self.file is not None:
             self.file.close()
+
+
+def summary_line(last: dict[str, Any], steps_run: int, seconds: float, extra: dict[str, float], final: Path) -> str:
+    """The one line printed at the end: what was trained, how well, how fast, and where the outputs are."""
+    if not last:
+        return f"done: nothing left to train (already at max_steps); weights in {final}"
+    parts = [f"done: {steps_run} steps (to step {last['step']}) in {seconds:.1f}s", f"train loss {last['loss']:.4f}"]
+    if "eval_loss" in last:
+        parts.append(f"eval loss {last['eval_loss']:.4f}")
+    parts += [f"{name} {value:.4f}" for name, value in extra.items()]
+    parts.append(f"{last['tokens_per_s']:.0f} tokens/s" if "tokens_per_s" in last
+                 else f"{last['samples_per_s']:.0f} samples/s")
+    parts.append(f"outputs in {final.parent} (weights: {final})")
+    return " | ".join(parts)
