@@ -2,8 +2,10 @@
 
 Trains: an MLP (optionally with BatchNorm, which becomes SyncBatchNorm in multi-process GPU runs) to predict
 y = X w + noise, with X ~ N(0, 1) and a fixed random w. Data is generated from `data_seed`: nothing to download.
-Output: `final/model.safetensors` (+ `config.json`). Load it with
-    safetensors.torch.load_model(recipe.build_model(recipe.Config()), "final/model.safetensors")
+Output: `final/model.safetensors` and `final/config.json` (the run's config). Load it with
+    recipe = trainkit.recipes.load_recipe("mlp")
+    model = recipe.build_model(recipe.Config(**json.load(open("final/config.json"))))
+    safetensors.torch.load_model(model, "final/model.safetensors")
 
 To add your own model, copy this file: change `Config` (your sizes, your data settings), `build_model`,
 `build_datasets` (any map-style datasets whose samples collate into tensors) and `loss`.

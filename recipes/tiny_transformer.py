@@ -3,7 +3,8 @@
 Trains: a Llama-style (default) or GPT-2-style transformer built from a `transformers` config (no weights are
 downloaded), with a byte-level BPE tokenizer trained on the corpus and saved with the model.
 Data: CPython's pydoc topics (about 465k characters of English reference text) by default; `--data` takes local
-.txt/.jsonl/.csv files (comma-separated; `--text_field` names the column) or a Hugging Face dataset name.
+.txt/.jsonl/.csv files (comma-separated; `--text_field` names the column) or a Hugging Face dataset name
+(`--data_config` its configuration).
 Output: `final/` loads with AutoModelForCausalLM / AutoTokenizer.from_pretrained.
 
 To make your own language model, copy this file and change `Config` (sizes, data) and `build_model`
@@ -35,6 +36,7 @@ class Config(TrainConfig):
     gradient_checkpointing: bool = False  # recompute activations in backward: less memory, ~30% more compute
     # Data
     data: str = "pydoc"  # "pydoc" (built in), local files "a.txt,b.txt", or a Hugging Face dataset name
+    data_config: str = ""  # the Hugging Face dataset's configuration, if it has several (e.g. wikitext-2-raw-v1)
     text_field: str = "text"
     eval_fraction: float = 0.05  # the last blocks of the corpus are held out
     # Training (overrides of TrainConfig's defaults)
@@ -57,6 +59,7 @@ class Config(TrainConfig):
         if not 0 < self.eval_fraction < 1:
             problems.append(problem(f"eval_fraction must be in (0, 1), got {self.eval_fraction}",
                                     "config field eval_fraction", "use --eval_fraction 0.05"))
+        problems += text.check_data(self.data)
         if self.vocab_size < 300:
             problems.append(problem(f"vocab_size must hold the 256 bytes and some merges, got {self.vocab_size}",
                                     "config field vocab_size", "use --vocab_size 1024"))
@@ -81,11 +84,11 @@ def build_model(cfg: Config) -> torch.nn.Module:
 
 
 def _data_dir(cfg: Config, cache_dir: Path) -> Path:
-    return cache_dir / f"text-{text.data_key(cfg.data, cfg.text_field, cfg.vocab_size)}"
+    return cache_dir / f"text-{text.data_key(cfg.data, cfg.data_config, cfg.text_field, cfg.vocab_size)}"
 
 
 def _blocks(cfg: Config, cache_dir: Path):
-    docs = text.load_documents(cfg.data, cfg.text_field, cache_dir)
+    docs = text.load_documents(cfg.data, cfg.data_config, cfg.text_field, cache_dir)
     tokenizer = text.train_tokenizer(docs, cfg.vocab_size, _data_dir(cfg, cache_dir) / "tokenizer")
     return text.token_blocks(docs, tokenizer, cfg.seq_len)
 

@@ -28,26 +28,25 @@ LM = ["--recipe", "tiny_transformer", "--max_steps", "10", "--eval_every", "0", 
 @pytest.mark.parametrize("recipe", ["mlp", "tiny_transformer"])
 @pytest.mark.parametrize("config", ["ddp", "deepspeed_zero2", "deepspeed_zero3", "fsdp"])
 def test_resume_is_bitwise_exact(run_dir, config, recipe):
-    """Stopped mid-epoch at step 5 and resumed: the losses equal an uninterrupted run's, bit for bit (fp32, CPU)."""
+    """Resumed mid-epoch from step 5: the losses equal the uninterrupted run's, bit for bit (fp32, CPU)."""
     args = MLP if recipe == "mlp" else LM
-    full = launch(run_dir("full"), *args, config=config).check()
-    out = run_dir("staged")
-    first = launch(out, *args, "--stop_at", "5", config=config).check()
-    assert "stopped after step 5" in first.stdout and not (out / "final").exists()
-    state = json.loads((out / "checkpoints" / "step_5" / "trainer_state.json").read_text())
+    full = launch(run_dir("full"), *args, "--save_every", "5", config=config).check()
+    state = json.loads((full.output_dir / "checkpoints" / "step_5" / "trainer_state.json").read_text())
     assert state["epoch"] == 0 and state["batch_in_epoch"] == 5  # mid-epoch
-    second = launch(out, *args, "--resume", "latest", config=config).check()
-    assert "resumed from" in second.stderr
-    assert [m["step"] for m in second.metrics] == list(range(1, len(full.losses) + 1))
-    assert second.losses == full.losses
+    resumed = launch(run_dir("resumed"), *args, "--resume", str(full.output_dir / "checkpoints" / "step_5"),
+                     config=config).check()
+    assert "resumed from" in resumed.stderr
+    assert [m["step"] for m in resumed.metrics] == list(range(6, len(full.losses) + 1))
+    assert resumed.losses == full.losses[5:]
 
 
-def test_single_process_resume_crosses_an_epoch(run_dir):
-    """A 2-epoch run stopped in the second epoch continues with that epoch's order."""
+def test_stop_at_then_resume_crosses_an_epoch(run_dir):
+    """A 2-epoch run stopped (--stop_at) in the second epoch continues with that epoch's order."""
     args = ["--recipe", "mlp", "--train_samples", "256", "--batch_size", "32", "--max_steps", "14", "--eval_every", "0"]
     full = launch(run_dir("full"), *args).check()
     out = run_dir("staged")
-    launch(out, *args, "--stop_at", "11").check()
+    stopped = launch(out, *args, "--stop_at", "11").check()
+    assert "stopped after step 11" in stopped.stdout and not (out / "final").exists()
     assert json.loads((out / "checkpoints/step_11/trainer_state.json").read_text())["epoch"] == 1
     assert launch(out, *args, "--resume", "latest").check().losses == full.losses
 

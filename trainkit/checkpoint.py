@@ -232,8 +232,8 @@ def check_output_dir(output_dir: Path, resume: str | None, overwrite: bool, reso
 
 def clear_outputs(output_dir: Path) -> None:
     """Remove an earlier run's outputs (--overwrite): stale checkpoints would otherwise mix with the new ones."""
-    shutil.rmtree(output_dir / "checkpoints", ignore_errors=True)
-    shutil.rmtree(output_dir / "final", ignore_errors=True)
+    for folder in ("checkpoints", "final", "train"):  # train/: TensorBoard's events
+        shutil.rmtree(output_dir / folder, ignore_errors=True)
     for name in ("metrics.jsonl", "resolved_config.json"):
         (output_dir / name).unlink(missing_ok=True)
 

@@ -215,6 +215,9 @@ def parse_command_line(argv: list[str] | None = None) -> tuple[RunOptions, list[
     for flag, value in (("--save_every", options.save_every), ("--keep_last", options.keep_last)):
         if value < 0:
             parser.error(f"{flag} must be >= 0, got {value}")
+    if options.accelerate_config and not options.dry_run:
+        parser.error("--accelerate_config only checks a YAML (with --dry_run); to train under it run "
+                     f"accelerate launch --config_file {options.accelerate_config} train.py ...")
     if options.stop_at is not None and options.stop_at < 1:
         parser.error(f"--stop_at must be >= 1, got {options.stop_at}")
     return options, overrides

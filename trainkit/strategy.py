@@ -154,6 +154,10 @@ def deepspeed_json(launch: Launch, cfg: TrainConfig, sources: dict[str, str]) ->
     if stage not in (0, 1, 2, 3):
         problems.append(problem(f"zero_optimization.stage must be 0-3, got {stage!r}", where,
                                 'write the stage explicitly, e.g. "stage": 2'))
+    if stage == 3 and zero.get("stage3_gather_16bit_weights_on_model_save") is not True:
+        problems.append(problem("ZeRO-3 without stage3_gather_16bit_weights_on_model_save cannot write final/ "
+                                "(it would fail after training)", where,
+                                'set "stage3_gather_16bit_weights_on_model_save": true in zero_optimization'))
     offload_param = zero.get("offload_param", {}).get("device", "none")
     if offload_param not in ("none", None) and stage != 3:
         problems.append(problem(f"offload_param needs ZeRO stage 3, the JSON has stage {stage}", where,
@@ -174,12 +178,13 @@ def offloads_optimizer(ds: dict) -> bool:
 
 
 def fill_bucket_sizes(ds: dict, model: torch.nn.Module) -> None:
-    """Replace "auto" bucket sizes with values derived from the model itself.
+    """Replace "auto" bucket sizes with Accelerate's formulas, from the model's hidden size.
 
-    Accelerate derives them from `model.config.hidden_size` and raises for models without a config (the MLP);
-    the square root of the largest parameter is the same hidden size for transformers and works for any model.
+    Accelerate takes it from `model.config.hidden_size` and raises for models without a config (the MLP); for those
+    the square root of the largest parameter stands in (the width of a square weight matrix).
     """
-    hidden = int(math.sqrt(max(p.numel() for p in model.parameters())))
+    hidden = getattr(getattr(model, "config", None), "hidden_size", None) or \
+        int(math.sqrt(max(p.numel() for p in model.parameters())))
     derived = {"reduce_bucket_size": hidden * hidden, "allgather_bucket_size": hidden * hidden,
                "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
                "stage3_param_persistence_threshold": 10 * hidden}

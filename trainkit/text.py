@@ -36,31 +36,51 @@ def default_corpus(cache_dir: Path) -> Path:
     return path
 
 
-def load_documents(data: str, text_field: str, cache_dir: Path):
+def local_files(data: str) -> list[Path] | None:
+    """The local files `--data` names, or None when it names a Hugging Face dataset (or the built-in corpus)."""
+    if data == "pydoc":
+        return None
+    files = [Path(p) for p in data.split(",")]
+    return files if any(p.suffix in LOCAL_FORMATS or p.exists() or "/" in str(p) and p.suffix for p in files) \
+        else None
+
+
+def check_data(data: str) -> list[str]:
+    """Problems with `--data` that can be seen without loading it (run before anything is built)."""
+    files = local_files(data)
+    if files is None:
+        return []
+    where = f"--data {data}"
+    missing = [str(p) for p in files if not p.is_file()]
+    if missing:
+        return [problem(f"data file(s) not found: {', '.join(missing)}", where,
+                        "pass existing .txt/.jsonl/.csv files, comma-separated")]
+    formats = {LOCAL_FORMATS.get(p.suffix) for p in files}
+    if len(formats) != 1 or None in formats:
+        return [problem(f"cannot tell one format from the suffixes of {data}", where,
+                        "use files of one kind: .txt, .jsonl/.json or .csv")]
+    return []
+
+
+def load_documents(data: str, data_config: str, text_field: str, cache_dir: Path):
     """A `datasets.Dataset` with a `text` column, from the default corpus, local files, or a hub dataset."""
     import datasets
 
     datasets.disable_progress_bars()
     hf_cache = str(cache_dir / "hf_datasets")
-    files = [default_corpus(cache_dir)] if data == "pydoc" else [Path(p) for p in data.split(",")]
-    looks_local = data == "pydoc" or any(p.suffix in LOCAL_FORMATS or p.exists() for p in files)
+    files = [default_corpus(cache_dir)] if data == "pydoc" else local_files(data)
     where = f"--data {data}"
-    if looks_local:
-        missing = [str(p) for p in files if not p.is_file()]
-        if missing:
-            raise ConfigError([problem(f"data file(s) not found: {', '.join(missing)}", where,
-                                       "pass existing .txt/.jsonl/.csv files, comma-separated")])
-        formats = {LOCAL_FORMATS.get(p.suffix) for p in files}
-        if len(formats) != 1 or None in formats:
-            raise ConfigError([problem(f"cannot tell one format from the suffixes of {data}", where,
-                                       "use files of one kind: .txt, .jsonl/.json or .csv")])
-        builder = formats.pop()
+    if files is not None:
+        problems = check_data(data)
+        if problems:
+            raise ConfigError(problems)
+        builder = LOCAL_FORMATS[files[0].suffix]
         kwargs = {"keep_linebreaks": True} if builder == "text" else {}
         ds = datasets.load_dataset(builder, data_files=[str(p) for p in files], split="train", cache_dir=hf_cache,
                                    **kwargs)
     else:
         try:
-            ds = datasets.load_dataset(data, split="train", cache_dir=hf_cache)
+            ds = datasets.load_dataset(data, data_config or None, split="train", cache_dir=hf_cache)
         except Exception as e:  # offline, unknown name, gated: the library's own words, and what to do instead
             raise ConfigError([problem(f"could not load the Hugging Face dataset {data!r}: {type(e).__name__}: "
                                        f"{str(e).splitlines()[0] if str(e) else ''}", where,
@@ -116,7 +136,8 @@ def unigram_entropy(blocks) -> float:
     return -sum(c / total * math.log(c / total) for c in counts.values())
 
 
-def data_key(data: str, text_field: str, vocab_size: int) -> str:
+def data_key(data: str, data_config: str, text_field: str, vocab_size: int) -> str:
     """A cache folder name for one corpus + tokenizer choice; a local file that changes gets a new one."""
     stamps = [f"{p}:{os.stat(p).st_size}:{os.stat(p).st_mtime_ns}" for p in data.split(",") if os.path.isfile(p)]
-    return hashlib.sha1("|".join([data, text_field, str(vocab_size), *stamps]).encode()).hexdigest()[:12]
+    parts = [data, data_config, text_field, str(vocab_size), *stamps]
+    return hashlib.sha1("|".join(parts).encode()).hexdigest()[:12]
