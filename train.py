@@ -22,12 +22,13 @@ from accelerate.utils import set_seed
 from trainkit.checkpoint import Checkpointer, check_output_dir, clear_outputs, export_final
 from trainkit.config import ConfigError, build_config, field_sources, parse_command_line, problem, resolved_config
 from trainkit.data import BatchLayout, TrainStream, eval_batches
-from trainkit.estimate import count_parameters, estimate_state_bytes
+from trainkit.estimate import for_run, model_shape, strategy_name, table
 from trainkit.metrics import (MetricsLog, Throughput, model_flops_per_token, peak_flops, peak_memory_bytes, state_bytes,
                               summary_line)
 from trainkit.optim import build_scheduler
 from trainkit.recipes import load_recipe, recipe_path
-from trainkit.strategy import Launch, Strategy, build_accelerator, check_launch, zero_stage
+from trainkit.strategy import (Launch, Strategy, build_accelerator, check_launch, check_yaml, offloads_optimizer,
+                               zero_stage)
 
 
 class TrainingError(Exception):
@@ -69,16 +70,26 @@ def run(argv: list[str] | None) -> int:
     launch = Launch.from_yaml(options.accelerate_config) if options.accelerate_config else Launch.from_env()
     sources = field_sources(cfg, overrides)
     problems, ds = check_launch(launch, cfg, sources)
-    num_params = count_parameters(recipe, cfg)
-    tokens_per_sample = recipe.tokens_per_sample(cfg) if hasattr(recipe, "tokens_per_sample") else None
-    resolved = resolved_config(recipe_path(options.recipe), cfg, sources, launch, zero_stage(ds),
-                               estimate_state_bytes(num_params, launch, cfg), tokens_per_sample)
-    found = None
-    if not options.dry_run:
-        dir_problems, found = check_output_dir(options.output_dir, options.resume, options.overwrite, resolved)
-        problems += dir_problems
+    if options.accelerate_config:
+        problems += check_yaml(options.accelerate_config)
     if problems:
         raise ConfigError(problems)
+    shape = model_shape(recipe, cfg)
+    tokens_per_sample = recipe.tokens_per_sample(cfg) if hasattr(recipe, "tokens_per_sample") else None
+    strategy_label = strategy_name(launch.kind, zero_stage(ds), launch.fsdp_offload or offloads_optimizer(ds))
+    world_size = options.num_processes or launch.world_size
+    mine = for_run(shape, cfg, strategy_label, world_size, launch.mixed_precision)
+    if options.estimate:
+        print(table(shape, world_size, launch.mixed_precision, cfg.optimizer, mine.activations, options.device_memory))
+        print(f"this launch ({strategy_label}, {world_size} process(es)): {mine.state:,} bytes of model state per rank")
+        return 0
+    resolved = resolved_config(recipe_path(options.recipe), cfg, sources, launch, zero_stage(ds), mine.state,
+                               tokens_per_sample)
+    found = None
+    if not options.dry_run:
+        problems, found = check_output_dir(options.output_dir, options.resume, options.overwrite, resolved)
+        if problems:
+            raise ConfigError(problems)
     if options.dry_run:
         print(json.dumps(resolved, indent=2))
         return 0
@@ -119,7 +130,7 @@ def run(argv: list[str] | None) -> int:
         strategy.notes.append(f"resumed from {found.path} at step {start_step}")
     for note in strategy.notes if is_main else []:
         print(f"note: {note}", file=sys.stderr)
-    flops_per_sample = model_flops_per_token(num_params) * (tokens_per_sample or 1)
+    flops_per_sample = model_flops_per_token(shape.num_params) * (tokens_per_sample or 1)
     peak = peak_flops(accelerator.device, options.peak_flops)
 
     def evaluate() -> float:

@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import difflib
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass
@@ -156,6 +157,9 @@ class RunOptions:
     keep_last: int
     resume: str | None
     stop_at: int | None
+    estimate: bool
+    device_memory: int | None  # bytes
+    num_processes: int | None
 
 
 def parse_command_line(argv: list[str] | None = None) -> tuple[RunOptions, list[tuple[str, str, str]]]:
@@ -181,6 +185,11 @@ def parse_command_line(argv: list[str] | None = None) -> tuple[RunOptions, list[
     parser.add_argument("--resume", help="continue from a checkpoint: latest (in --output_dir) or a step_<N> path")
     parser.add_argument("--stop_at", type=int, help="end after optimizer step N with a checkpoint there; the "
                         "schedule and data order still follow --max_steps (staged runs)")
+    parser.add_argument("--estimate", action="store_true",
+                        help="print model-state memory per rank under every strategy, train nothing")
+    parser.add_argument("--device_memory", help="with --estimate: memory per device (80GB, 24GiB) to find the "
+                        "cheapest strategy that fits")
+    parser.add_argument("--num_processes", type=int, help="with --estimate: the world size to estimate for")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="set any recipe field")
     for name in RECIPE_FLAGS:
         parser.add_argument(f"--{name}", help=f"recipe field {name}")
@@ -211,12 +220,20 @@ def parse_command_line(argv: list[str] | None = None) -> tuple[RunOptions, list[
                          overwrite=args.overwrite, dry_run=args.dry_run, accelerate_config=args.accelerate_config,
                          report_to=report_to, peak_flops=args.peak_flops, cache_dir=args.cache_dir,
                          save_every=args.save_every, keep_last=args.keep_last, resume=args.resume,
-                         stop_at=args.stop_at)
+                         stop_at=args.stop_at, estimate=args.estimate, device_memory=None,
+                         num_processes=args.num_processes)
+    if args.device_memory:
+        try:
+            options.device_memory = parse_bytes(args.device_memory)
+        except ValueError as e:
+            parser.error(f"--device_memory: {e}")
+    if (options.device_memory or options.num_processes) and not options.estimate:
+        parser.error("--device_memory and --num_processes go with --estimate")
     for flag, value in (("--save_every", options.save_every), ("--keep_last", options.keep_last)):
         if value < 0:
             parser.error(f"{flag} must be >= 0, got {value}")
-    if options.accelerate_config and not options.dry_run:
-        parser.error("--accelerate_config only checks a YAML (with --dry_run); to train under it run "
+    if options.accelerate_config and not (options.dry_run or options.estimate):
+        parser.error("--accelerate_config only checks a YAML (with --dry_run or --estimate); to train under it run "
                      f"accelerate launch --config_file {options.accelerate_config} train.py ...")
     if options.stop_at is not None and options.stop_at < 1:
         parser.error(f"--stop_at must be >= 1, got {options.stop_at}")
@@ -249,3 +266,13 @@ def resolved_config(recipe_path: Path, cfg: TrainConfig, sources: dict[str, str]
     sources["zero_stage"] = launch.deepspeed_config or "no DeepSpeed"
     resolved["sources"] = sources
     return resolved
+
+
+def parse_bytes(text: str) -> int:
+    """'80GB', '80GiB', '512MB' or a plain number of bytes."""
+    units = {"": 1, "B": 1, "KB": 1000, "MB": 1000 ** 2, "GB": 1000 ** 3, "TB": 1000 ** 4,
+             "KIB": 1024, "MIB": 1024 ** 2, "GIB": 1024 ** 3, "TIB": 1024 ** 4}
+    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([A-Za-z]*)\s*", text)
+    if not match or match.group(2).upper() not in units:
+        raise ValueError(f"cannot read {text!r} as a size: write it like 80GB, 24GiB or 512MB")
+    return int(float(match.group(1)) * units[match.group(2).upper()])

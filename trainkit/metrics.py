@@ -31,21 +31,46 @@ def model_flops_per_token(num_params: int) -> float:
     return 6.0 * num_params
 
 
-def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    """Model-state bytes this rank holds: its parameters, their gradients, and the optimizer's state tensors."""
+def state_bytes(model: torch.nn.Module, optimizer) -> int:
+    """Model-state bytes this rank holds: parameters, gradients and optimizer states, wherever they live.
 
-    def local(t: torch.Tensor) -> torch.Tensor:
-        return t.to_local() if hasattr(t, "to_local") else t  # a DTensor counts only its local shard
-
+    Counted by storage, each once: the tensors reachable from the parameters (their gradients, a DTensor's local
+    shard, a ZeRO-3 partition) and from the optimizer, including a ZeRO optimizer's own buffers (flat parameter
+    groups, the fp32 master partition, gradient partitions), which hold the same state under other names.
+    """
+    seen: set[tuple[int, str]] = set()
     total = 0
+
+    def count(t) -> None:
+        nonlocal total
+        if not torch.is_tensor(t) or t.device.type == "meta":  # DeepSpeed keeps meta tensors: shapes, no memory
+            return
+        t = t.to_local() if hasattr(t, "to_local") else t
+        storage = t.untyped_storage()
+        key = (storage.data_ptr(), str(t.device))
+        if storage.nbytes() and key not in seen:
+            seen.add(key)
+            total += storage.nbytes()
+
     for p in model.parameters():
-        total += local(p).numel() * p.element_size()
-        if p.grad is not None:
-            total += local(p.grad).numel() * p.grad.element_size()
-    for state in optimizer.state.values():
-        for value in state.values():
-            if torch.is_tensor(value):
-                total += local(value).numel() * value.element_size()
+        count(p)
+        count(p.grad)
+        count(getattr(p, "ds_tensor", None))
+    inner = optimizer
+    while inner is not None:  # Accelerate's wrapper -> DeepSpeed's ZeRO optimizer -> the torch optimizer
+        for state in getattr(inner, "state", {}).values():
+            for value in state.values() if isinstance(state, dict) else ():
+                count(value)
+        for group in getattr(inner, "param_groups", []):
+            for p in group["params"]:
+                count(p)
+                count(p.grad)
+        if type(inner).__module__.startswith("deepspeed"):
+            for value in vars(inner).values():
+                for item in value if isinstance(value, (list, tuple)) else [value]:
+                    for t in item if isinstance(item, (list, tuple)) else [item]:
+                        count(t)
+        inner = getattr(inner, "optimizer", None)
     return total
 
 

@@ -45,6 +45,15 @@ class Launch:
     fsdp_version: int = 2
     fsdp_offload: bool = False
     fsdp_reshard_after_forward: bool = True
+    # Seconds a collective waits for the other ranks before it fails (TRAINKIT_DIST_TIMEOUT); None: torch's default
+    # (30 min over gloo, 10 min over NCCL). What bounds the wait when a machine vanishes without closing its sockets.
+    dist_timeout_s: float | None = None
+    # DeepSpeed's multi-machine launcher (deepspeed_config in the YAML; only for --dry_run's pre-flight, check_hosts)
+    hostfile: str | None = None
+    hostfile_include: str = ""  # deepspeed_inclusion_filter: NAME[:SLOT,...][@NAME...]
+    hostfile_exclude: str = ""  # deepspeed_exclusion_filter
+    multinode_launcher: str = "pdsh"
+    main_process_ip: str | None = None
 
     @property
     def is_main(self) -> bool:
@@ -52,23 +61,31 @@ class Launch:
 
     @classmethod
     def from_env(cls) -> Launch:
+        """The launch as torchrun (`accelerate launch`, one per machine) or DeepSpeed's launcher (a hostfile) set it up.
+
+        torchrun sets WORLD_SIZE, LOCAL_WORLD_SIZE and GROUP_WORLD_SIZE (the number of machines); DeepSpeed's
+        launcher sets WORLD_SIZE, LOCAL_SIZE and CROSS_SIZE (the number of machines) and no LOCAL_WORLD_SIZE.
+        """
         env = os.environ
         world_size = int(env.get("WORLD_SIZE", "1"))
-        local_world = int(env.get("LOCAL_WORLD_SIZE", str(world_size)))
+        local_world = int(env.get("LOCAL_WORLD_SIZE") or env.get("LOCAL_SIZE") or world_size)
+        num_machines = int(env.get("GROUP_WORLD_SIZE") or env.get("CROSS_SIZE") or
+                           max(1, world_size // max(1, local_world)))
         if _true(env.get("ACCELERATE_USE_DEEPSPEED")):
             kind = "deepspeed"
         elif _true(env.get("ACCELERATE_USE_FSDP")):
             kind = "fsdp"
         else:
             kind = "ddp" if world_size > 1 else "single"
-        return cls(kind=kind, world_size=world_size, num_machines=max(1, world_size // max(1, local_world)),
+        return cls(kind=kind, world_size=world_size, num_machines=num_machines,
                    rank=int(env.get("RANK", "0")), mixed_precision=env.get("ACCELERATE_MIXED_PRECISION", "no").lower(),
                    source="the launcher's environment" if "ACCELERATE_MIXED_PRECISION" in env else "no launcher",
                    deepspeed_config=env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE"),
                    deepspeed_inline=kind == "deepspeed" and "ACCELERATE_DEEPSPEED_CONFIG_FILE" not in env,
                    fsdp_version=int(env.get("FSDP_VERSION", "2")),
                    fsdp_offload=_true(env.get("FSDP_OFFLOAD_PARAMS")),
-                   fsdp_reshard_after_forward=_true(env.get("FSDP_RESHARD_AFTER_FORWARD", "true")))
+                   fsdp_reshard_after_forward=_true(env.get("FSDP_RESHARD_AFTER_FORWARD", "true")),
+                   dist_timeout_s=cls._dist_timeout(), main_process_ip=env.get("MASTER_ADDR"))
 
     @classmethod
     def from_yaml(cls, path: str) -> Launch:
@@ -97,7 +114,29 @@ class Launch:
                    deepspeed_inline=kind == "deepspeed" and "deepspeed_config_file" not in ds,
                    fsdp_version=int(fsdp.get("fsdp_version", 2)),
                    fsdp_offload=_true(fsdp.get("fsdp_offload_params", False)),
-                   fsdp_reshard_after_forward=_true(fsdp.get("fsdp_reshard_after_forward", True)))
+                   fsdp_reshard_after_forward=_true(fsdp.get("fsdp_reshard_after_forward", True)),
+                   dist_timeout_s=cls._dist_timeout(),
+                   hostfile=ds.get("deepspeed_hostfile") if kind == "deepspeed" else None,
+                   hostfile_include=str(ds.get("deepspeed_inclusion_filter") or ""),
+                   hostfile_exclude=str(ds.get("deepspeed_exclusion_filter") or ""),
+                   multinode_launcher=str(ds.get("deepspeed_multinode_launcher") or "pdsh"),
+                   main_process_ip=data.get("main_process_ip"))
+
+    @staticmethod
+    def _dist_timeout() -> float | None:
+        """TRAINKIT_DIST_TIMEOUT: seconds a collective waits for the other ranks; unset: torch's default."""
+        value = os.environ.get("TRAINKIT_DIST_TIMEOUT", "").strip()
+        if not value:
+            return None
+        try:
+            seconds = float(value)
+        except ValueError:
+            seconds = 0.0
+        if not (seconds > 0 and math.isfinite(seconds)):
+            raise ConfigError([problem(f"TRAINKIT_DIST_TIMEOUT={value!r} is not a positive number of seconds",
+                                       "the environment variable TRAINKIT_DIST_TIMEOUT",
+                                       "set it to e.g. 600, or unset it for torch's default")])
+        return seconds
 
 
 # --- DeepSpeed JSON: one source of truth --------------------------------------------------------------------------
@@ -166,6 +205,8 @@ def deepspeed_json(launch: Launch, cfg: TrainConfig, sources: dict[str, str]) ->
     if offload_opt not in ("none", None) and stage not in (1, 2, 3):
         problems.append(problem(f"offload_optimizer needs ZeRO stage 1-3, the JSON has stage {stage}", where,
                                 "use ds_configs/zero2_offload.json"))
+    if not problems:
+        problems += validate_with_deepspeed(ds, where)
     return ds, problems
 
 
@@ -192,6 +233,58 @@ def fill_bucket_sizes(ds: dict, model: torch.nn.Module) -> None:
     for key, value in derived.items():
         if zero.get(key) == "auto":
             zero[key] = value
+
+
+def validate_with_deepspeed(ds: dict, where: str) -> list[str]:
+    """DeepSpeed's own schema check (unknown keys, wrong types), on a copy whose "auto" values are placeholders."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    probe = json.loads(json.dumps(ds))
+    probe.pop("train_batch_size", None)  # DeepSpeed checks it against its own world size, which is 1 here
+    for key, value in probe.get("zero_optimization", {}).items():
+        if value == "auto":
+            probe["zero_optimization"][key] = 1
+    try:
+        DeepSpeedConfig(probe)
+    except Exception as e:  # pydantic's ValidationError or DeepSpeed's assertions: their words, one line
+        first = " ".join(str(e).split())[:300]
+        return [problem(f"DeepSpeed rejects the JSON: {first}", where, "fix the key it names (ds_configs/README.md)")]
+    return []
+
+
+def check_yaml(path: str) -> list[str]:
+    """Unknown keys or values in an Accelerate YAML (--dry_run): Accelerate itself ignores or rejects them late."""
+    import dataclasses
+    import difflib
+
+    from accelerate.commands.config.config_args import ClusterConfig
+    from accelerate.utils import DistributedType
+
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    where = f"--accelerate_config {path}"
+    known = {f.name for f in dataclasses.fields(ClusterConfig)}
+    problems = []
+    for key in sorted(set(data) - known):
+        close = difflib.get_close_matches(key, sorted(known), n=1)
+        problems.append(problem(f"unknown key {key!r} in {path}", where,
+                                f"did you mean {close[0]}?" if close else "remove it"))
+    types = {t.value for t in DistributedType}
+    if str(data.get("distributed_type", "NO")) not in types:
+        problems.append(problem(f"distributed_type {data.get('distributed_type')!r} is not one of Accelerate's",
+                                where, f"use one of {', '.join(sorted(KINDS))}"))
+    for key in ("num_processes", "num_machines"):
+        if key in data and (not isinstance(data[key], int) or data[key] < 1):
+            problems.append(problem(f"{key} must be a positive integer, got {data[key]!r}", where,
+                                    f"write {key}: 2"))
+    ds = data.get("deepspeed_config") or {}
+    if ds.get("deepspeed_config_file"):
+        inline = sorted(set(ds) - {"deepspeed_config_file", "zero3_init_flag", "deepspeed_hostfile",
+                                   "deepspeed_multinode_launcher", "deepspeed_exclusion_filter",
+                                   "deepspeed_inclusion_filter"})
+        if inline:
+            problems.append(problem(f"deepspeed_config sets {', '.join(inline)} next to a deepspeed_config_file",
+                                    where, "set them in the JSON (the recipe fills accumulation and clipping)"))
+    return problems
 
 
 # --- before anything is built --------------------------------------------------------------------------------------
@@ -421,3 +514,135 @@ def _is_sharded(param: torch.Tensor, world_size: int) -> bool:
 
     return (isinstance(param, DTensor) and param.device_mesh.size() == world_size
             and all(isinstance(p, Shard) for p in param.placements))
+
+
+# --- several machines: the hostfile pre-flight (--dry_run) ---------------------------------------------------------
+
+def check_hosts(launch: Launch, timeout_s: float = 5.0) -> list[str]:
+    """Problems with a DeepSpeed hostfile launch, found before anything starts: every one, each naming its host.
+
+    Reads the hostfile as DeepSpeed does (`NAME slots=N`, # comments), applies the YAML's inclusion / exclusion
+    filter, and checks what Accelerate will ask DeepSpeed for: without a filter every host runs
+    num_processes / num_machines ranks, with one exactly the selected slots; either way num_processes ranks on
+    num_machines hosts. Then every host must answer `ssh -o BatchMode=yes -o ConnectTimeout=...` (plus
+    $PDSH_SSH_ARGS_APPEND, which pdsh will add too) within timeout_s, all hosts at once.
+    """
+    import shlex
+    import shutil
+    import subprocess
+    from concurrent.futures import ThreadPoolExecutor
+
+    if not launch.hostfile:
+        return []
+    path = Path(launch.hostfile)
+    where = f"deepspeed_hostfile {path} in {launch.source}"
+    if launch.num_machines < 2:
+        return [problem(f"a hostfile is given but num_machines is {launch.num_machines}: Accelerate then ignores "
+                        f"the hostfile and runs on this machine only", launch.source,
+                        "set num_machines to the number of hosts, or remove deepspeed_hostfile")]
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as e:
+        return [problem(f"cannot read the hostfile {path}: {e.strerror}", where,
+                        "create it (see ./hostfile) or point deepspeed_hostfile at it; relative paths start from "
+                        "the directory you launch from")]
+    problems: list[str] = []
+    slots: dict[str, int] = {}
+    for number, line in enumerate(lines, 1):
+        text = line.strip()
+        if not text or text.startswith("#"):
+            continue
+        fields = text.split()
+        if len(fields) < 2 or not fields[1].startswith("slots=") or not fields[1][6:].isdigit():
+            problems.append(problem(f"line {number} of {path} is not `HOSTNAME slots=N`: {text!r}", where,
+                                    "write one `HOSTNAME slots=N` per machine"))
+        elif fields[0] in slots:
+            problems.append(problem(f"host {fields[0]} is listed twice in {path}, again on line {number}", where,
+                                    "list each host once, with all its slots"))
+        else:
+            slots[fields[0]] = int(fields[1][6:])
+    if not slots and not problems:
+        problems.append(problem(f"{path} lists no hosts", where, "add one `HOSTNAME slots=N` line per machine"))
+    if problems:
+        return problems
+
+    # The hosts and slots the launch will use (DeepSpeed's include/exclude syntax: NAME[:SLOT,...][@NAME...]).
+    used = {host: list(range(n)) for host, n in slots.items()}
+    spec, include = (launch.hostfile_include, True) if launch.hostfile_include else (launch.hostfile_exclude, False)
+    if launch.hostfile_include and launch.hostfile_exclude:
+        return [problem("both deepspeed_inclusion_filter and deepspeed_exclusion_filter are set", launch.source,
+                        "keep one of them")]
+    if spec:
+        chosen: dict[str, list[int]] = {}
+        for node in spec.split("@"):
+            host, _, slot_list = node.partition(":")
+            if host not in slots:
+                problems.append(problem(f"host {host} in the {'inclusion' if include else 'exclusion'} filter is not "
+                                        f"in {path}", launch.source, f"use one of {', '.join(slots)}"))
+                continue
+            wanted = [int(s) for s in slot_list.split(",") if s.strip().isdigit()] if slot_list else used[host]
+            missing = [s for s in wanted if s >= slots[host]]
+            if missing:
+                problems.append(problem(f"host {host} has {slots[host]} slot(s), the filter names slot(s) "
+                                        f"{', '.join(map(str, missing))}", launch.source,
+                                        f"use slots 0..{slots[host] - 1}"))
+            chosen[host] = sorted(set(chosen.get(host, []) + wanted))
+        if include:
+            used = {h: chosen[h] for h in slots if h in chosen}
+        else:
+            used = {h: [s for s in used[h] if s not in chosen.get(h, [])] for h in slots}
+            used = {h: s for h, s in used.items() if s}
+        total = sum(len(s) for s in used.values())
+        if not problems and (total != launch.world_size or len(used) != launch.num_machines):
+            problems.append(problem(f"the filtered hostfile gives {total} slot(s) on {len(used)} host(s), the launch "
+                                    f"asks for num_processes {launch.world_size} on num_machines "
+                                    f"{launch.num_machines}", where,
+                                    "change the filter, or num_processes / num_machines to match it"))
+    else:
+        per_host = launch.world_size // launch.num_machines
+        if launch.world_size % launch.num_machines:
+            problems.append(problem(f"num_processes {launch.world_size} does not divide into num_machines "
+                                    f"{launch.num_machines}", launch.source,
+                                    "make num_processes a multiple of num_machines: it is the total over all hosts"))
+        if len(slots) != launch.num_machines:
+            problems.append(problem(f"{path} lists {len(slots)} host(s) but num_machines is {launch.num_machines} "
+                                    f"(without a filter DeepSpeed starts ranks on every host of the file)", where,
+                                    "list exactly num_machines hosts, or select some with "
+                                    "deepspeed_inclusion_filter"))
+        for host, n in slots.items():
+            if n < per_host:
+                problems.append(problem(f"host {host} has {n} slot(s) but each machine runs num_processes / "
+                                        f"num_machines = {per_host} process(es); the slots add up to "
+                                        f"{sum(slots.values())}, num_processes is {launch.world_size}", where,
+                                        f"give {host} slots={per_host} or more, or lower num_processes"))
+    if problems:
+        return problems
+
+    if launch.multinode_launcher == "pdsh" and not shutil.which("pdsh"):
+        problems.append(problem("pdsh is not installed on this machine", launch.source,
+                                "install it (apt-get install pdsh) or choose another deepspeed_multinode_launcher"))
+    if not shutil.which("ssh"):
+        return problems + [problem("no ssh client on this machine", launch.source, "install openssh-client")]
+    extra = shlex.split(os.environ.get("PDSH_SSH_ARGS_APPEND", ""))
+
+    def answer(host: str) -> str | None:
+        command = ["ssh", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={max(1, int(timeout_s))}", *extra, host,
+                   "true"]
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s + 5,
+                                  stdin=subprocess.DEVNULL)
+        except subprocess.TimeoutExpired:
+            return f"no answer within {timeout_s + 5:.0f} s"
+        if done.returncode == 0:
+            return None
+        said = [line for line in done.stderr.strip().splitlines() if line.strip()]
+        return said[-1] if said else f"ssh exited with status {done.returncode}"
+
+    with ThreadPoolExecutor(max_workers=min(32, len(used))) as pool:
+        for host, failure in zip(used, pool.map(answer, used)):
+            if failure:
+                problems.append(problem(f"host {host} does not answer over ssh: {failure}", where,
+                                        f"make `ssh {host} true` work without a password from this machine "
+                                        f"(ssh-copy-id {host}), check that it resolves and runs sshd, or remove it "
+                                        f"from {path}"))
+    return problems
