@@ -23,7 +23,7 @@ from trainkit.checkpoint import Checkpointer, check_output_dir, clear_outputs, e
 from trainkit.config import ConfigError, build_config, field_sources, parse_command_line, problem, resolved_config
 from trainkit.data import BatchLayout, TrainStream, eval_batches
 from trainkit.estimate import for_run, model_shape, strategy_name, table
-from trainkit.metrics import (MetricsLog, Throughput, model_flops_per_token, peak_flops, peak_memory_bytes, state_bytes,
+from trainkit.metrics import (MetricsLog, Throughput, check_trackers, model_flops_per_token, peak_flops, peak_memory_bytes, state_bytes,
                               summary_line)
 from trainkit.optim import build_scheduler
 from trainkit.recipes import load_recipe, recipe_path
@@ -72,6 +72,7 @@ def run(argv: list[str] | None) -> int:
     problems, ds = check_launch(launch, cfg, sources)
     if options.accelerate_config:
         problems += check_yaml(options.accelerate_config)
+    problems += check_trackers(options.report_to)
     if problems:
         raise ConfigError(problems)
     shape = model_shape(recipe, cfg)

@@ -51,7 +51,9 @@ def main() -> None:
                "`vs DDP` is the measured bytes over DDP's. On 2 processes ZeRO-3 holds ~0.63 of DDP, not 0.5: "
                "DeepSpeed keeps an fp32 master partition (4 bytes/param / N) on top of the 16 bytes/param / N of "
                "weights, gradients and Adam states, even in fp32 training. ZeRO-1/2 free their gradients after "
-               f"the step, so between steps they hold weights + (master + Adam) / N.\n{END}")
+               "the step, so between steps they hold weights + (master + Adam) / N. ZeRO-2 offload holds more in "
+               "all: host copies of the partition and of its fp32 gradients, and two staging buffers the size of "
+               f"the largest parameter.\n{END}")
     path = ROOT / "BENCHMARKS.md"
     text = path.read_text() if path.exists() else "# Benchmarks\n\nEach section says the command that produced it.\n"
     if START in text:

@@ -77,6 +77,8 @@ def test_local_text_file_as_data(run_dir, tmp_path):
     (["--data", "someone/no_such_dataset"], "could not load the Hugging Face dataset 'someone/no_such_dataset'"),
     (["--data", "missing.txt"], "data file(s) not found: missing.txt (--data missing.txt)"),
     (["--data", "a.txt,b.csv"], "data file(s) not found: a.txt, b.csv"),
+    (["--report_to", "wandb"], "the wandb tracker is not installed (--report_to): pip install wandb"),
+    (["--report_to", "tensorbored"], "unknown tracker 'tensorbored'"),
 ])
 def test_bad_data_is_refused(run_dir, args, message):
     assert_refused(launch(run_dir("out"), "--recipe", "tiny_transformer", *args), message)

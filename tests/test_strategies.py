@@ -67,7 +67,7 @@ def test_transformer_fp32_matches_one_process(lm_reference, run_dir, config):
     assert lm_reference.losses[-1] < lm_reference.losses[0]
 
 
-@pytest.mark.parametrize("config", ["ddp", "deepspeed_zero2", "deepspeed_zero3", "fsdp"])
+@pytest.mark.parametrize("config", ["deepspeed_zero2", "deepspeed_zero3", "fsdp"])  # ddp: test_runs.py
 def test_bf16_trains_within_tolerance(mlp_reference, run_dir, config):
     """bf16 rounds (8 mantissa bits): measured up to 7.4e-3 relative over 20 steps; the bound is 5e-2."""
     run = launch(run_dir(config), *MLP_STEPS, "--batch_size", "8", config=config,

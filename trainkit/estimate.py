@@ -13,7 +13,8 @@ ZeRO paper's idealised 2 + 2 + 12 bytes per parameter:
 - DeepSpeed ZeRO-3: weights, gradients, master copy and optimizer states all partitioned; parameters smaller than
   stage3_param_persistence_threshold stay whole on every rank.
 - Offload moves the master copy and optimizer states (ZeRO-3 offload: the weights too) to CPU memory: the same bytes
-  on the host instead of the device.
+  on the host instead of the device. ZeRO-2 offload adds host copies of the partition (low precision) and of its
+  fp32 gradients, and two staging buffers the size of the largest parameter.
 """
 
 from __future__ import annotations
@@ -90,9 +91,15 @@ def estimate(shape: ModelShape, strategy: str, world_size: int, precision: str, 
     low = 2 if precision in ("bf16", "fp16") else 4  # DeepSpeed turns the model itself to bf16/fp16
     optimizer_bytes = (4 + opt) * math.ceil(n / w)  # fp32 master partition + optimizer states
     if strategy in ("deepspeed_zero1", "deepspeed_zero2", "deepspeed_zero2_offload"):
-        host = optimizer_bytes if strategy.endswith("offload") else 0
         transient = low * n if strategy == "deepspeed_zero1" else 0  # ZeRO-2 reduce-scatters in buckets
-        return Estimate(strategy, low * n, 0, optimizer_bytes, host, activations, transient)
+        if not strategy.endswith("offload"):
+            return Estimate(strategy, low * n, 0, optimizer_bytes, 0, activations, transient)
+        # ZeRO-Offload also keeps, per rank, a low-precision copy of its partition and the partition's fp32
+        # gradients on the host, and two staging buffers of the largest parameter's size (measured: BENCHMARKS.md).
+        staging = low * max(shape.numels)
+        grads = 4 * math.ceil(n / w) + 2 * staging
+        optimizer_bytes += low * math.ceil(n / w)
+        return Estimate(strategy, low * n, grads, optimizer_bytes, optimizer_bytes + grads - staging, activations)
     persistent = sum(k for k in shape.numels if k < 10 * shape.hidden)  # see fill_bucket_sizes
     params = low * (math.ceil((n - persistent) / w) + persistent)
     grads = low * math.ceil(n / w)

@@ -12,6 +12,8 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from trainkit.config import problem
+
 # Dense bf16/fp16 tensor-core peaks (FLOP/s) of GPUs we know; MFU is reported against these.
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "V100": 125e12}
 
@@ -79,6 +81,23 @@ def peak_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def check_trackers(report_to: list[str]) -> list[str]:
+    """Trackers that cannot log here: Accelerate would drop them with only a warning, and the run would go unlogged."""
+    import accelerate.utils as utils
+
+    problems = []
+    for name in report_to:
+        available = getattr(utils, f"is_{name}_available", None)
+        if available is None:
+            problems.append(problem(f"unknown tracker {name!r}", "--report_to",
+                                    "use tensorboard, wandb, mlflow, trackio, comet_ml, aim, clearml, swanlab, "
+                                    "dvclive or none"))
+        elif not available():
+            problems.append(problem(f"the {name} tracker is not installed", "--report_to",
+                                    f"pip install {name.replace('_', '-')}, or pass --report_to tensorboard"))
+    return problems
 
 
 class Throughput:
