@@ -27,8 +27,8 @@ from trainkit.metrics import (MetricsLog, Throughput, check_trackers, model_flop
                               summary_line)
 from trainkit.optim import build_scheduler
 from trainkit.recipes import load_recipe, recipe_path
-from trainkit.strategy import (Launch, Strategy, build_accelerator, check_launch, check_yaml, offloads_optimizer,
-                               zero_stage)
+from trainkit.strategy import (Launch, Strategy, build_accelerator, check_hosts, check_launch, check_yaml, lost_contact,
+                               offloads_optimizer, zero_stage)
 
 
 class TrainingError(Exception):
@@ -60,6 +60,14 @@ def main(argv: list[str] | None = None) -> int:
             for line in getattr(e, "problems", [str(e)]):
                 print(f"error: {line}", file=sys.stderr)
         return 2 if isinstance(e, ConfigError) else 1
+    except RuntimeError as e:
+        reason = lost_contact(e)
+        if reason is None:
+            raise
+        print(f"error: rank {os.environ.get('RANK', '0')} lost contact with the other processes ({reason}): a machine "
+              f"or process died, froze or lost its network. Check the other machines' logs, then continue with "
+              f"--resume latest (the last complete checkpoint is intact)", file=sys.stderr)
+        return 1
 
 
 def run(argv: list[str] | None) -> int:
@@ -70,6 +78,8 @@ def run(argv: list[str] | None) -> int:
     launch = Launch.from_yaml(options.accelerate_config) if options.accelerate_config else Launch.from_env()
     sources = field_sources(cfg, overrides)
     problems, ds = check_launch(launch, cfg, sources)
+    if options.dry_run and launch.hostfile:  # a DeepSpeed hostfile launch: every host answers, the slots add up
+        problems += check_hosts(launch)
     if options.accelerate_config:
         problems += check_yaml(options.accelerate_config)
     problems += check_trackers(options.report_to)

@@ -205,5 +205,7 @@ def test_dry_run_runs_deepspeeds_own_validation(tmp_path):
 
 def test_every_shipped_config_passes_the_dry_run(tmp_path):
     for path in sorted((ROOT / "accelerate_configs").glob("*.yaml")):
+        if path.stem == "deepspeed_hostfile":  # its example hosts do not exist; test_multinode.py dry-runs it over ssh
+            continue
         run = launch(tmp_path / "out", "--recipe", "mlp", "--dry_run", "--accelerate_config", str(path))
         assert run.returncode == 0, (path.name, run.stderr)

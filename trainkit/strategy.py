@@ -10,10 +10,14 @@ its comment names it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import re
+import sys
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -237,7 +241,8 @@ def fill_bucket_sizes(ds: dict, model: torch.nn.Module) -> None:
 
 def validate_with_deepspeed(ds: dict, where: str) -> list[str]:
     """DeepSpeed's own schema check (unknown keys, wrong types), on a copy whose "auto" values are placeholders."""
-    from deepspeed.runtime.config import DeepSpeedConfig
+    with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's logger writes to stdout; --dry_run's stdout is JSON
+        from deepspeed.runtime.config import DeepSpeedConfig
 
     probe = json.loads(json.dumps(ds))
     probe.pop("train_batch_size", None)  # DeepSpeed checks it against its own world size, which is 1 here
@@ -328,6 +333,7 @@ def build_accelerator(launch: Launch, cfg: TrainConfig, ds: dict, output_dir: Pa
     on_gpu = torch.cuda.is_available()
     kwargs: dict[str, Any] = {}
     handlers = []
+    init_kwargs: dict[str, Any] = {}  # one InitProcessGroupKwargs: Accelerate takes a single handler of each type
     if launch.kind == "deepspeed":
         # Accelerate refuses a YAML mixed_precision next to a DeepSpeed JSON, because its plugin would ignore one of
         # them. Here the YAML is the one source of precision and the JSON's "auto" was filled from it (a JSON that
@@ -341,7 +347,7 @@ def build_accelerator(launch: Launch, cfg: TrainConfig, ds: dict, output_dir: Pa
             # Without a backend DeepSpeed forms a world of 2 while Accelerate sees 1 process (data not sharded);
             # with cpu=True Accelerate would silently train plain DDP instead (PITFALLS). Only with a real world:
             # a one-process gloo group breaks reduce/gather.
-            handlers.append(InitProcessGroupKwargs(backend="gloo"))
+            init_kwargs["backend"] = "gloo"
     else:
         # A MULTI_GPU launch on a machine without GPUs becomes MULTI_CPU over gloo only when the script asks for
         # the CPU; otherwise every process runs alone as DistributedType.NO (PITFALLS: unsynchronised copies).
@@ -350,6 +356,12 @@ def build_accelerator(launch: Launch, cfg: TrainConfig, ds: dict, output_dir: Pa
         # Accelerate applies FSDP only to GPU-type devices, so the runner applies FSDP2's fully_shard itself on every
         # device (one code path, tested on CPU); Accelerate must then not wrap the model again.
         os.environ["ACCELERATE_USE_FSDP"] = "false"
+    if launch.dist_timeout_s and launch.world_size > 1:
+        # How long a collective waits for the other ranks (TRAINKIT_DIST_TIMEOUT): a machine that vanishes without
+        # closing its connections then fails the run after this, not after torch's 30 min (gloo) / 10 min (NCCL).
+        init_kwargs["timeout"] = timedelta(seconds=launch.dist_timeout_s)
+    if init_kwargs:
+        handlers.append(InitProcessGroupKwargs(**init_kwargs))
     accelerator = Accelerator(
         gradient_accumulation_steps=cfg.grad_accum,
         # The schedule is defined in optimizer steps; a prepared scheduler otherwise steps once per process.
@@ -646,3 +658,20 @@ def check_hosts(launch: Launch, timeout_s: float = 5.0) -> list[str]:
                                         f"(ssh-copy-id {host}), check that it resolves and runs sshd, or remove it "
                                         f"from {path}"))
     return problems
+
+
+# What a collective raises when another rank is gone: gloo (a plain RuntimeError) and NCCL / the store (DistError).
+_LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out waiting",
+              "NCCL communicator was aborted", "Socket Timeout")
+
+
+def lost_contact(error: BaseException) -> str | None:
+    """Why a collective failed when the cause is another rank that died, froze or lost its network, else None.
+
+    gloo's message starts with its source file ("[.../pair.cc:537] Read error [IP]:PORT: Connection reset by peer.
+    This is typically caused by ..."): the part that says what happened is kept.
+    """
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    if not (isinstance(error, torch.distributed.DistError) or any(s in text for s in _LOST_PEER)):
+        return None
+    return re.sub(r"^\[[^\]]*\]\s*", "", text).split(". This is typically")[0]

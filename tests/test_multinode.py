@@ -1,0 +1,475 @@
+"""Several machines, for real, on one: the per-machine launch (multinode.yaml, and the SLURM example that drives it),
+DeepSpeed's hostfile launcher over a real OpenSSH server on loopback, a machine that dies or falls silent mid-run,
+and the hostfile pre-flight of --dry_run.
+
+Two "machines" here are two launches on 127.0.0.1 (torchrun style) or the two loopback hosts 127.0.0.1 and 127.0.0.2
+(hostfile style); each runs one process, and together they must train exactly like one ddp.yaml launch of 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import psutil
+import pytest
+
+from conftest import ROOT, Run, launch, max_rel_diff
+from trainkit.strategy import Launch, check_hosts
+
+MLP = ["--recipe", "mlp", "--max_steps", "15", "--eval_every", "0", "--batch_size", "8"]
+# What conftest.launch gives every run: the tests' data cache, one thread per process, no network.
+ENV = {**os.environ, "TRAINKIT_CACHE": str(ROOT / ".cache" / "tests"), "OMP_NUM_THREADS": "1",
+       "HF_DATASETS_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+ENV.pop("TRAINKIT_DIST_TIMEOUT", None)
+SSH_PORT = 2299
+HOSTS = ("127.0.0.1", "127.0.0.2")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def kill_tree(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
+    """Signal a launch and every process under it (torchrun starts its workers in their own sessions, so a process
+    group would miss them)."""
+    try:
+        parent = psutil.Process(proc.pid)
+        tree = parent.children(recursive=True) + [parent]
+    except psutil.NoSuchProcess:
+        return
+    for p in tree:
+        try:
+            p.send_signal(sig)
+        except psutil.NoSuchProcess:
+            pass
+
+
+class Machine:
+    """One machine's `accelerate launch --config_file multinode.yaml --machine_rank R ...`, running in background."""
+
+    def __init__(self, rank: int, port: int, output_dir: Path, args: list[str], env: dict | None = None):
+        self.output_dir = output_dir
+        self.logs = output_dir.parent / f"machine{rank}"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "accelerate.commands.launch",
+               "--config_file", str(ROOT / "accelerate_configs" / "multinode.yaml"),
+               "--num_machines", "2", "--machine_rank", str(rank),
+               "--main_process_ip", "127.0.0.1", "--main_process_port", str(port),
+               "train.py", "--output_dir", str(output_dir), "--report_to", "none", *args]
+        with open(self.logs / "stdout", "w") as out, open(self.logs / "stderr", "w") as err:
+            self.proc = subprocess.Popen(cmd, cwd=ROOT, env={**ENV, **(env or {})}, stdout=out, stderr=err)
+
+    def wait(self, timeout: float) -> Run:
+        self.proc.wait(timeout=timeout)
+        return Run(f"machine {self.logs.name}", self.proc.returncode, (self.logs / "stdout").read_text(),
+                   (self.logs / "stderr").read_text(), self.output_dir)
+
+    def steps_done(self) -> int:
+        path = self.output_dir / "metrics.jsonl"
+        return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def two_machines(tmp_path: Path, args: list[str], env: dict | None = None) -> tuple[Machine, Machine]:
+    """Machine ranks 0 and 1, one process each, rendezvous on 127.0.0.1; each with its own output directory, as
+    machines without a shared filesystem would have."""
+    port = free_port()
+    return (Machine(0, port, tmp_path / "out0", args, env), Machine(1, port, tmp_path / "out1", args, env))
+
+
+@pytest.fixture(scope="module")
+def ddp_reference(tmp_path_factory):
+    """One ddp.yaml launch of 2 processes on one machine: what two machines of one process each must reproduce."""
+    run = launch(tmp_path_factory.mktemp("ddp") / "out", *MLP, config="ddp").check()
+    assert run.resolved["world_size"] == 2 and run.resolved["num_machines"] == 1
+    assert run.losses[-1] < 0.85 * run.losses[0]  # a real training curve (11.6 -> 8.8 in 15 steps)
+    return run
+
+
+# --- torchrun style: one launch per machine ------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_two_machine_launches_match_one_ddp_launch(ddp_reference, tmp_path):
+    machines = two_machines(tmp_path, MLP)
+    try:
+        first, second = (m.wait(timeout=100) for m in machines)
+    finally:
+        for m in machines:
+            kill_tree(m.proc)
+    first.check()
+    second.check()
+    assert first.resolved["num_machines"] == 2 and first.resolved["world_size"] == 2
+    assert first.resolved["strategy"] == "ddp" and first.resolved["global_batch_size"] == 16
+    assert len(first.losses) == 15
+    diff = max_rel_diff(first.losses, ddp_reference.losses)
+    print(f"\nmultinode.yaml, 2 machines x 1 process vs ddp.yaml 2 processes: max relative loss difference {diff:.2e}")
+    assert diff <= 1e-5
+    # only rank 0 (machine 0) writes what the ranks share
+    assert (first.output_dir / "final").is_dir()
+    assert not (second.output_dir / "metrics.jsonl").exists() and not (second.output_dir / "final").exists()
+
+
+def start_long_run(tmp_path: Path, env: dict | None = None) -> tuple[Machine, Machine]:
+    """Two machines on a run far too long to finish, once machine 0 has logged a few steps."""
+    machines = two_machines(tmp_path, [*MLP[:2], "--max_steps", "1000000", "--eval_every", "0", "--batch_size", "8"],
+                            env)
+    deadline = time.monotonic() + 90
+    while machines[0].steps_done() < 3:
+        if time.monotonic() > deadline or any(m.proc.poll() is not None for m in machines):
+            for m in machines:
+                kill_tree(m.proc)
+            logs = "\n".join((m.logs / "stderr").read_text()[-2000:] for m in machines)
+            pytest.fail(f"the two machines did not start training within 90 s:\n{logs}")
+        time.sleep(0.2)
+    return machines
+
+
+def wait_for_exit(machine: Machine, limit: float) -> tuple[Run, float]:
+    started = time.monotonic()
+    try:
+        run = machine.wait(timeout=limit)
+    except subprocess.TimeoutExpired:
+        kill_tree(machine.proc)
+        pytest.fail(f"machine 0 was still running {limit:.0f} s after machine 1 went away: it would hang")
+    return run, time.monotonic() - started
+
+
+@pytest.mark.slow
+def test_a_dead_machine_stops_the_other(tmp_path):
+    """Machine 1 is killed (its launcher and worker); machine 0 must fail at once, not wait for a timeout."""
+    first, second = start_long_run(tmp_path)
+    try:
+        kill_tree(second.proc)
+        run, elapsed = wait_for_exit(first, limit=60)
+    finally:
+        kill_tree(first.proc)
+        kill_tree(second.proc)
+    print(f"\nmachine 1 killed: machine 0 exited {run.returncode} after {elapsed:.1f} s")
+    assert run.returncode != 0
+    # gloo sees the closed connection in a read or a write, whichever comes first
+    assert re.search(r"error: rank 0 lost contact with the other processes \((Read error )?(\[[\d.:]+\]:\d+: )?"
+                     r"Connection (closed|reset) by peer", run.stderr), run.stderr[-3000:]
+    assert "ChildFailedError" in run.stderr  # torchrun on machine 0 reports its worker's failure and exits
+    assert 1 <= first.steps_done() < 1000000
+
+
+@pytest.mark.slow
+def test_a_silent_machine_stops_the_other_within_the_timeout(tmp_path):
+    """Machine 1 stops answering without closing its connections (SIGSTOP: a frozen host, a cut cable). Machine 0
+    must fail once TRAINKIT_DIST_TIMEOUT has passed, not wait forever (torch's own default: 30 min over gloo)."""
+    timeout = 10
+    first, second = start_long_run(tmp_path, env={"TRAINKIT_DIST_TIMEOUT": str(timeout)})
+    try:
+        kill_tree(second.proc, signal.SIGSTOP)
+        run, elapsed = wait_for_exit(first, limit=timeout + 50)
+    finally:
+        kill_tree(first.proc)
+        kill_tree(second.proc)  # SIGKILL ends stopped processes too
+    print(f"\nmachine 1 stopped: machine 0 exited {run.returncode} after {elapsed:.1f} s (timeout {timeout} s)")
+    assert run.returncode != 0
+    assert f"error: rank 0 lost contact with the other processes (Timed out waiting {timeout * 1000}ms" in run.stderr, \
+        run.stderr[-3000:]
+    assert elapsed >= timeout * 0.5  # it was the timeout that ended it (the run may have been mid-collective)
+
+
+# --- SLURM: the example script, with srun and scontrol played by two local "nodes" --------------------------------
+
+FAKE_SRUN = """#!/usr/bin/env bash
+# srun stand-in: run the command once per node of the allocation, with that node's SLURM_NODEID, all at once.
+while [[ $1 == -* ]]; do shift; done
+pids=()
+for ((node = 0; node < SLURM_NNODES; node++)); do
+  SLURM_NODEID=$node SLURM_PROCID=$node "$@" &
+  pids+=($!)
+done
+status=0
+for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
+exit $status
+"""
+FAKE_SCONTROL = """#!/usr/bin/env bash
+# scontrol stand-in: `scontrol show hostnames LIST` prints one host per node.
+for ((node = 0; node < SLURM_NNODES; node++)); do echo 127.0.0.1; done
+"""
+
+
+@pytest.mark.slow
+def test_slurm_example_starts_one_launch_per_node(ddp_reference, tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    env = {**ENV, "PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}", "SLURM_NNODES": "2",
+           "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_JOB_ID": "4242", "SLURM_CPUS_PER_TASK": "1",
+           "GPUS_PER_NODE": "1", "MAIN_PORT": str(free_port())}
+    out = tmp_path / "out"
+    proc = subprocess.run(["bash", str(ROOT / "examples" / "slurm.sbatch"), *MLP, "--output_dir", str(out),
+                           "--report_to", "none"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=110)
+    run = Run("slurm", proc.returncode, proc.stdout, proc.stderr, out).check()
+    assert run.resolved["num_machines"] == 2 and run.resolved["world_size"] == 2
+    assert max_rel_diff(run.losses, ddp_reference.losses) <= 1e-5
+
+
+# --- DeepSpeed's hostfile launcher over real ssh -------------------------------------------------------------------
+
+def _sshd_binary() -> str | None:
+    return shutil.which("sshd") or next((p for p in ("/usr/sbin/sshd", "/sbin/sshd") if os.access(p, os.X_OK)), None)
+
+
+@pytest.fixture(scope="module")
+def sshd(tmp_path_factory):
+    """A throw-away OpenSSH server on 127.0.0.1 and 127.0.0.2, port 2299, accepting a key made here.
+
+    Clients use the ssh_config written here (`ssh -F`, which replaces ~/.ssh/config and /etc/ssh/ssh_config):
+    nothing in ~/.ssh is read or written. The server stops (by its pid file) when the module's tests are done.
+    """
+    tools = {"sshd (openssh-server)": _sshd_binary(), "ssh (openssh-client)": shutil.which("ssh"),
+             "ssh-keygen": shutil.which("ssh-keygen"), "pdsh": shutil.which("pdsh")}
+    missing = [name for name, path in tools.items() if not path]
+    if missing:
+        pytest.skip(f"cannot run DeepSpeed's launcher over real ssh: {', '.join(missing)} not installed "
+                    f"(Debian: apt-get install openssh-server pdsh; .ci/run does)")
+    with socket.socket() as s:
+        if s.connect_ex(("127.0.0.1", SSH_PORT)) == 0:
+            pytest.fail(f"port {SSH_PORT} on 127.0.0.1 is already in use (a leftover test sshd? see "
+                        f"/tmp/pytest-of-*/sshd*/sshd.pid): free it and run again")
+    d = tmp_path_factory.mktemp("sshd")
+    for key in ("host_key", "client_key"):
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "trainkit-test", "-f", str(d / key)],
+                       check=True)
+    shutil.copy(d / "client_key.pub", d / "authorized_keys")
+    (d / "sshd_config").write_text(f"""\
+Port {SSH_PORT}
+ListenAddress {HOSTS[0]}
+ListenAddress {HOSTS[1]}
+HostKey {d / 'host_key'}
+AuthorizedKeysFile {d / 'authorized_keys'}
+PidFile {d / 'sshd.pid'}
+UsePAM no
+StrictModes no
+PubkeyAuthentication yes
+PasswordAuthentication no
+KbdInteractiveAuthentication no
+PermitRootLogin prohibit-password
+X11Forwarding no
+PrintMotd no
+UseDNS no
+MaxStartups 64
+LogLevel VERBOSE
+""")
+    (d / "ssh_config").write_text(f"""\
+Host *
+  Port {SSH_PORT}
+  IdentityFile {d / 'client_key'}
+  IdentitiesOnly yes
+  StrictHostKeyChecking no
+  UserKnownHostsFile /dev/null
+  GlobalKnownHostsFile /dev/null
+  LogLevel ERROR
+""")
+    try:
+        os.makedirs("/run/sshd", exist_ok=True)  # sshd's privilege-separation directory
+    except OSError:
+        pass  # not root: sshd says below whether it can do without
+    started = subprocess.run([_sshd_binary(), "-f", str(d / "sshd_config"), "-E", str(d / "sshd.log")],
+                             capture_output=True, text=True)
+    log = d / "sshd.log"
+    if started.returncode != 0:
+        pytest.skip(f"sshd could not start: {started.stderr.strip()} {log.read_text().strip() if log.exists() else ''}")
+    pid_file = d / "sshd.pid"
+    deadline = time.monotonic() + 10
+    while not pid_file.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    server = SimpleNamespace(dir=d, config=d / "ssh_config", log=log, pid_file=pid_file)
+    try:
+        for host in HOSTS:
+            login = subprocess.run(["ssh", "-F", str(server.config), "-o", "BatchMode=yes", host, "true"],
+                                   capture_output=True, text=True, timeout=30)
+            assert login.returncode == 0, f"key login to {host}:{SSH_PORT} failed: {login.stderr}\n{log.read_text()}"
+        yield server
+    finally:
+        if pid_file.exists():
+            pid = int(pid_file.read_text())
+            try:
+                os.kill(pid, signal.SIGTERM)
+                for _ in range(100):
+                    os.kill(pid, 0)
+                    time.sleep(0.05)
+            except ProcessLookupError:
+                pass
+
+
+def write_hostfile(path: Path, *lines: str) -> Path:
+    path.write_text("# two loopback 'machines', one slot each\n" + "".join(f"{line}\n" for line in lines))
+    return path
+
+
+def assert_both_hosts_reached(server, since: int) -> None:
+    """sshd's log shows a session on each loopback host: both ranks really came through ssh."""
+    log = server.log.read_text()[since:]
+    for host in HOSTS:
+        assert f"on {host} port {SSH_PORT}" in log, log[-3000:]
+
+
+def check_deepspeed_run(run: Run, reference: Run) -> float:
+    run.check()
+    assert run.resolved["strategy"] == "deepspeed" and run.resolved["zero_stage"] == 2
+    assert run.resolved["world_size"] == 2 and run.resolved["num_machines"] == 2
+    assert len(run.losses) == 15
+    diff = max_rel_diff(run.losses, reference.losses)
+    assert diff <= 1e-5
+    return diff
+
+
+@pytest.mark.slow
+def test_hostfile_yaml_over_ssh_matches_ddp(sshd, ddp_reference, tmp_path):
+    """accelerate launch --config_file deepspeed_hostfile.yaml: one command starts both ranks through pdsh and ssh.
+
+    Accelerate cannot pass DeepSpeed's --ssh_port or --no_ssh_check, and DeepSpeed's own ssh check ignores
+    PDSH_SSH_ARGS_APPEND: an `ssh` first on PATH that adds `-F <our ssh_config>` stands in for the user's
+    ~/.ssh/config with a Port line (the YAML's header says so). DS_ENV_FILE sends Accelerate's write of the
+    environment file (it appends on every launch) to a fresh file of this test instead of ./.deepspeed_env.
+    """
+    hostfile = write_hostfile(tmp_path / "hostfile", f"{HOSTS[0]} slots=1", f"{HOSTS[1]} slots=1")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "ssh").write_text(f'#!/bin/sh\nexec {shutil.which("ssh")} -F {sshd.config} "$@"\n')
+    (bin_dir / "ssh").chmod(0o755)
+    env_file = tmp_path / "deepspeed_env"
+    env = {**ENV, "PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}",
+           "PDSH_SSH_ARGS_APPEND": f"-F {sshd.config}", "DS_ENV_FILE": str(env_file)}
+    out = tmp_path / "out"
+    log_start = len(sshd.log.read_text())
+    cmd = [sys.executable, "-m", "accelerate.commands.launch",
+           "--config_file", str(ROOT / "accelerate_configs" / "deepspeed_hostfile.yaml"),
+           "--deepspeed_hostfile", str(hostfile), "--main_process_ip", HOSTS[0], "--main_process_port", str(free_port()),
+           "train.py", "--output_dir", str(out), "--report_to", "none", *MLP]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=110)
+    run = Run("deepspeed_hostfile.yaml", proc.returncode, proc.stdout, proc.stderr, out)
+    diff = check_deepspeed_run(run, ddp_reference)
+    print(f"\ndeepspeed_hostfile.yaml over ssh (2 hosts x 1) vs ddp.yaml: max relative loss difference {diff:.2e}")
+    assert_both_hosts_reached(sshd, log_start)
+    # what carried the launch's settings to the ranks: Accelerate's environment dump, read by DeepSpeed's runner
+    written = env_file.read_text().splitlines()
+    assert "ACCELERATE_USE_DEEPSPEED=true" in written and "OMP_NUM_THREADS=1" in written
+
+
+@pytest.mark.slow
+def test_deepspeed_launcher_over_ssh_matches_ddp(sshd, ddp_reference, tmp_path):
+    """The `deepspeed` launcher called directly (for what Accelerate cannot pass: --ssh_port, --no_ssh_check), with a
+    .deepspeed_env written once by hand: the ssh login shells on the hosts get only what it and DeepSpeed export."""
+    hostfile = write_hostfile(tmp_path / "hostfile", f"{HOSTS[0]} slots=1", f"{HOSTS[1]} slots=1")
+    env_file = tmp_path / "deepspeed_env"
+    settings = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": "ds_configs/zero2.json",
+                "ACCELERATE_MIXED_PRECISION": "no", "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1",
+                "TRAINKIT_CACHE": ENV["TRAINKIT_CACHE"]}
+    env_file.write_text("".join(f"{k}={v}\n" for k, v in settings.items()))  # KEY=VALUE lines only
+    written = env_file.read_text()
+    env = {**ENV, "PDSH_SSH_ARGS_APPEND": f"-F {sshd.config}", "DS_ENV_FILE": str(env_file)}
+    out = tmp_path / "out"
+    log_start = len(sshd.log.read_text())
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", str(hostfile), "--launcher", "pdsh",
+           "--ssh_port", str(SSH_PORT), "--no_ssh_check", "--no_local_rank", "--master_addr", HOSTS[0],
+           "--master_port", str(free_port()), "train.py", "--output_dir", str(out), "--report_to", "none", *MLP]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=110)
+    run = Run("deepspeed --hostfile", proc.returncode, proc.stdout, proc.stderr, out)
+    diff = check_deepspeed_run(run, ddp_reference)
+    print(f"\ndeepspeed --hostfile over ssh (2 hosts x 1) vs ddp.yaml: max relative loss difference {diff:.2e}")
+    assert_both_hosts_reached(sshd, log_start)
+    assert env_file.read_text() == written  # read, never appended to
+
+
+# --- the hostfile pre-flight (--dry_run) ---------------------------------------------------------------------------
+
+def hostfile_launch(hostfile: Path, **changes) -> Launch:
+    launch = Launch.from_yaml(str(ROOT / "accelerate_configs" / "deepspeed_hostfile.yaml"))
+    return dataclasses.replace(launch, hostfile=str(hostfile), **changes)
+
+
+@pytest.mark.slow
+def test_preflight_reaches_every_host_and_names_the_one_that_fails(sshd, tmp_path, monkeypatch):
+    monkeypatch.setenv("PDSH_SSH_ARGS_APPEND", f"-F {sshd.config}")  # what pdsh will use, the check uses too
+    good = write_hostfile(tmp_path / "good", f"{HOSTS[0]} slots=1", f"{HOSTS[1]} slots=1")
+    assert check_hosts(hostfile_launch(good)) == []
+    # 127.0.0.3 is a loopback address where no sshd listens: refused at once
+    bad = write_hostfile(tmp_path / "bad", f"{HOSTS[0]} slots=1", "127.0.0.3 slots=1")
+    problems = check_hosts(hostfile_launch(bad))
+    assert len(problems) == 1, problems
+    assert problems[0].startswith("host 127.0.0.3 does not answer over ssh: ") and "refused" in problems[0]
+    assert f"deepspeed_hostfile {bad}" in problems[0] and "ssh-copy-id 127.0.0.3" in problems[0]
+
+
+@pytest.mark.slow
+def test_dry_run_checks_the_hosts(sshd, tmp_path):
+    """--dry_run with the hostfile YAML: exit 2 with an error line naming the host that does not answer."""
+    hostfile = write_hostfile(tmp_path / "hostfile", f"{HOSTS[0]} slots=1", "127.0.0.3 slots=1")
+    yaml_file = tmp_path / "cluster.yaml"
+    yaml_file.write_text((ROOT / "accelerate_configs" / "deepspeed_hostfile.yaml").read_text()
+                         .replace("deepspeed_hostfile: hostfile", f"deepspeed_hostfile: {hostfile}"))
+    env = {**ENV, "PDSH_SSH_ARGS_APPEND": f"-F {sshd.config}"}
+    proc = subprocess.run([sys.executable, "train.py", "--recipe", "mlp", "--dry_run", "--accelerate_config",
+                           str(yaml_file)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith("error: host 127.0.0.3 does not answer over ssh: "), proc.stderr
+    hostfile.write_text(f"{HOSTS[0]} slots=1\n{HOSTS[1]} slots=1\n")
+    proc = subprocess.run([sys.executable, "train.py", "--recipe", "mlp", "--dry_run", "--accelerate_config",
+                           str(yaml_file)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and '"num_machines": 2' in proc.stdout, proc.stderr
+
+
+def test_preflight_checks_that_the_slots_add_up(tmp_path):
+    """Everything but ssh is checked first, and without a network: these hosts are never contacted."""
+    three = write_hostfile(tmp_path / "three", "a slots=1", "b slots=1", "c slots=1")
+    assert check_hosts(hostfile_launch(three)) == [
+        f"{three} lists 3 host(s) but num_machines is 2 (without a filter DeepSpeed starts ranks on every host of "
+        f"the file) (deepspeed_hostfile {three} in {ROOT / 'accelerate_configs' / 'deepspeed_hostfile.yaml'}): "
+        f"list exactly num_machines hosts, or select some with deepspeed_inclusion_filter"]
+    small = write_hostfile(tmp_path / "small", "a slots=2", "b slots=1")
+    [problem] = check_hosts(hostfile_launch(small, world_size=4))
+    assert problem.startswith("host b has 1 slot(s) but each machine runs num_processes / num_machines = 2 "
+                              "process(es); the slots add up to 3, num_processes is 4")
+    [problem] = check_hosts(hostfile_launch(three, hostfile_exclude="c:0", world_size=3))
+    assert problem.startswith("the filtered hostfile gives 2 slot(s) on 2 host(s), the launch asks for "
+                              "num_processes 3 on num_machines 2")
+    [problem] = check_hosts(hostfile_launch(three, hostfile_include="a@d"))
+    assert problem.startswith("host d in the inclusion filter is not in ")
+    broken = write_hostfile(tmp_path / "broken", "a slots=1", "b", "a slots=2")
+    assert [p.split(" (")[0] for p in check_hosts(hostfile_launch(broken))] == [
+        f"line 3 of {broken} is not `HOSTNAME slots=N`: 'b'", f"host a is listed twice in {broken}, again on line 4"]
+    assert check_hosts(hostfile_launch(tmp_path / "missing"))[0].startswith(
+        f"cannot read the hostfile {tmp_path / 'missing'}: No such file or directory")
+    assert "Accelerate then ignores the hostfile" in check_hosts(hostfile_launch(three, num_machines=1))[0]
+
+
+def test_launch_reads_the_machine_count_of_both_launchers(monkeypatch):
+    for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE", "LOCAL_SIZE", "CROSS_SIZE",
+                 "TRAINKIT_DIST_TIMEOUT"):
+        monkeypatch.delenv(name, raising=False)
+    # torchrun, 2 machines x 3 processes
+    monkeypatch.setenv("WORLD_SIZE", "6")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
+    assert Launch.from_env().num_machines == 2
+    # DeepSpeed's launcher, 3 hosts x 2 processes: LOCAL_SIZE and CROSS_SIZE, no LOCAL_WORLD_SIZE
+    for name in ("LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE"):
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("LOCAL_SIZE", "2")
+    monkeypatch.setenv("CROSS_SIZE", "3")
+    assert Launch.from_env().num_machines == 3 and Launch.from_env().world_size == 6
+    monkeypatch.setenv("TRAINKIT_DIST_TIMEOUT", "45")
+    assert Launch.from_env().dist_timeout_s == 45.0
+    monkeypatch.setenv("TRAINKIT_DIST_TIMEOUT", "soon")
+    with pytest.raises(Exception, match="TRAINKIT_DIST_TIMEOUT='soon' is not a positive number of seconds"):
+        Launch.from_env()
