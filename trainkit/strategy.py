@@ -41,7 +41,6 @@ class Launch:
     kind: str  # single | ddp | deepspeed | fsdp
     world_size: int
     num_machines: int
-    rank: int
     mixed_precision: str  # no | bf16 | fp16
     source: str  # where these values came from, for messages
     deepspeed_config: str | None = None  # the DeepSpeed JSON
@@ -58,10 +57,6 @@ class Launch:
     hostfile_exclude: str = ""  # deepspeed_exclusion_filter
     multinode_launcher: str = "pdsh"
     main_process_ip: str | None = None
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
 
     @classmethod
     def from_env(cls) -> Launch:
@@ -82,7 +77,7 @@ class Launch:
         else:
             kind = "ddp" if world_size > 1 else "single"
         return cls(kind=kind, world_size=world_size, num_machines=num_machines,
-                   rank=int(env.get("RANK", "0")), mixed_precision=env.get("ACCELERATE_MIXED_PRECISION", "no").lower(),
+                   mixed_precision=env.get("ACCELERATE_MIXED_PRECISION", "no").lower(),
                    source="the launcher's environment" if "ACCELERATE_MIXED_PRECISION" in env else "no launcher",
                    deepspeed_config=env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE"),
                    deepspeed_inline=kind == "deepspeed" and "ACCELERATE_DEEPSPEED_CONFIG_FILE" not in env,
@@ -112,7 +107,7 @@ class Launch:
             kind = "single"
         ds = data.get("deepspeed_config") or {}
         fsdp = data.get("fsdp_config") or {}
-        return cls(kind=kind, world_size=world_size, num_machines=int(data.get("num_machines", 1)), rank=0,
+        return cls(kind=kind, world_size=world_size, num_machines=int(data.get("num_machines", 1)),
                    mixed_precision=str(data.get("mixed_precision", "no")).lower(), source=path,
                    deepspeed_config=ds.get("deepspeed_config_file"),
                    deepspeed_inline=kind == "deepspeed" and "deepspeed_config_file" not in ds,
