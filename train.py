@@ -129,6 +129,8 @@ def run(argv: list[str] | None) -> int:
     if found and not checkpointer.exact(found):  # another strategy's checkpoint: weights only, said out loud
         strategy.notes.append(checkpointer.warm_start(found, model))
     model = strategy.prepare_model(model)
+    if found and (note := checkpointer.reshard(found)):  # a ZeRO checkpoint of another world size or stage
+        strategy.notes.append(note)
     optimizer = strategy.build_optimizer(cfg, model)
     scheduler = build_scheduler(cfg, optimizer)
     model, optimizer, scheduler = strategy.prepare(model, optimizer, scheduler)

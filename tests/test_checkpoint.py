@@ -132,6 +132,21 @@ def test_zero3_on_two_processes_continues_under_ddp_on_one(run_dir):
 
 
 @pytest.mark.slow
+def test_zero2_checkpoint_reshards_through_a_universal_checkpoint(run_dir):
+    """ZeRO-2 on 2 processes continued as ZeRO-2 on 1 and as ZeRO-1 on 2: DeepSpeed's universal checkpoint carries
+    the optimizer state across, so the curve continues as if nothing had changed."""
+    full = launch(run_dir("full"), *MLP, "--save_every", "6", config="deepspeed_zero2").check()
+    step_6 = str(full.output_dir / "checkpoints" / "step_6")
+    one = launch(run_dir("one"), *MLP[:-1], "16", "--resume", step_6, config="deepspeed_zero2",
+                 extra_launch=("--num_processes", "1")).check()
+    assert "converted to DeepSpeed's universal checkpoint" in one.stderr and "optimizer state kept" in one.stderr
+    assert max_rel_diff(one.losses, full.losses[6:]) <= 1e-5
+    zero1 = launch(run_dir("zero1"), *MLP, "--resume", step_6, config="deepspeed_zero1").check()
+    assert "as ZeRO-1 on 2" in zero1.stderr
+    assert max_rel_diff(zero1.losses, full.losses[6:]) <= 1e-5
+
+
+@pytest.mark.slow
 def test_fsdp_checkpoint_reshards_onto_one_process_with_optimizer_state(run_dir):
     """torch.distributed.checkpoint reshards FSDP's DTensor shards: the optimizer state survives the move."""
     out = run_dir("out")

@@ -18,6 +18,8 @@ import json
 import os
 import random
 import shutil
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -78,6 +80,7 @@ class Checkpointer:
         self.strategy = strategy
         self.root = output_dir / "checkpoints"
         self.keep_last = keep_last
+        self._universal: Path | None = None  # set by reshard()
 
     @property
     def format(self) -> str:
@@ -148,19 +151,57 @@ class Checkpointer:
 
     # --- restoring ------------------------------------------------------------------------------------------------------
 
-    def exact(self, found: Found) -> bool:
-        """Whether the saved model + optimizer state can be restored as it is under this run's strategy.
+    def _same_layout(self, found: Found) -> bool:
+        return (found.state["zero_stage"] == self.strategy.zero_stage
+                and found.state["world_size"] == self.accelerator.num_processes)
 
-        torch.distributed.checkpoint reshards between single, DDP and FSDP2 at any world size. DeepSpeed's
-        checkpoint restores only under the same ZeRO stage and world size (resharding it takes DeepSpeed's
-        universal-checkpoint conversion); other combinations warm-start from the consolidated weights.
+    def exact(self, found: Found) -> bool:
+        """Whether the saved model + optimizer state can be restored under this run's strategy, resharded if needed.
+
+        torch.distributed.checkpoint reshards between single, DDP and FSDP2 at any world size. A DeepSpeed checkpoint
+        restores natively under the same ZeRO stage and world size, and between ZeRO-1 and ZeRO-2 of any world size
+        through DeepSpeed's universal checkpoint (see `reshard`). Measured here, universal checkpoints of ZeRO-3
+        either fail to load (into ZeRO-2) or lose optimizer precision (1.4e-3 off after a step), so ZeRO-3 moves,
+        like moves between the two formats, carry only the consolidated weights over (`warm_start`).
         """
         if found.format != self.format:
             return False
-        if self.format == "deepspeed":
-            return (found.state["zero_stage"] == self.strategy.zero_stage
-                    and found.state["world_size"] == self.accelerator.num_processes)
+        if self.format == "deepspeed" and not self._same_layout(found):
+            return found.state["zero_stage"] in (1, 2) and self.strategy.zero_stage in (1, 2)
         return True
+
+    def reshard(self, found: Found) -> str | None:
+        """Before `prepare`: convert a ZeRO-1/2 checkpoint saved under another world size or stage into DeepSpeed's
+        universal format (main process, once, into output_dir/universal/), and tell the engine to load that
+        format. Returns the note to print, or None when nothing had to change."""
+        if self.format != "deepspeed" or not self.exact(found) or self._same_layout(found):
+            return None
+        target = self.root.parent / "universal" / found.path.name
+        failed = target.with_name(target.name + ".failed")  # how the other ranks learn that rank 0's conversion failed
+        if self.accelerator.is_main_process and not target.exists():
+            tmp = target.with_name(target.name + ".tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            failed.unlink(missing_ok=True)
+            tmp.parent.mkdir(parents=True, exist_ok=True)
+            convert = subprocess.run(
+                [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                 str(found.path / "deepspeed" / DEEPSPEED_TAG), "--output_folder", str(tmp),
+                 "--num_extract_workers", "1", "--num_merge_workers", "1", "--inject_missing_state"],
+                capture_output=True, text=True)
+            if convert.returncode == 0:
+                tmp.rename(target)
+            else:
+                failed.write_text((convert.stderr.strip().splitlines() or ["?"])[-1])
+        self.accelerator.wait_for_everyone()
+        if failed.exists():
+            raise ConfigError([problem(f"DeepSpeed could not convert {found.path} to a universal checkpoint: "
+                                       f"{failed.read_text()}", "--resume",
+                                       "resume under the ZeRO stage and process count it was saved with")])
+        self.accelerator.state.deepspeed_plugin.deepspeed_config["checkpoint"] = {"load_universal": True}
+        self._universal = target
+        return (f"resuming a ZeRO-{found.state['zero_stage']} checkpoint of {found.state['world_size']} process(es) "
+                f"as ZeRO-{self.strategy.zero_stage} on {self.accelerator.num_processes}: converted to DeepSpeed's "
+                f"universal checkpoint ({target}), optimizer state kept")
 
     def warm_start(self, found: Found, model: torch.nn.Module) -> str:
         """Load the checkpoint's consolidated weights into the not-yet-prepared model; returns the note to print."""
@@ -185,8 +226,11 @@ class Checkpointer:
         acc = self.accelerator
         if self.exact(found):
             if self.format == "deepspeed":
-                model.load_checkpoint(str(found.path / "deepspeed"), tag=DEEPSPEED_TAG,
-                                      load_optimizer_states=True, load_lr_scheduler_states=False)
+                universal = self._universal
+                load_dir, tag = (universal.parent, universal.name) if universal else (found.path / "deepspeed",
+                                                                                       DEEPSPEED_TAG)
+                model.load_checkpoint(str(load_dir), tag=tag, load_optimizer_states=True,
+                                      load_lr_scheduler_states=False)
             else:
                 import torch.distributed.checkpoint as dcp
                 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -232,7 +276,7 @@ def check_output_dir(output_dir: Path, resume: str | None, overwrite: bool, reso
 
 def clear_outputs(output_dir: Path) -> None:
     """Remove an earlier run's outputs (--overwrite): stale checkpoints would otherwise mix with the new ones."""
-    for folder in ("checkpoints", "final", "train"):  # train/: TensorBoard's events
+    for folder in ("checkpoints", "final", "train", "universal"):  # train/: TensorBoard's events
         shutil.rmtree(output_dir / folder, ignore_errors=True)
     for name in ("metrics.jsonl", "resolved_config.json"):
         (output_dir / name).unlink(missing_ok=True)
