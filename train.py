@@ -203,7 +203,7 @@ def run(argv: list[str] | None) -> int:
             break
     log.close()
     if step < cfg.max_steps:  # --stop_at or a signal: a checkpoint, no final export
-        accelerator.end_training()
+        strategy.close()
         if is_main:
             print(f"stopped after step {step} ({stop.name or '--stop_at'}); checkpoint in "
                   f"{checkpointer.root / f'step_{step}'}; continue with --resume latest")
@@ -212,7 +212,7 @@ def run(argv: list[str] | None) -> int:
     # --- save and summarise ---
     final = export_final(accelerator, strategy.full_state_dict(model), model, recipe, cfg, options.cache_dir,
                          options.output_dir)
-    accelerator.end_training()
+    strategy.close()
     if is_main:
         extra = recipe.summary(cfg, options.cache_dir) if hasattr(recipe, "summary") else {}
         print(summary_line(record, step - start_step, time.perf_counter() - started, extra, final))

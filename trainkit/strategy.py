@@ -507,6 +507,14 @@ class Strategy:
             return bool(getattr(engine.optimizer, "overflow", False))
         return self.accelerator.optimizer_step_was_skipped
 
+    def close(self) -> None:
+        """End the trackers and tear the process group down. Left to interpreter shutdown, the process group's
+        threads can abort a finished run ("terminate called without an active exception", seen with ZeRO-3 on 4
+        processes)."""
+        self.accelerator.end_training()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
     def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """The consolidated weights on the main process (a collective: call on every rank)."""
         if self.launch.kind == "fsdp":
