@@ -26,6 +26,7 @@ from types import ModuleType
 import torch
 
 from trainkit.config import TrainConfig
+from trainkit.strategy import hidden_size, persistence_threshold
 
 # Optimizer state bytes per parameter in fp32: AdamW keeps exp_avg and exp_avg_sq; plain SGD keeps nothing.
 OPTIMIZER_BYTES = {"adamw": 8, "sgd": 0}
@@ -51,10 +52,9 @@ def model_shape(recipe: ModuleType, cfg: TrainConfig) -> ModelShape:
     with torch.device("meta"):
         model = recipe.build_model(cfg)
     numels = tuple(p.numel() for p in model.parameters())
-    config = getattr(model, "config", None)
-    hidden = getattr(config, "hidden_size", None) or int(math.sqrt(max(numels)))
-    layers = getattr(config, "num_hidden_layers", None) or sum(isinstance(m, torch.nn.Linear) for m in model.modules())
-    return ModelShape(numels, hidden, layers)
+    layers = getattr(getattr(model, "config", None), "num_hidden_layers", None) or \
+        sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    return ModelShape(numels, hidden_size(model), layers)
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +100,7 @@ def estimate(shape: ModelShape, strategy: str, world_size: int, precision: str, 
         grads = 4 * math.ceil(n / w) + 2 * staging
         optimizer_bytes += low * math.ceil(n / w)
         return Estimate(strategy, low * n, grads, optimizer_bytes, optimizer_bytes + grads - staging, activations)
-    persistent = sum(k for k in shape.numels if k < 10 * shape.hidden)  # see fill_bucket_sizes
+    persistent = sum(k for k in shape.numels if k < persistence_threshold(shape.hidden))
     params = low * (math.ceil((n - persistent) / w) + persistent)
     grads = low * math.ceil(n / w)
     host = params + optimizer_bytes if strategy == "deepspeed_zero3_offload" else 0

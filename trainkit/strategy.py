@@ -217,17 +217,25 @@ def offloads_optimizer(ds: dict) -> bool:
     return ds.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none") not in ("none", None)
 
 
-def fill_bucket_sizes(ds: dict, model: torch.nn.Module) -> None:
-    """Replace "auto" bucket sizes with Accelerate's formulas, from the model's hidden size.
-
-    Accelerate takes it from `model.config.hidden_size` and raises for models without a config (the MLP); for those
-    the square root of the largest parameter stands in (the width of a square weight matrix).
-    """
-    hidden = getattr(getattr(model, "config", None), "hidden_size", None) or \
+def hidden_size(model: torch.nn.Module) -> int:
+    """The model's hidden size for DeepSpeed's bucket formulas: `model.config.hidden_size` as Accelerate takes it
+    (Accelerate raises for models without a config, the MLP); otherwise the square root of the largest parameter
+    (the width of a square weight matrix)."""
+    return getattr(getattr(model, "config", None), "hidden_size", None) or \
         int(math.sqrt(max(p.numel() for p in model.parameters())))
+
+
+def persistence_threshold(hidden: int) -> int:
+    """ZeRO-3 keeps parameters smaller than this whole on every rank (Accelerate's formula)."""
+    return 10 * hidden
+
+
+def fill_bucket_sizes(ds: dict, model: torch.nn.Module) -> None:
+    """Replace "auto" bucket sizes with Accelerate's formulas, from the model's hidden size."""
+    hidden = hidden_size(model)
     derived = {"reduce_bucket_size": hidden * hidden, "allgather_bucket_size": hidden * hidden,
                "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
-               "stage3_param_persistence_threshold": 10 * hidden}
+               "stage3_param_persistence_threshold": persistence_threshold(hidden)}
     zero = ds.get("zero_optimization", {})
     for key, value in derived.items():
         if zero.get(key) == "auto":
