@@ -56,9 +56,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run(argv)
     except (ConfigError, TrainingError) as e:
-        if int(os.environ.get("RANK", "0")) == 0:
-            for line in getattr(e, "problems", [str(e)]):
-                print(f"error: {line}", file=sys.stderr)
+        # Every rank prints: when all of them refuse, the launcher kills the slower ones as soon as one exits, so a
+        # message left to rank 0 alone can be lost (seen in CI). Duplicate lines beat a silent failure.
+        for line in getattr(e, "problems", [str(e)]):
+            print(f"error: {line}", file=sys.stderr, flush=True)
         return 2 if isinstance(e, ConfigError) else 1
     except RuntimeError as e:
         reason = lost_contact(e)
