@@ -27,8 +27,8 @@ from trainkit.metrics import (MetricsLog, Throughput, check_trackers, model_flop
                               summary_line)
 from trainkit.optim import build_scheduler
 from trainkit.recipes import load_recipe, recipe_path
-from trainkit.strategy import (Launch, Strategy, build_accelerator, check_hosts, check_launch, check_yaml, lost_contact,
-                               offloads_optimizer, zero_stage)
+from trainkit.strategy import (Launch, Strategy, build_accelerator, check_hosts, check_launch, check_yaml, end_process,
+                               lost_contact, offloads_optimizer, zero_stage)
 
 
 class TrainingError(Exception):
@@ -221,4 +221,4 @@ def run(argv: list[str] | None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    end_process(main())

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 from safetensors.torch import load_model
 
-from conftest import assert_refused, launch
+from conftest import ROOT, assert_refused, launch
 from trainkit.recipes import load_recipe
 
 SMALL_LM = ["--hidden", "64", "--layers", "2", "--seq_len", "64"]
@@ -121,3 +124,15 @@ def test_diverging_loss_stops_before_the_step(run_dir):
 def test_batchnorm_under_ddp_on_cpu_says_why_it_is_not_synced(run_dir):
     run = launch(run_dir("out"), "--recipe", "mlp", "--batchnorm", "--max_steps", "5", config="ddp").check()
     assert "SyncBatchNorm supports only GPU/XPU devices" in run.stderr
+
+
+def test_a_launched_rank_exits_with_its_code_after_the_atexit_handlers(tmp_path):
+    """end_process skips only interpreter finalization (where gloo's threads can abort a finished rank): the exit
+    status and everything registered with atexit (logging, the libraries' own clean-ups) still happen."""
+    marker = tmp_path / "atexit-ran"
+    script = ("import atexit, pathlib; from trainkit.strategy import end_process\n"
+              f"atexit.register(pathlib.Path({str(marker)!r}).write_text, 'yes')\n"
+              "print('flushed', end=''); end_process(3)")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, "LOCAL_RANK": "0"})
+    assert (done.returncode, done.stdout, marker.read_text()) == (3, "flushed", "yes")
