@@ -10,12 +10,14 @@ from trainkit.compare import ROOT, Run, max_rel_diff, run_config
 
 __all__ = ["ROOT", "Run", "assert_refused", "launch", "max_rel_diff"]
 
+TEST_CACHE = ROOT / ".cache" / "tests"
+
 
 def launch(output_dir: Path, *args: str, config: str | None = None, extra_launch: tuple[str, ...] = (),
            script: str = "train.py", env: dict | None = None) -> Run:
     """`python train.py ARGS` (config None) or `accelerate launch --config_file <config>.yaml train.py ARGS`,
     with the tests' own data cache, one thread per process and no network."""
-    test_env = {"TRAINKIT_CACHE": str(ROOT / ".cache" / "tests"), "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1",
+    test_env = {"TRAINKIT_CACHE": str(TEST_CACHE), "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1",
                 "PYTHONPATH": str(ROOT), **(env or {})}
     return run_config(config, output_dir, list(args), launch_args=extra_launch, script=script, env=test_env)
 
@@ -32,3 +34,25 @@ def assert_refused(run: Run, message: str, code: int = 2) -> None:
 def run_dir(tmp_path):
     """A fresh output directory per call: run_dir('name')."""
     return lambda name: tmp_path / name
+
+
+@pytest.fixture
+def check_only(capsys, monkeypatch):
+    """check_only(output_dir, ARGS): train.main(ARGS) inside the test process, for runs that build and train nothing
+    (--dry_run, --estimate). The same code path as `python train.py ARGS`, without a new interpreter's seconds of
+    imports per call: it keeps the many refusal tests cheap."""
+    import train
+
+    monkeypatch.setenv("TRAINKIT_CACHE", str(TEST_CACHE))
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+
+    def run(output_dir: Path, *args: str) -> Run:
+        capsys.readouterr()
+        try:
+            code = train.main([*args, "--output_dir", str(output_dir), "--report_to", "none"])
+        except SystemExit as e:  # argparse refuses a flag's value by exiting
+            code = e.code
+        out = capsys.readouterr()
+        return Run("in process", code, out.out, out.err, output_dir)
+
+    return run

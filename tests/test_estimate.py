@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import ROOT, launch
+from conftest import ROOT
 from trainkit.config import parse_bytes
 from trainkit.estimate import STRATEGIES, estimate, model_shape
 from trainkit.recipes import load_recipe
@@ -14,24 +14,24 @@ BIG = ["--hidden", "4096", "--layers", "32", "--heads", "32", "--seq_len", "2048
        "--batch_size", "4", "--gradient_checkpointing"]
 
 
-def test_table_names_the_cheapest_strategy_that_fits(run_dir):
-    run = launch(run_dir("x"), "--recipe", "tiny_transformer", "--estimate", "--num_processes", "8",
-                 "--device_memory", "80GB", *BIG).check()
+def test_table_names_the_cheapest_strategy_that_fits(check_only, run_dir):
+    run = check_only(run_dir("x"), "--recipe", "tiny_transformer", "--estimate", "--num_processes", "8",
+                     "--device_memory", "80GB", *BIG).check()
     rows = {line.split()[0] for line in run.stdout.splitlines()}
     assert set(STRATEGIES) <= rows
     assert "cheapest strategy that fits 74.506 GiB per device (with 10% headroom): deepspeed_zero2" in run.stdout
-    small = launch(run_dir("y"), "--recipe", "tiny_transformer", "--estimate", "--num_processes", "8",
-                   "--device_memory", "24GB", *BIG).check()
+    small = check_only(run_dir("y"), "--recipe", "tiny_transformer", "--estimate", "--num_processes", "8",
+                       "--device_memory", "24GB", *BIG).check()
     assert "per device (with 10% headroom): fsdp_offload" in small.stdout
-    none = launch(run_dir("z"), "--recipe", "tiny_transformer", "--estimate", "--num_processes", "1",
-                  "--device_memory", "1GB", *BIG).check()
+    none = check_only(run_dir("z"), "--recipe", "tiny_transformer", "--estimate", "--num_processes", "1",
+                      "--device_memory", "1GB", *BIG).check()
     assert "nothing fits" in none.stdout
     assert not run_dir("x").exists()
 
 
-def test_estimate_follows_the_launch_yaml(run_dir):
-    run = launch(run_dir("x"), "--recipe", "mlp", "--estimate",
-                 "--accelerate_config", str(ROOT / "accelerate_configs" / "deepspeed_zero3.yaml")).check()
+def test_estimate_follows_the_launch_yaml(check_only, run_dir):
+    run = check_only(run_dir("x"), "--recipe", "mlp", "--estimate",
+                     "--accelerate_config", str(ROOT / "accelerate_configs" / "deepspeed_zero3.yaml")).check()
     assert "this launch (deepspeed_zero3, 2 process(es))" in run.stdout
 
 
@@ -53,6 +53,6 @@ def test_sizes_parse(text, value):
     assert parse_bytes(text) == value
 
 
-def test_bad_size_is_refused(run_dir):
-    run = launch(run_dir("x"), "--recipe", "mlp", "--estimate", "--device_memory", "lots")
+def test_bad_size_is_refused(check_only, run_dir):
+    run = check_only(run_dir("x"), "--recipe", "mlp", "--estimate", "--device_memory", "lots")
     assert run.returncode == 2 and "cannot read 'lots' as a size: write it like 80GB" in run.stderr

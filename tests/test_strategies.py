@@ -127,26 +127,26 @@ def zero2_json(**changes) -> str:
     ({"bf16": {"enabled": True}}, "bf16.enabled is True in {ds} but mixed_precision is no"),
     ({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}, "{ds} defines an optimizer, and so does the recipe"),
 ])
-def test_deepspeed_json_that_disagrees_with_the_run_is_refused(tmp_path, json_changes, message):
+def test_deepspeed_json_that_disagrees_with_the_run_is_refused(check_only, tmp_path, json_changes, message):
     yaml_path = write_yaml(tmp_path, "deepspeed_zero2", zero2_json(**json_changes))
-    run = launch(tmp_path / "out", "--recipe", "mlp", "--batch_size", "8", "--dry_run",
-                 "--accelerate_config", str(yaml_path))
+    run = check_only(tmp_path / "out", "--recipe", "mlp", "--batch_size", "8", "--dry_run",
+                     "--accelerate_config", str(yaml_path))
     assert_refused(run, message.format(ds=tmp_path / "ds.json"))
     assert 'set "' in run.stderr or "remove" in run.stderr or "change" in run.stderr
 
 
-def test_every_problem_is_reported_together(tmp_path):
+def test_every_problem_is_reported_together(check_only, tmp_path):
     yaml_path = write_yaml(tmp_path, "deepspeed_zero2", zero2_json(train_micro_batch_size_per_gpu=4,
                                                                     gradient_clipping=5.0))
-    run = launch(tmp_path / "out", "--recipe", "mlp", "--dry_run", "--accelerate_config", str(yaml_path))
+    run = check_only(tmp_path / "out", "--recipe", "mlp", "--dry_run", "--accelerate_config", str(yaml_path))
     assert run.returncode == 2 and run.stderr.count("error: ") == 2
 
 
-def test_explicit_values_that_agree_are_accepted(tmp_path):
+def test_explicit_values_that_agree_are_accepted(check_only, tmp_path):
     yaml_path = write_yaml(tmp_path, "deepspeed_zero2", zero2_json(train_micro_batch_size_per_gpu=8,
                                                                     gradient_clipping=1.0))
-    run = launch(tmp_path / "out", "--recipe", "mlp", "--batch_size", "8", "--dry_run",
-                 "--accelerate_config", str(yaml_path))
+    run = check_only(tmp_path / "out", "--recipe", "mlp", "--batch_size", "8", "--dry_run",
+                     "--accelerate_config", str(yaml_path))
     assert run.returncode == 0, run.stderr
     assert json.loads(run.stdout)["zero_stage"] == 2
 
@@ -157,7 +157,7 @@ def test_fp16_on_cpu_is_refused_for_every_strategy(run_dir, config):
     assert_refused(run, "fp16 needs a GPU; this machine has none")
 
 
-def test_refused_launch_configs(tmp_path):
+def test_refused_launch_configs(check_only, tmp_path):
     cases = [
         (write_yaml(tmp_path, "fsdp", **{"fsdp_version: 2": "fsdp_version: 1"}),
          "fsdp_version 1: this runner shards with FSDP2 only"),
@@ -166,10 +166,10 @@ def test_refused_launch_configs(tmp_path):
          "offload_param needs ZeRO stage 3, the JSON has stage 2"),
     ]
     for yaml_path, message in cases:
-        run = launch(tmp_path / "out", "--recipe", "mlp", "--dry_run", "--accelerate_config", str(yaml_path))
+        run = check_only(tmp_path / "out", "--recipe", "mlp", "--dry_run", "--accelerate_config", str(yaml_path))
         assert_refused(run, message)
-    run = launch(tmp_path / "out", "--recipe", "mlp", "--dry_run", "--optimizer", "sgd",
-                 "--accelerate_config", str(ROOT / "accelerate_configs" / "deepspeed_zero2_offload.yaml"))
+    run = check_only(tmp_path / "out", "--recipe", "mlp", "--dry_run", "--optimizer", "sgd",
+                     "--accelerate_config", str(ROOT / "accelerate_configs" / "deepspeed_zero2_offload.yaml"))
     assert_refused(run, "optimizer sgd cannot run in DeepSpeed's CPU offload")
 
 
@@ -183,29 +183,29 @@ def test_compare_tool_reports_and_plots(tmp_path, capsys, monkeypatch):
     assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
 
 
-def test_dry_run_checks_the_yaml_itself(tmp_path):
+def test_dry_run_checks_the_yaml_itself(check_only, tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("distributed_type: DEEPSPEED\nnum_processes: 0\nmixed_precison: bf16\ndeepspeed_config:\n"
                    "  deepspeed_config_file: ds_configs/zero2.json\n  gradient_accumulation_steps: 4\n")
-    run = launch(tmp_path / "out", "--recipe", "mlp", "--dry_run", "--accelerate_config", str(bad))
+    run = check_only(tmp_path / "out", "--recipe", "mlp", "--dry_run", "--accelerate_config", str(bad))
     assert_refused(run, "unknown key 'mixed_precison'")
     assert "did you mean mixed_precision?" in run.stderr
     assert "num_processes must be a positive integer, got 0" in run.stderr
     assert "deepspeed_config sets gradient_accumulation_steps next to a deepspeed_config_file" in run.stderr
 
 
-def test_dry_run_runs_deepspeeds_own_validation(tmp_path):
+def test_dry_run_runs_deepspeeds_own_validation(check_only, tmp_path):
     ds = json.loads(zero2_json())
     ds["zero_optimization"]["reduce_bucket_sise"] = 100
-    run = launch(tmp_path / "out", "--recipe", "mlp", "--dry_run",
-                 "--accelerate_config", str(write_yaml(tmp_path, "deepspeed_zero2", json.dumps(ds))))
+    run = check_only(tmp_path / "out", "--recipe", "mlp", "--dry_run",
+                     "--accelerate_config", str(write_yaml(tmp_path, "deepspeed_zero2", json.dumps(ds))))
     assert_refused(run, "DeepSpeed rejects the JSON")
     assert "reduce_bucket_sise" in run.stderr
 
 
-def test_every_shipped_config_passes_the_dry_run(tmp_path):
+def test_every_shipped_config_passes_the_dry_run(check_only, tmp_path):
     for path in sorted((ROOT / "accelerate_configs").glob("*.yaml")):
         if path.stem == "deepspeed_hostfile":  # its example hosts do not exist; test_multinode.py dry-runs it over ssh
             continue
-        run = launch(tmp_path / "out", "--recipe", "mlp", "--dry_run", "--accelerate_config", str(path))
+        run = check_only(tmp_path / "out", "--recipe", "mlp", "--dry_run", "--accelerate_config", str(path))
         assert run.returncode == 0, (path.name, run.stderr)
