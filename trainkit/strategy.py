@@ -535,7 +535,7 @@ def end_process(code: int) -> NoReturn:
     destroy_process_group does not free torch 2.13's gloo groups while anything still holds them (ZeRO-3 tags every
     parameter with its group), so their worker threads live until finalization, where dropping the tensors they hold
     races the interpreter's teardown: a finished rank aborts with "terminate called without an active exception"
-    and the launcher reports the run failed (about 1 run in 30 here with ZeRO-3; pytorch/pytorch#190489, open).
+    and the launcher reports the run failed (1 of 68 ZeRO-3 runs here, and in CI; pytorch/pytorch#190489, open).
     Everything else that a normal exit does still happens: the atexit handlers run, the streams are flushed.
     """
     if "LOCAL_RANK" not in os.environ:
