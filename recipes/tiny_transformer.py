@@ -67,16 +67,19 @@ class Config(TrainConfig):
 
 
 def build_model(cfg: Config) -> torch.nn.Module:
+    # The tokenizer's one special token ends, starts and pads documents; generate() stops at it. (The configs'
+    # defaults, 1/2 for Llama and 50256 for GPT-2, are an ordinary token and a token outside the vocabulary.)
+    special = dict(bos_token_id=text.EOS_ID, eos_token_id=text.EOS_ID, pad_token_id=text.EOS_ID)
     if cfg.arch == "llama":
         config = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden, intermediate_size=cfg.hidden * 4,
                              num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads,
                              num_key_value_heads=cfg.heads, max_position_embeddings=cfg.seq_len,
-                             attention_dropout=cfg.dropout, tie_word_embeddings=True)
+                             attention_dropout=cfg.dropout, tie_word_embeddings=True, **special)
         model = LlamaForCausalLM(config)
     else:
         config = GPT2Config(vocab_size=cfg.vocab_size, n_embd=cfg.hidden, n_layer=cfg.layers, n_head=cfg.heads,
                             n_positions=cfg.seq_len, resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout,
-                            attn_pdrop=cfg.dropout)
+                            attn_pdrop=cfg.dropout, **special)
         model = GPT2LMHeadModel(config)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -18,6 +18,7 @@ from pathlib import Path
 from trainkit.config import ConfigError, problem
 
 EOS = "<|endoftext|>"
+EOS_ID = 0  # BpeTrainer gives the special tokens the first ids; the model configs need it before any tokenizer exists
 LOCAL_FORMATS = {".txt": "text", ".text": "text", ".jsonl": "json", ".json": "json", ".csv": "csv"}
 
 
