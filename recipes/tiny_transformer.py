@@ -67,9 +67,10 @@ class Config(TrainConfig):
 
 
 def build_model(cfg: Config) -> torch.nn.Module:
-    # The tokenizer's one special token ends, starts and pads documents; generate() stops at it. (The configs'
-    # defaults, 1/2 for Llama and 50256 for GPT-2, are an ordinary token and a token outside the vocabulary.)
-    special = dict(bos_token_id=text.EOS_ID, eos_token_id=text.EOS_ID, pad_token_id=text.EOS_ID)
+    # The tokenizer's one special token ends and starts documents; generate() stops at it. (The configs' defaults,
+    # 1/2 for Llama and 50256 for GPT-2, are an ordinary token and a token outside the vocabulary.) No pad_token_id:
+    # blocks are never padded, and Llama would make that token's embedding a frozen zero (padding_idx).
+    special = dict(bos_token_id=text.EOS_ID, eos_token_id=text.EOS_ID)
     if cfg.arch == "llama":
         config = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden, intermediate_size=cfg.hidden * 4,
                              num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads,

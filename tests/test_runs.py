@@ -54,7 +54,7 @@ def test_transformer_learns_and_exports_for_transformers(run_dir, config):
     tokenizer = AutoTokenizer.from_pretrained(run.output_dir / "final")
     # generate() stops at the model's eos: it must be the tokenizer's end-of-text, not an ordinary token
     assert model.generation_config.eos_token_id == model.config.eos_token_id == tokenizer.eos_token_id
-    assert model.config.bos_token_id == model.config.pad_token_id == tokenizer.eos_token_id
+    assert model.config.bos_token_id == tokenizer.eos_token_id
     ids = tokenizer("The for statement", return_tensors="pt").input_ids
     out = model.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False)
     assert out.shape[1] == ids.shape[1] + 8 and isinstance(tokenizer.decode(out[0]), str)
