@@ -204,7 +204,7 @@ def run(argv: list[str] | None) -> int:
             break
     log.close()
     if step < cfg.max_steps:  # --stop_at or a signal: a checkpoint, no final export
-        strategy.close()
+        accelerator.end_training()
         if is_main:
             print(f"stopped after step {step} ({stop.name or '--stop_at'}); checkpoint in "
                   f"{checkpointer.root / f'step_{step}'}; continue with --resume latest")
@@ -213,7 +213,7 @@ def run(argv: list[str] | None) -> int:
     # --- save and summarise ---
     final = export_final(accelerator, strategy.full_state_dict(model), model, recipe, cfg, options.cache_dir,
                          options.output_dir)
-    strategy.close()
+    accelerator.end_training()
     if is_main:
         extra = recipe.summary(cfg, options.cache_dir) if hasattr(recipe, "summary") else {}
         print(summary_line(record, step - start_step, time.perf_counter() - started, extra, final))

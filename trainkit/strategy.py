@@ -516,10 +516,6 @@ class Strategy:
             return bool(getattr(engine.optimizer, "overflow", False))
         return self.accelerator.optimizer_step_was_skipped
 
-    def close(self) -> None:
-        """End the trackers and destroy the process group (Accelerate's end_training does both)."""
-        self.accelerator.end_training()
-
     def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """The consolidated weights on the main process (a collective: call on every rank)."""
         if self.launch.kind == "fsdp":
