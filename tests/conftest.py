@@ -2,24 +2,44 @@
 
 from __future__ import annotations
 
+import signal
+import subprocess
 from pathlib import Path
 
+import psutil
 import pytest
 
-from trainkit.compare import ROOT, Run, max_rel_diff, run_config
+from trainkit.compare import ROOT, Run, launch_command, max_rel_diff, run_config
 
-__all__ = ["ROOT", "Run", "assert_refused", "launch", "max_rel_diff"]
+__all__ = ["ROOT", "TEST_ENV", "Run", "assert_refused", "kill_tree", "launch", "launch_command", "max_rel_diff"]
 
 TEST_CACHE = ROOT / ".cache" / "tests"
+# What every run in the tests gets: their own data cache, one thread per process, no network.
+TEST_ENV = {"TRAINKIT_CACHE": str(TEST_CACHE), "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1",
+            "PYTHONPATH": str(ROOT)}
 
 
 def launch(output_dir: Path, *args: str, config: str | None = None, extra_launch: tuple[str, ...] = (),
            script: str = "train.py", env: dict | None = None) -> Run:
     """`python train.py ARGS` (config None) or `accelerate launch --config_file <config>.yaml train.py ARGS`,
-    with the tests' own data cache, one thread per process and no network."""
-    test_env = {"TRAINKIT_CACHE": str(TEST_CACHE), "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1",
-                "PYTHONPATH": str(ROOT), **(env or {})}
-    return run_config(config, output_dir, list(args), launch_args=extra_launch, script=script, env=test_env)
+    with TEST_ENV."""
+    return run_config(config, output_dir, list(args), launch_args=extra_launch, script=script,
+                      env={**TEST_ENV, **(env or {})})
+
+
+def kill_tree(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
+    """Signal a launch and every process under it, workers first (torchrun starts its workers in their own
+    sessions, so a process group would miss them)."""
+    try:
+        parent = psutil.Process(proc.pid)
+        tree = parent.children(recursive=True) + [parent]
+    except psutil.NoSuchProcess:
+        return
+    for p in tree:
+        try:
+            p.send_signal(sig)
+        except psutil.NoSuchProcess:
+            pass
 
 
 def assert_refused(run: Run, message: str, code: int = 2) -> None:

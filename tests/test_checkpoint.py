@@ -8,15 +8,13 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 
-import psutil
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT, assert_refused, launch, max_rel_diff
+from conftest import ROOT, TEST_ENV, assert_refused, kill_tree, launch, launch_command, max_rel_diff
 
 MLP = ["--recipe", "mlp", "--max_steps", "12", "--eval_every", "0", "--batch_size", "8"]
 # GPT-2 style with dropout on: the resume must also restore every rank's RNG exactly.
@@ -65,19 +63,14 @@ def test_sigkill_during_a_save_keeps_the_previous_checkpoint(run_dir):
     args = ["--recipe", "mlp", "--max_steps", "40", "--eval_every", "0", "--batch_size", "8", "--save_every", "1"]
     full = launch(run_dir("full"), *args, config="ddp").check()
     out = run_dir("killed")
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "accelerate_configs/ddp.yaml"),
-           "--main_process_port", "0", "train.py", "--output_dir", str(out), "--report_to", "none", *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(launch_command("ddp", out, args), cwd=ROOT, env={**os.environ, **TEST_ENV},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     caught = None
     deadline = time.time() + 120
     while caught is None and proc.poll() is None and time.time() < deadline:
         tmp = [p for p in (out / "checkpoints").glob("step_*.tmp")] if (out / "checkpoints").exists() else []
         if tmp and int(re.findall(r"\d+", tmp[0].name)[0]) >= 3:
-            # torchrun starts its workers in sessions of their own: kill the whole tree, workers first
-            tree = psutil.Process(proc.pid).children(recursive=True) + [psutil.Process(proc.pid)]
-            for p in tree:
-                p.kill()
+            kill_tree(proc)
             caught = tmp[0]
         time.sleep(0.001)
     proc.wait()
@@ -93,10 +86,8 @@ def test_sigkill_during_a_save_keeps_the_previous_checkpoint(run_dir):
 def test_sigterm_stops_every_rank_at_one_step_with_a_checkpoint(run_dir):
     args = ["--recipe", "mlp", "--max_steps", "400", "--eval_every", "0", "--batch_size", "8", "--train_samples", "512"]
     out = run_dir("out")
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "accelerate_configs/ddp.yaml"),
-           "--main_process_port", "0", "train.py", "--output_dir", str(out), "--report_to", "none", *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(launch_command("ddp", out, args), cwd=ROOT, env={**os.environ, **TEST_ENV},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 120
     while time.time() < deadline:
         metrics = out / "metrics.jsonl"

@@ -20,16 +20,13 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-import psutil
 import pytest
 
-from conftest import ROOT, Run, launch, max_rel_diff
+from conftest import ROOT, TEST_ENV, Run, kill_tree, launch, max_rel_diff
 from trainkit.strategy import Launch, check_hosts
 
 MLP = ["--recipe", "mlp", "--max_steps", "15", "--eval_every", "0", "--batch_size", "8"]
-# What conftest.launch gives every run: the tests' data cache, one thread per process, no network.
-ENV = {**os.environ, "TRAINKIT_CACHE": str(ROOT / ".cache" / "tests"), "OMP_NUM_THREADS": "1",
-       "HF_DATASETS_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+ENV = {**os.environ, **TEST_ENV}
 ENV.pop("TRAINKIT_DIST_TIMEOUT", None)
 SSH_PORT = 2299
 HOSTS = ("127.0.0.1", "127.0.0.2")
@@ -39,21 +36,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def kill_tree(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
-    """Signal a launch and every process under it (torchrun starts its workers in their own sessions, so a process
-    group would miss them)."""
-    try:
-        parent = psutil.Process(proc.pid)
-        tree = parent.children(recursive=True) + [parent]
-    except psutil.NoSuchProcess:
-        return
-    for p in tree:
-        try:
-            p.send_signal(sig)
-        except psutil.NoSuchProcess:
-            pass
 
 
 class Machine:

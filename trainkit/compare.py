@@ -50,10 +50,10 @@ class Run:
         return self
 
 
-def run_config(config: str | None, output_dir: Path, args: list[str], num_processes: int | None = None,
-               launch_args: tuple[str, ...] = (), script: str = "train.py", env: dict | None = None) -> Run:
+def launch_command(config: str | None, output_dir: Path, args: list[str], num_processes: int | None = None,
+                   launch_args: tuple[str, ...] = (), script: str = "train.py") -> list[str]:
     """`python SCRIPT ARGS` (config None), or `accelerate launch --config_file accelerate_configs/<config>.yaml
-    [--num_processes N] LAUNCH_ARGS SCRIPT ARGS`; train.py also gets --output_dir and --report_to none."""
+    [--num_processes N] LAUNCH_ARGS SCRIPT ARGS` on a free port; train.py also gets --output_dir and --report_to none."""
     if config is None:
         cmd = [sys.executable, script]
     else:
@@ -64,7 +64,14 @@ def run_config(config: str | None, output_dir: Path, args: list[str], num_proces
         cmd.append(script)
     if script == "train.py":
         cmd += ["--output_dir", str(output_dir), "--report_to", "none"]
-    proc = subprocess.run([*cmd, *args], cwd=ROOT, capture_output=True, text=True, env={**os.environ, **(env or {})})
+    return [*cmd, *args]
+
+
+def run_config(config: str | None, output_dir: Path, args: list[str], num_processes: int | None = None,
+               launch_args: tuple[str, ...] = (), script: str = "train.py", env: dict | None = None) -> Run:
+    """Run launch_command(...) from the repository root to its end."""
+    cmd = launch_command(config, output_dir, args, num_processes, launch_args, script)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, **(env or {})})
     return Run(config or "one process", proc.returncode, proc.stdout, proc.stderr, output_dir)
 
 
