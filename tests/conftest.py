@@ -13,9 +13,8 @@ from trainkit.compare import ROOT, Run, launch_command, max_rel_diff, run_config
 
 __all__ = ["ROOT", "TEST_ENV", "Run", "assert_refused", "kill_tree", "launch", "launch_command", "max_rel_diff"]
 
-TEST_CACHE = ROOT / ".cache" / "tests"
 # What every run in the tests gets: their own data cache, one thread per process, no network.
-TEST_ENV = {"TRAINKIT_CACHE": str(TEST_CACHE), "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1",
+TEST_ENV = {"TRAINKIT_CACHE": str(ROOT / ".cache" / "tests"), "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1",
             "PYTHONPATH": str(ROOT)}
 
 
@@ -63,8 +62,8 @@ def check_only(capsys, monkeypatch):
     imports per call: it keeps the many refusal tests cheap."""
     import train
 
-    monkeypatch.setenv("TRAINKIT_CACHE", str(TEST_CACHE))
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    for name, value in TEST_ENV.items():
+        monkeypatch.setenv(name, value)
 
     def run(output_dir: Path, *args: str) -> Run:
         capsys.readouterr()
