@@ -139,3 +139,26 @@ def test_a_launched_rank_exits_with_its_code_after_the_atexit_handlers(tmp_path)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT,
                           env={**os.environ, "LOCAL_RANK": "0"})
     assert (done.returncode, done.stdout, marker.read_text()) == (3, "flushed", "yes")
+
+
+def test_metrics_lines_are_strict_json(tmp_path):
+    """A step that fp16's loss scaler skipped has an infinite gradient norm: metrics.jsonl writes null, not the
+    `Infinity` that json.dumps would (jq, pandas and other strict parsers reject it)."""
+    from types import SimpleNamespace
+
+    from trainkit.metrics import MetricsLog
+
+    logged = []
+    accelerator = SimpleNamespace(is_main_process=True, log=lambda values, step: logged.append(values))
+    log = MetricsLog(accelerator, tmp_path, total_steps=2, initial_step=0)
+    log.step({"step": 1, "loss": 2.5, "lr": 0.0, "grad_norm": float("inf"), "skipped_steps": 1})
+    log.step({"step": 2, "loss": 2.0, "lr": 0.1, "grad_norm": float("nan"), "skipped_steps": 2})
+    log.close()
+
+    def refuse(constant):
+        raise ValueError(f"not JSON: {constant}")
+
+    lines = [json.loads(line, parse_constant=refuse) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [line["grad_norm"] for line in lines] == [None, None]
+    assert [line["loss"] for line in lines] == [2.5, 2.0] and lines[1]["skipped_steps"] == 2
+    assert logged[0]["grad_norm"] == float("inf")  # trackers take floats as they are

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import resource
 import sys
 import time
@@ -135,7 +136,9 @@ class MetricsLog:
 
     def step(self, record: dict[str, Any]) -> None:
         if self.file is not None:
-            self.file.write(json.dumps(record) + "\n")
+            # A step that fp16's loss scaler skipped has an infinite gradient norm; JSON has no Infinity, so null.
+            finite = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
+            self.file.write(json.dumps(finite, allow_nan=False) + "\n")
             self.file.flush()
         self.accelerator.log({k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"},
                              step=record["step"])
