@@ -457,7 +457,8 @@ class Strategy:
         """FSDP2: shard each block (the transformer's layers, the MLP's Linear layers), then the root."""
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-        model.to(self.accelerator.device)
+        # No model.to(device) first: each fully_shard call moves only its own unit to the device, then shards it, so a
+        # GPU never holds the whole unsharded model (the model FSDP exists for may not fit there).
         dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
         precision = self.launch.mixed_precision
         policy = dict(
