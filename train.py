@@ -52,6 +52,30 @@ class StopSignal:
         return accelerator.reduce(flag, "sum").item() > 0
 
 
+class FiniteCheck:
+    """A non-finite loss or gradient norm stops the run before the optimizer step.
+
+    Under fp16 the loss scaler skips such steps itself (counted in skipped_steps) and a skipped step leaves the
+    weights as they were, so only a loss that stays non-finite for `fp16_patience` steps in a row, on different
+    batches, stops the run: then the weights or the data are broken, and no loss scale mends that.
+    """
+
+    def __init__(self, fp16: bool, fp16_patience: int = 3) -> None:
+        self.fp16, self.fp16_patience, self.losses_in_a_row = fp16, fp16_patience, 0
+
+    def loss(self, step: int, value: float) -> None:
+        self.losses_in_a_row = 0 if math.isfinite(value) else self.losses_in_a_row + 1
+        if self.losses_in_a_row and (not self.fp16 or self.losses_in_a_row >= self.fp16_patience):
+            during = f" ({self.losses_in_a_row} steps in a row under fp16)" if self.fp16 else ""
+            raise TrainingError(f"non-finite loss at step {step} ({value}){during}; the optimizer step was not "
+                                f"taken: lower --lr, raise warmup_steps, or check the data")
+
+    def grad_norm(self, step: int, value: float) -> None:
+        if not math.isfinite(value) and not self.fp16:
+            raise TrainingError(f"non-finite gradient norm at step {step} ({value}); the optimizer step was not "
+                                f"taken: lower --lr, raise warmup_steps, or turn clipping on (--max_grad_norm 1)")
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         return run(argv)
@@ -162,7 +186,7 @@ def run(argv: list[str] | None) -> int:
     throughput, started = Throughput(), time.perf_counter()
     model.train()
     record: dict = {}
-    fp16 = launch.mixed_precision == "fp16"
+    finite = FiniteCheck(fp16=launch.mixed_precision == "fp16")
     stop = StopSignal()
     last_step, step = min(cfg.max_steps, options.stop_at or cfg.max_steps), start_step
     for step in range(start_step + 1, last_step + 1):
@@ -174,14 +198,10 @@ def run(argv: list[str] | None) -> int:
                 step_loss += loss.detach().float()
                 if i == len(micro_batches) - 1:  # before the last backward: DeepSpeed steps inside it
                     loss_value = accelerator.reduce(step_loss / cfg.grad_accum, "mean").item()
-                    if not math.isfinite(loss_value):
-                        raise TrainingError(f"non-finite loss at step {step} ({loss_value}); the optimizer step was "
-                                            f"not taken: lower --lr, raise warmup_steps, or check the data")
+                    finite.loss(step, loss_value)
                 accelerator.backward(loss)
         grad_norm = strategy.clip_grad_norm(model, cfg.max_grad_norm)
-        if not math.isfinite(grad_norm) and not fp16:  # under fp16 the loss scaler skips such steps by design
-            raise TrainingError(f"non-finite gradient norm at step {step} ({grad_norm}); the optimizer step was not "
-                                f"taken: lower --lr, raise warmup_steps, or turn clipping on (--max_grad_norm 1)")
+        finite.grad_norm(step, grad_norm)
         record = {"step": step, "loss": loss_value, "lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm}
         optimizer.step()
         skipped_steps += strategy.step_was_skipped()

@@ -124,6 +124,24 @@ def test_diverging_loss_stops_before_the_step(run_dir):
     assert not (run.output_dir / "final").exists() and len(steps) >= 1
 
 
+def test_under_fp16_only_a_loss_that_stays_non_finite_stops_the_run():
+    """fp16's loss scaler skips a step with a non-finite loss or gradient and the run goes on; 3 non-finite losses in
+    a row stop it (the GPU check in test_gpu.py counts the skipped steps; fp16 needs a GPU, this logic does not)."""
+    from train import FiniteCheck, TrainingError
+
+    fp32 = FiniteCheck(fp16=False)
+    with pytest.raises(TrainingError, match=r"non-finite loss at step 4 \(nan\); the optimizer step was not taken"):
+        fp32.loss(4, float("nan"))
+    with pytest.raises(TrainingError, match=r"non-finite gradient norm at step 5 \(inf\)"):
+        fp32.grad_norm(5, float("inf"))
+    fp16 = FiniteCheck(fp16=True)
+    for step, value in enumerate([float("inf"), float("nan"), 2.0, float("inf"), float("inf")], start=1):
+        fp16.loss(step, value)  # never 3 in a row: a finite loss starts the count again
+        fp16.grad_norm(step, float("inf"))  # an overflow: the scaler's business
+    with pytest.raises(TrainingError, match=r"non-finite loss at step 6 \(nan\) \(3 steps in a row under fp16\)"):
+        fp16.loss(6, float("nan"))
+
+
 def test_batchnorm_under_ddp_on_cpu_says_why_it_is_not_synced(run_dir):
     run = launch(run_dir("out"), "--recipe", "mlp", "--batchnorm", "--max_steps", "5", config="ddp").check()
     assert "SyncBatchNorm supports only GPU/XPU devices" in run.stderr
