@@ -51,6 +51,15 @@ def test_mlp_fp32_matches_one_process(mlp_reference, run_dir, config):
     assert_estimate_within_10_percent(run)
 
 
+@pytest.mark.parametrize("config", ["deepspeed_zero3_offload", "fsdp"])
+def test_one_process_runs_a_sharded_config_like_single(mlp_reference, run_dir, config):
+    """One GPU, a model too big for it: ZeRO-3 offload (or FSDP) as a world of one, the config unchanged."""
+    run = launch(run_dir(config), *MLP_STEPS, "--batch_size", "16", config=config,
+                 extra_launch=("--num_processes", "1")).check()
+    assert run.resolved["world_size"] == 1 and run.resolved["strategy"] == config.split("_")[0]
+    assert max_rel_diff(run.losses, mlp_reference.losses) <= TOLERANCE.get(config, 1e-5)
+
+
 @pytest.mark.parametrize("config", ["deepspeed_zero2", "deepspeed_zero3", "fsdp"])
 def test_accumulation_is_counted_once(mlp_reference, run_dir, config):
     """2 processes x 4 x 2 micro-batches: under DeepSpeed the engine owns accumulation; nothing may count twice."""
