@@ -166,6 +166,23 @@ def test_fp16_on_cpu_is_refused_for_every_strategy(run_dir, config):
     assert_refused(run, "fp16 needs a GPU; this machine has none")
 
 
+def test_a_gpu_machine_that_cannot_do_it_is_refused_before_start(check_only, tmp_path, monkeypatch):
+    """The dry run on a one-GPU machine whose GPU only emulates bf16 (a V100): both problems, before any GPU hour.
+    The machine is faked here (torch.cuda answers as a V100 box would); test_gpu.py refuses on real hardware."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla V100-SXM2-16GB")
+    yaml_path = write_yaml(tmp_path, "ddp", **{'mixed_precision:__"no"': 'mixed_precision: "bf16"'})
+    run = check_only(tmp_path / "out", "--recipe", "mlp", "--dry_run", "--accelerate_config", str(yaml_path))
+    assert_refused(run, "bf16 needs a GPU with bf16 arithmetic (Ampere or newer); Tesla V100-SXM2-16GB only emulates "
+                        "it, many times slower")
+    assert "use --mixed_precision fp16 on this GPU" in run.stderr
+    assert "2 processes but 1 GPU(s) per machine" in run.stderr
+
+
 def test_refused_launch_configs(check_only, tmp_path):
     cases = [
         (write_yaml(tmp_path, "fsdp", **{"fsdp_version: 2": "fsdp_version: 1"}),

@@ -311,6 +311,11 @@ def check_launch(launch: Launch, cfg: TrainConfig, sources: dict[str, str]) -> t
         # "Type fp16 is not supported on your device".
         problems.append(problem("fp16 needs a GPU; this machine has none", where,
                                 "use --mixed_precision bf16 (or no) on CPU"))
+    if launch.mixed_precision == "bf16" and on_gpu and not torch.cuda.is_bf16_supported(including_emulation=False):
+        # Accelerate and DeepSpeed accept it (torch emulates bf16 there), and the run is many times slower than fp16.
+        problems.append(problem(f"bf16 needs a GPU with bf16 arithmetic (Ampere or newer); "
+                                f"{torch.cuda.get_device_name()} only emulates it, many times slower", where,
+                                "use --mixed_precision fp16 on this GPU"))
     if on_gpu and launch.world_size > torch.cuda.device_count() * launch.num_machines:
         problems.append(problem(f"{launch.world_size} processes but {torch.cuda.device_count()} GPU(s) per machine",
                                 f"num_processes from {launch.source}", "pass --num_processes <= the GPU count"))
