@@ -52,13 +52,15 @@ class Run:
 
 def launch_command(config: str | None, output_dir: Path, args: list[str], num_processes: int | None = None,
                    launch_args: tuple[str, ...] = (), script: str = "train.py") -> list[str]:
-    """`python SCRIPT ARGS` (config None), or `accelerate launch --config_file accelerate_configs/<config>.yaml
-    [--num_processes N] LAUNCH_ARGS SCRIPT ARGS` on a free port; train.py also gets --output_dir and --report_to none."""
+    """`python SCRIPT ARGS` (config None), or `accelerate launch --config_file CONFIG [--num_processes N] LAUNCH_ARGS
+    SCRIPT ARGS` on a free port, CONFIG a name from accelerate_configs/ or a path to a .yaml; train.py also gets
+    --output_dir and --report_to none."""
     if config is None:
         cmd = [sys.executable, script]
     else:
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-               str(ROOT / "accelerate_configs" / f"{config}.yaml"), "--main_process_port", "0", *launch_args]
+        path = Path(config) if config.endswith(".yaml") else ROOT / "accelerate_configs" / f"{config}.yaml"
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(path),
+               "--main_process_port", "0", *launch_args]
         if num_processes:
             cmd += ["--num_processes", str(num_processes)]
         cmd.append(script)
@@ -103,7 +105,7 @@ def plot(curves: list[Run], path: Path, title: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipe", required=True)
-    parser.add_argument("--configs", required=True, help="comma-separated names from accelerate_configs/")
+    parser.add_argument("--configs", required=True, help="comma-separated names from accelerate_configs/ or paths to .yaml files")
     parser.add_argument("--num_processes", type=int, default=2)
     parser.add_argument("--batch_size", type=int, default=8, help="per-process micro-batch of the launched runs")
     parser.add_argument("--grad_accum", type=int, default=1)
