@@ -70,8 +70,8 @@ class FiniteCheck:
             raise TrainingError(f"non-finite loss at step {step} ({value}){during}; the optimizer step was not "
                                 f"taken: lower --lr, raise warmup_steps, or check the data")
 
-    def grad_norm(self, step: int, value: float) -> None:
-        if not math.isfinite(value) and not self.fp16:
+    def grad_norm(self, step: int, value: float | None) -> None:
+        if value is not None and not math.isfinite(value) and not self.fp16:
             raise TrainingError(f"non-finite gradient norm at step {step} ({value}); the optimizer step was not "
                                 f"taken: lower --lr, raise warmup_steps, or turn clipping on (--max_grad_norm 1)")
 

@@ -160,6 +160,16 @@ def test_explicit_values_that_agree_are_accepted(check_only, tmp_path):
     assert json.loads(run.stdout)["zero_stage"] == 2
 
 
+def test_deepspeed_without_a_gradient_norm_trains(run_dir, tmp_path):
+    """zero_optimization.compute_grad_norm: false (allowed with clipping off) leaves the engine no norm to report:
+    metrics say null, and the run must not mistake the missing norm for a non-finite one."""
+    ds = json.loads(zero2_json())
+    ds["zero_optimization"]["compute_grad_norm"] = False
+    yaml_path = write_yaml(tmp_path, "deepspeed_zero2", json.dumps(ds))
+    run = launch(run_dir("out"), *MLP_STEPS, "--max_steps", "8", "--max_grad_norm", "0", config=str(yaml_path)).check()
+    assert [m["grad_norm"] for m in run.metrics] == [None] * 8 and run.losses[-1] < run.losses[0]
+
+
 @pytest.mark.parametrize("config", ["deepspeed_zero2", "fsdp"])
 def test_fp16_on_cpu_is_refused_for_every_strategy(run_dir, config):
     run = launch(run_dir("out"), "--recipe", "mlp", config=config, extra_launch=("--mixed_precision", "fp16"))

@@ -504,16 +504,16 @@ class Strategy:
             return {k: v.to(dtype) if torch.is_floating_point(v) else v for k, v in batch.items()}
         return [t.to(dtype) if torch.is_floating_point(t) else t for t in batch]
 
-    def clip_grad_norm(self, model: torch.nn.Module, max_norm: float) -> float:
+    def clip_grad_norm(self, model: torch.nn.Module, max_norm: float) -> float | None:
         """Clip to max_norm (0: no clipping) and return the total norm before clipping.
 
         DeepSpeed clips inside its step with the JSON's gradient_clipping (filled from the same max_norm); the norm
-        is read back from the engine.
+        is read back from the engine: None when the JSON turns its computation off (compute_grad_norm: false).
         """
         norm = self.accelerator.clip_grad_norm_(model.parameters(), max_norm or math.inf)
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
-        return float(norm) if norm is not None else math.nan
+        return float(norm) if norm is not None else None
 
     def step_was_skipped(self) -> bool:
         """fp16's loss scaler skips steps that overflowed; a normal event, counted in metrics."""
