@@ -212,10 +212,11 @@ def test_refused_launch_configs(check_only, tmp_path):
 def test_compare_tool_reports_and_plots(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("TRAINKIT_CACHE", str(ROOT / ".cache" / "tests"))
     png = tmp_path / "curves.png"
-    assert compare_main(["--recipe", "mlp", "--configs", "ddp,fsdp", "--max_steps", "5", "--png", str(png)]) == 0
+    mine = write_yaml(tmp_path, "fsdp")  # a user's own YAML, by path
+    assert compare_main(["--recipe", "mlp", "--configs", f"ddp,{mine}", "--max_steps", "5", "--png", str(png)]) == 0
     out = capsys.readouterr().out
-    rows = {line.split()[0]: line.split()[1] for line in out.splitlines() if line.startswith(("ddp", "fsdp"))}
-    assert set(rows) == {"ddp", "fsdp"} and all(float(v) <= 1e-5 for v in rows.values())
+    rows = {line.split()[0]: line.split()[1] for line in out.splitlines() if line.startswith(("ddp", str(mine)))}
+    assert set(rows) == {"ddp", str(mine)} and all(float(v) <= 1e-5 for v in rows.values())
     assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
 
 

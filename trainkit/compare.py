@@ -105,7 +105,8 @@ def plot(curves: list[Run], path: Path, title: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipe", required=True)
-    parser.add_argument("--configs", required=True, help="comma-separated names from accelerate_configs/ or paths to .yaml files")
+    parser.add_argument("--configs", required=True,
+                        help="comma-separated names from accelerate_configs/ or paths to .yaml files")
     parser.add_argument("--num_processes", type=int, default=2)
     parser.add_argument("--batch_size", type=int, default=8, help="per-process micro-batch of the launched runs")
     parser.add_argument("--grad_accum", type=int, default=1)
@@ -127,9 +128,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'config':<28} max relative loss difference vs one process ({args.max_steps} steps, "
               f"global batch {global_batch})")
         failed = False
-        for config in args.configs.split(","):
+        for i, config in enumerate(args.configs.split(",")):
             precision = ("--mixed_precision", args.mixed_precision) if args.mixed_precision else ()
-            curve = run_config(config, Path(tmp) / config,
+            curve = run_config(config, Path(tmp) / f"{i}_{Path(config).stem}",
                                ["--recipe", args.recipe, "--batch_size", str(args.batch_size), "--grad_accum",
                                 str(args.grad_accum), *common], args.num_processes, precision)
             if curve.returncode != 0:
