@@ -83,7 +83,7 @@ def build_model(cfg: Config) -> torch.nn.Module:
                             attn_pdrop=cfg.dropout, **special)
         model = GPT2LMHeadModel(config)
     if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     return model
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_model
 
-from conftest import ROOT, assert_refused, launch
+from conftest import ROOT, assert_refused, launch, max_rel_diff
 from trainkit.recipes import load_recipe
 
 SMALL_LM = ["--hidden", "64", "--layers", "2", "--seq_len", "64"]
@@ -158,6 +158,14 @@ def test_a_launched_rank_exits_with_its_code_after_the_atexit_handlers(tmp_path)
                           env={**os.environ, "LOCAL_RANK": "0"})
     assert (done.returncode, done.stdout, marker.read_text()) == (3, "flushed", "yes")
 
+
+def test_gradient_checkpointing_changes_memory_not_numbers(run_dir):
+    """Recomputing activations in backward gives the gradients that keeping them does: the same loss curve."""
+    args = ["--recipe", "tiny_transformer", "--max_steps", "6", "--eval_every", "0", "--warmup_steps", "1", *SMALL_LM]
+    kept = launch(run_dir("kept"), *args).check()
+    recomputed = launch(run_dir("recomputed"), *args, "--gradient_checkpointing").check()
+    assert recomputed.resolved["gradient_checkpointing"] is True
+    assert max_rel_diff(recomputed.losses, kept.losses) <= 1e-6 and kept.losses[-1] < kept.losses[0]
 
 def test_metrics_lines_are_strict_json(tmp_path):
     """A step that fp16's loss scaler skipped has an infinite gradient norm: metrics.jsonl writes null, not the
