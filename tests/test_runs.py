@@ -167,6 +167,7 @@ def test_gradient_checkpointing_changes_memory_not_numbers(run_dir):
     assert recomputed.resolved["gradient_checkpointing"] is True
     assert max_rel_diff(recomputed.losses, kept.losses) <= 1e-6 and kept.losses[-1] < kept.losses[0]
 
+
 def test_metrics_lines_are_strict_json(tmp_path):
     """A step that fp16's loss scaler skipped has an infinite gradient norm: metrics.jsonl writes null, not the
     `Infinity` that json.dumps would (jq, pandas and other strict parsers reject it)."""
