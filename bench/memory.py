@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from trainkit.compare import run_config  # noqa: E402
-from trainkit.estimate import STRATEGIES  # noqa: E402
+from trainkit.strategies import shipped_strategies  # noqa: E402
 
 RECIPES = {
     "mlp": ["--recipe", "mlp", "--batch_size", "8"],
@@ -32,7 +32,7 @@ def measure() -> str:
     with tempfile.TemporaryDirectory() as tmp:
         for recipe, args in RECIPES.items():
             ddp = None
-            for strategy in STRATEGIES:
+            for strategy in shipped_strategies():
                 run = run_config(strategy, Path(tmp) / f"{recipe}-{strategy}",
                                  [*args, "--max_steps", "3", "--eval_every", "0"]).check()
                 estimated, measured = run.resolved["estimated_state_bytes"], run.metrics[-1]["state_bytes"]

@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 from torch.utils.data import TensorDataset
 
-from trainkit.config import TrainConfig, problem
+from trainkit.config import TrainConfig
+from trainkit.errors import Problem
 
 
 @dataclass(kw_only=True, slots=True)
@@ -39,14 +40,14 @@ class Config(TrainConfig):
     lr: float = 1e-2
     max_steps: int = 200
 
-    def check(self) -> list[str]:
+    def check(self) -> list[Problem]:
         problems = []
         for name in ("features", "hidden", "layers", "train_samples", "eval_samples"):
             if getattr(self, name) < 1:
-                problems.append(problem(f"{name} must be >= 1, got {getattr(self, name)}", f"config field {name}",
+                problems.append(Problem(f"{name} must be >= 1, got {getattr(self, name)}", f"config field {name}",
                                         f"use --{name} 1 or more"))
         if self.noise < 0:
-            problems.append(problem(f"noise must be >= 0, got {self.noise}", "config field noise", "use --noise 0.1"))
+            problems.append(Problem(f"noise must be >= 0, got {self.noise}", "config field noise", "use --noise 0.1"))
         return problems
 
 

@@ -20,7 +20,8 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from trainkit import text
-from trainkit.config import TrainConfig, problem
+from trainkit.config import TrainConfig
+from trainkit.errors import Problem
 
 
 @dataclass(kw_only=True, slots=True)
@@ -32,6 +33,8 @@ class Config(TrainConfig):
     hidden: int = 128
     layers: int = 4
     heads: int = 4
+    ffn: int = 0  # feed-forward width; 0: 4 x hidden (Llama-2-7B: --hidden 4096 --ffn 11008)
+    tie_embeddings: bool = True  # one matrix for input and output embeddings (Llama-2 and GPT-2 sizes: false / true)
     dropout: float = 0.0  # attention dropout (llama); embedding, residual and attention dropout (gpt2)
     gradient_checkpointing: bool = False  # recompute activations in backward: less memory, ~30% more compute
     # Data
@@ -48,20 +51,23 @@ class Config(TrainConfig):
     eval_every: int = 100
     eval_batches: int = 2
 
-    def check(self) -> list[str]:
+    # Recomputing activations changes memory, not the numbers: a resumed run may switch it.
+    may_change_on_resume = TrainConfig.may_change_on_resume | {"gradient_checkpointing"}
+
+    def check(self) -> list[Problem]:
         problems = []
         if self.arch not in ("llama", "gpt2"):
-            problems.append(problem(f"arch must be llama or gpt2, got {self.arch!r}", "config field arch",
+            problems.append(Problem(f"arch must be llama or gpt2, got {self.arch!r}", "config field arch",
                                     "use --arch llama"))
         if self.hidden % self.heads:
-            problems.append(problem(f"hidden ({self.hidden}) must be a multiple of heads ({self.heads})",
+            problems.append(Problem(f"hidden ({self.hidden}) must be a multiple of heads ({self.heads})",
                                     "config fields hidden, heads", "change --hidden or --heads"))
         if not 0 < self.eval_fraction < 1:
-            problems.append(problem(f"eval_fraction must be in (0, 1), got {self.eval_fraction}",
+            problems.append(Problem(f"eval_fraction must be in (0, 1), got {self.eval_fraction}",
                                     "config field eval_fraction", "use --eval_fraction 0.05"))
         problems += text.check_data(self.data)
         if self.vocab_size < 300:
-            problems.append(problem(f"vocab_size must hold the 256 bytes and some merges, got {self.vocab_size}",
+            problems.append(Problem(f"vocab_size must hold the 256 bytes and some merges, got {self.vocab_size}",
                                     "config field vocab_size", "use --vocab_size 1024"))
         return problems
 
@@ -72,15 +78,17 @@ def build_model(cfg: Config) -> torch.nn.Module:
     # blocks are never padded, and Llama would make that token's embedding a frozen zero (padding_idx).
     special = dict(bos_token_id=text.EOS_ID, eos_token_id=text.EOS_ID)
     if cfg.arch == "llama":
-        config = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden, intermediate_size=cfg.hidden * 4,
+        config = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden,
+                             intermediate_size=cfg.ffn or cfg.hidden * 4,
                              num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads,
                              num_key_value_heads=cfg.heads, max_position_embeddings=cfg.seq_len,
-                             attention_dropout=cfg.dropout, tie_word_embeddings=True, **special)
+                             attention_dropout=cfg.dropout, tie_word_embeddings=cfg.tie_embeddings, **special)
         model = LlamaForCausalLM(config)
     else:
         config = GPT2Config(vocab_size=cfg.vocab_size, n_embd=cfg.hidden, n_layer=cfg.layers, n_head=cfg.heads,
-                            n_positions=cfg.seq_len, resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout,
-                            attn_pdrop=cfg.dropout, **special)
+                            n_inner=cfg.ffn or None, n_positions=cfg.seq_len, resid_pdrop=cfg.dropout,
+                            embd_pdrop=cfg.dropout, attn_pdrop=cfg.dropout, tie_word_embeddings=cfg.tie_embeddings,
+                            **special)
         model = GPT2LMHeadModel(config)
     if cfg.gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})

@@ -4,8 +4,8 @@ A checkpoint is `checkpoints/step_<N>/`:
 
     trainer_state.json   step, data position, scheduler, loss scaler, resolved config (written last, by rank 0)
     rng/rank_<r>.pt      every rank's RNG states (torch, CUDA, Python, NumPy)
-    state/               model + optimizer: torch.distributed.checkpoint (single, DDP, FSDP2: reshardable), or
-    deepspeed/           DeepSpeed's own sharded checkpoint (ZeRO-1/2/3)
+    state/ or deepspeed/ model + optimizer, in the strategy's own format (Strategy.save_state):
+                         torch.distributed.checkpoint (single, DDP, FSDP2: reshardable) or DeepSpeed's (ZeRO-1/2/3)
 
 It is written as `step_<N>.tmp`; after every rank's part is on disk (a barrier) rank 0 renames it, then points
 `checkpoints/latest` at it (write + rename), and only then prunes beyond --keep_last. A crash at any moment leaves
@@ -14,24 +14,24 @@ the previous checkpoint whole and `latest` naming a complete one.
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import random
 import shutil
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import save_file
+from torch.distributed.checkpoint.api import CheckpointException
 
-from trainkit.config import ConfigError, TrainConfig, config_dict, problem
-
-DEEPSPEED_TAG = "deepspeed"
+from trainkit.config import TrainConfig, config_dict
+from trainkit.errors import ConfigError, Problem, TrainingError, said, write_failure
+from trainkit.process import lost_contact
+from trainkit.recipes import Recipe
+from trainkit.strategies import Strategy, for_format
 
 
 def _rng_state() -> dict[str, Any]:
@@ -75,49 +75,54 @@ class Found:
 class Checkpointer:
     """Saves and restores training state under the run's strategy (see the module docstring for the layout)."""
 
-    def __init__(self, accelerator, strategy, output_dir: Path, keep_last: int):
-        self.accelerator = accelerator
+    def __init__(self, strategy: Strategy, output_dir: Path, keep_last: int):
         self.strategy = strategy
+        self.accelerator = strategy.accelerator
+        self.output_dir = output_dir
         self.root = output_dir / "checkpoints"
         self.keep_last = keep_last
-        self._universal: Path | None = None  # set by reshard()
 
-    @property
-    def format(self) -> str:
-        return "deepspeed" if self.strategy.ds else "dcp"
+    # --- saving -------------------------------------------------------------------------------------------------
 
-    # --- saving -----------------------------------------------------------------------------------------------------
-
-    def save(self, step: int, model, optimizer, scheduler, position: tuple[int, int], skipped_steps: int,
-             resolved: dict[str, Any]) -> Path:
+    def save(self, step: int, position: tuple[int, int], skipped_steps: int, resolved: dict[str, Any]) -> Path:
+        """Write checkpoints/step_<step>; a failure to write (a full disk) removes the partial folder and stops the
+        run naming the checkpoint that is still whole."""
         acc = self.accelerator
         final, tmp = self.root / f"step_{step}", self.root / f"step_{step}.tmp"
+        try:
+            if acc.is_main_process:
+                shutil.rmtree(tmp, ignore_errors=True)  # the remains of a save that was killed
+                (tmp / "rng").mkdir(parents=True)
+            acc.wait_for_everyone()
+            torch.save(_rng_state(), tmp / "rng" / f"rank_{acc.process_index}.pt")
+            self.strategy.save_state(tmp)
+            acc.wait_for_everyone()  # every rank's part is on disk
+            if acc.is_main_process:
+                state = {
+                    "format": self.strategy.checkpoint_format, "step": step, "epoch": position[0],
+                    "batch_in_epoch": position[1], "skipped_steps": skipped_steps,
+                    "scheduler": self.strategy.scheduler.state_dict(),
+                    "scaler": acc.scaler.state_dict() if acc.scaler is not None else None,
+                    "strategy": resolved["strategy"], "world_size": resolved["world_size"],
+                    "zero_stage": resolved["zero_stage"], "resolved_config": resolved,
+                    # what was written, so that a damaged copy is found before anything is loaded from it
+                    "files": {str(f.relative_to(tmp)): f.stat().st_size for f in sorted(tmp.rglob("*"))
+                              if f.is_file()},
+                }
+                _write_atomically(tmp / "trainer_state.json", json.dumps(state, indent=2) + "\n")
+                shutil.rmtree(final, ignore_errors=True)  # a re-run of this very step (after a resume)
+                os.replace(tmp, final)
+                _write_atomically(self.root / "latest", final.name + "\n")
+        except (OSError, RuntimeError, CheckpointException) as e:  # DCP wraps its ranks' failures in a BaseException
+            if isinstance(e, RuntimeError) and lost_contact(e):
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+            newest = next(iter(_checkpoints(self.root)), None)
+            raise TrainingError(f"could not write checkpoint {final}: {write_failure(e, self.root)}",
+                                f"{newest} is intact; free space and continue with --resume latest" if newest else
+                                "no checkpoint was written before it; free space and start again (--overwrite)"
+                                ) from None
         if acc.is_main_process:
-            shutil.rmtree(tmp, ignore_errors=True)  # the remains of a save that was killed
-            (tmp / "rng").mkdir(parents=True)
-        acc.wait_for_everyone()
-        torch.save(_rng_state(), tmp / "rng" / f"rank_{acc.process_index}.pt")
-        if self.format == "deepspeed":
-            model.save_checkpoint(str(tmp / "deepspeed"), tag=DEEPSPEED_TAG, save_latest=False)
-        else:
-            import torch.distributed.checkpoint as dcp
-            from torch.distributed.checkpoint.state_dict import get_state_dict
-
-            model_state, optim_state = get_state_dict(acc.unwrap_model(model), _raw(optimizer))
-            dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp / "state"))
-        acc.wait_for_everyone()  # every rank's part is on disk
-        if acc.is_main_process:
-            state = {
-                "format": self.format, "step": step, "epoch": position[0], "batch_in_epoch": position[1],
-                "skipped_steps": skipped_steps, "scheduler": scheduler.state_dict(),
-                "scaler": acc.scaler.state_dict() if acc.scaler is not None else None,
-                "strategy": resolved["strategy"], "world_size": resolved["world_size"],
-                "zero_stage": resolved["zero_stage"], "resolved_config": resolved,
-            }
-            _write_atomically(tmp / "trainer_state.json", json.dumps(state, indent=2) + "\n")
-            shutil.rmtree(final, ignore_errors=True)  # a re-run of this very step (after a resume)
-            os.replace(tmp, final)
-            _write_atomically(self.root / "latest", final.name + "\n")
             self._prune(step)
         acc.wait_for_everyone()
         return final
@@ -130,117 +135,38 @@ class Checkpointer:
         for old in [s for s in steps if s <= newest][:-self.keep_last]:
             shutil.rmtree(self.root / f"step_{old}")
 
-    # --- finding --------------------------------------------------------------------------------------------------------
+    # --- restoring ----------------------------------------------------------------------------------------------
 
-    @staticmethod
-    def find(output_dir: Path, resume: str) -> Found:
-        """The checkpoint `--resume latest|PATH` names; refuses anything incomplete."""
-        if resume == "latest":
-            latest = output_dir / "checkpoints" / "latest"
-            if not latest.exists():
-                raise ConfigError([problem(f"no checkpoint to resume in {output_dir}", "--resume latest",
-                                           "start without --resume, or pass --resume PATH to a checkpoint")])
-            path = latest.parent / latest.read_text().strip()
-        else:
-            path = Path(resume)
-        state_file = path / "trainer_state.json"
-        if not state_file.is_file():
-            raise ConfigError([problem(f"{path} is not a complete checkpoint (no trainer_state.json)",
-                                       f"--resume {resume}", "pass a checkpoints/step_<N> folder, or latest")])
-        return Found(path, json.loads(state_file.read_text()))
+    def before_prepare(self, found: Found, model: torch.nn.Module) -> None:
+        """What must happen before the strategy prepares the model: a checkpoint this strategy cannot restore
+        exactly gives its consolidated weights (a warm start, said out loud); one it can restore after a conversion
+        is converted."""
+        strategy = self.strategy
+        if not strategy.resumes_exactly(found.state):
+            for_format(found.format).load_weights(model, found.path)
+            saved = found.state
+            under = saved["strategy"] + (f" (ZeRO-{saved['zero_stage']})" if saved["zero_stage"] else "") + " "
+            strategy.notes.append(f"resuming a checkpoint saved under {under}on {saved['world_size']} process(es): "
+                                  f"weights loaded, optimizer state starts fresh (this strategy cannot read that "
+                                  f"optimizer state)")
+        elif note := strategy.before_resume(found.path, found.state, self.output_dir):
+            strategy.notes.append(note)
 
-    # --- restoring ------------------------------------------------------------------------------------------------------
-
-    def _same_layout(self, found: Found) -> bool:
-        return (found.state["zero_stage"] == self.strategy.zero_stage
-                and found.state["world_size"] == self.accelerator.num_processes)
-
-    def exact(self, found: Found) -> bool:
-        """Whether the saved model + optimizer state can be restored under this run's strategy, resharded if needed.
-
-        torch.distributed.checkpoint reshards between single, DDP and FSDP2 at any world size. A DeepSpeed checkpoint
-        restores natively under the same ZeRO stage and world size, and between ZeRO-1 and ZeRO-2 of any world size
-        through DeepSpeed's universal checkpoint (see `reshard`). Measured here, universal checkpoints of ZeRO-3
-        either fail to load (into ZeRO-2) or lose optimizer precision (1.4e-3 off after a step), so ZeRO-3 moves,
-        like moves between the two formats, carry only the consolidated weights over (`warm_start`).
-        """
-        if found.format != self.format:
-            return False
-        if self.format == "deepspeed" and not self._same_layout(found):
-            return found.state["zero_stage"] in (1, 2) and self.strategy.zero_stage in (1, 2)
-        return True
-
-    def reshard(self, found: Found) -> str | None:
-        """Before `prepare`: convert a ZeRO-1/2 checkpoint saved under another world size or stage into DeepSpeed's
-        universal format (main process, once, into output_dir/universal/), and tell the engine to load that
-        format. Returns the note to print, or None when nothing had to change."""
-        if self.format != "deepspeed" or not self.exact(found) or self._same_layout(found):
-            return None
-        target = self.root.parent / "universal" / found.path.name
-        failed = target.with_name(target.name + ".failed")  # how the other ranks learn that rank 0's conversion failed
-        if self.accelerator.is_main_process and not target.exists():
-            tmp = target.with_name(target.name + ".tmp")
-            shutil.rmtree(tmp, ignore_errors=True)
-            failed.unlink(missing_ok=True)
-            tmp.parent.mkdir(parents=True, exist_ok=True)
-            convert = subprocess.run(
-                [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-                 str(found.path / "deepspeed" / DEEPSPEED_TAG), "--output_folder", str(tmp),
-                 "--num_extract_workers", "1", "--num_merge_workers", "1", "--inject_missing_state"],
-                capture_output=True, text=True)
-            if convert.returncode == 0:
-                tmp.rename(target)
-            else:
-                failed.write_text((convert.stderr.strip().splitlines() or ["?"])[-1])
-        self.accelerator.wait_for_everyone()
-        if failed.exists():
-            raise ConfigError([problem(f"DeepSpeed could not convert {found.path} to a universal checkpoint: "
-                                       f"{failed.read_text()}", "--resume",
-                                       "resume under the ZeRO stage and process count it was saved with")])
-        self.accelerator.state.deepspeed_plugin.deepspeed_config["checkpoint"] = {"load_universal": True}
-        self._universal = target
-        return (f"resuming a ZeRO-{found.state['zero_stage']} checkpoint of {found.state['world_size']} process(es) "
-                f"as ZeRO-{self.strategy.zero_stage} on {self.accelerator.num_processes}: converted to DeepSpeed's "
-                f"universal checkpoint ({target}), optimizer state kept")
-
-    def warm_start(self, found: Found, model: torch.nn.Module) -> str:
-        """Load the checkpoint's consolidated weights into the not-yet-prepared model; returns the note to print."""
-        if found.format == "deepspeed":
-            from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-            weights = get_fp32_state_dict_from_zero_checkpoint(str(found.path / "deepspeed"), tag=DEEPSPEED_TAG)
-            model.load_state_dict(weights, strict=True)
-        else:
-            import torch.distributed.checkpoint as dcp
-
-            weights = {"model": model.state_dict()}
-            dcp.load(weights, checkpoint_id=str(found.path / "state"))
-            model.load_state_dict(weights["model"], strict=True)
-        saved = f"{found.state['strategy']} (ZeRO-{found.state['zero_stage']}) " if found.state["zero_stage"] \
-            else f"{found.state['strategy']} "
-        return (f"resuming a checkpoint saved under {saved}on {found.state['world_size']} process(es): weights "
-                f"loaded, optimizer state starts fresh (this strategy cannot read that optimizer state)")
-
-    def load(self, found: Found, model, optimizer, scheduler) -> None:
-        """Restore model and optimizer (exact only), scheduler, loss scaler and this rank's RNG."""
-        acc = self.accelerator
-        if self.exact(found):
-            if self.format == "deepspeed":
-                universal = self._universal
-                load_dir, tag = (universal.parent, universal.name) if universal else (found.path / "deepspeed",
-                                                                                       DEEPSPEED_TAG)
-                model.load_checkpoint(str(load_dir), tag=tag, load_optimizer_states=True,
-                                      load_lr_scheduler_states=False)
-            else:
-                import torch.distributed.checkpoint as dcp
-                from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-                unwrapped, raw = acc.unwrap_model(model), _raw(optimizer)
-                model_state, optim_state = get_state_dict(unwrapped, raw)
-                state = {"model": model_state, "optim": optim_state}
-                dcp.load(state, checkpoint_id=str(found.path / "state"))
-                set_state_dict(unwrapped, raw, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        scheduler.load_state_dict(found.state["scheduler"])
+    def load(self, found: Found) -> None:
+        """After prepare: model and optimizer (when exact), scheduler, loss scaler, and this rank's RNG last."""
+        acc, strategy = self.accelerator, self.strategy
+        if strategy.resumes_exactly(found.state):
+            try:
+                strategy.load_state(found.path)
+            except (Exception, CheckpointException) as e:  # damage the sizes cannot show: the library's words
+                if isinstance(e, RuntimeError) and lost_contact(e):
+                    raise
+                older = [p for p in _checkpoints(found.path.parent)
+                         if _step(p) < _step(found.path) and not _damage(p, _state(p))]
+                raise TrainingError(f"could not load checkpoint {found.path}: {said(e)}",
+                                    f"resume from an older one (--resume {older[0]})" if older else
+                                    "start again (--overwrite)") from None
+        strategy.scheduler.load_state_dict(found.state["scheduler"])
         if acc.scaler is not None and found.state["scaler"]:
             acc.scaler.load_state_dict(found.state["scaler"])
         rng_file = found.path / "rng" / f"rank_{acc.process_index}.pt"
@@ -248,30 +174,113 @@ class Checkpointer:
             _set_rng_state(torch.load(rng_file, weights_only=True))
 
 
-def check_output_dir(output_dir: Path, resume: str | None, overwrite: bool, resolved: dict[str, Any],
-                     ) -> tuple[list[str], Found | None]:
-    """Problems with writing into output_dir, and the checkpoint to resume from.
+def _checkpoints(root: Path) -> list[Path]:
+    """Complete checkpoints under root, newest first."""
+    steps = [p for p in root.glob("step_*") if p.name.removeprefix("step_").isdigit()
+             and (p / "trainer_state.json").is_file()]
+    return sorted(steps, key=_step, reverse=True)
 
-    A new run never writes over an earlier one unless told --overwrite; a resumed run must keep the global batches
-    (seed, global batch size) and the recipe of the run it continues, or its data order would silently change.
-    """
+
+def _step(path: Path) -> int:
+    return int(path.name.removeprefix("step_"))
+
+
+def _state(path: Path) -> dict[str, Any]:
+    return json.loads((path / "trainer_state.json").read_text())
+
+
+def _damage(path: Path, state: dict[str, Any]) -> str | None:
+    """The first file of a checkpoint that is missing or has another size than when it was written, if any
+    (checkpoints written before sizes were recorded are taken as they are)."""
+    for name, size in state.get("files", {}).items():
+        file = path / name
+        if not file.is_file():
+            return f"{file} is missing"
+        if file.stat().st_size != size:
+            return f"{file} has {file.stat().st_size} bytes, {size} when it was written"
+    return None
+
+
+def check_output_dir(output_dir: Path, resume: str | None, overwrite: bool) -> list[Problem]:
+    """Problems with writing into output_dir. A new run never writes over an earlier one unless told --overwrite;
+    the advice names only what can work for what the folder holds."""
+    if output_dir.exists() and not output_dir.is_dir():
+        return [Problem(f"{output_dir} is a file, not a folder", "--output_dir",
+                        "pass the path of a folder (it is created if missing)")]
+    writable = next(p for p in (output_dir, *output_dir.absolute().parents) if p.exists())
+    if not os.access(writable, os.W_OK | os.X_OK):
+        return [Problem(f"cannot write in {writable}", "--output_dir",
+                        "pass a folder you can write to, or fix its permissions")]
+    if resume is not None:
+        return [Problem("--resume and --overwrite contradict each other", "command line", "pass only one")] \
+            if overwrite else []
     existing = [name for name in ("checkpoints", "metrics.jsonl", "final") if (output_dir / name).exists()]
-    if resume is None:
-        if existing and not overwrite:
-            return [problem(f"{output_dir} already holds a run ({', '.join(existing)})", "--output_dir",
-                            "pass --resume latest to continue it, --overwrite to replace it, or a new --output_dir")], None
-        return [], None
-    if overwrite:
-        return [problem("--resume and --overwrite contradict each other", "command line", "pass only one")], None
-    try:
-        found = Checkpointer.find(output_dir, resume)
-    except ConfigError as e:
-        return e.problems, None
+    if not existing or overwrite:
+        return []
+    if (output_dir / "final").exists():
+        fix = "pass --overwrite to replace it, or a new --output_dir" + (
+            " (or --resume latest with a larger --max_steps to train it further)" if _has_latest(output_dir) else "")
+    elif _has_latest(output_dir):
+        fix = "pass --resume latest to continue it, --overwrite to replace it, or a new --output_dir"
+    else:
+        return [Problem(f"{output_dir} already holds a run that stopped before its first checkpoint "
+                        f"({', '.join(existing)})", "--output_dir",
+                        "pass --overwrite to start it again, or a new --output_dir")]
+    return [Problem(f"{output_dir} already holds a run ({', '.join(existing)})", "--output_dir", fix)]
+
+
+def _has_latest(output_dir: Path) -> bool:
+    return (output_dir / "checkpoints" / "latest").is_file()
+
+
+def find_checkpoint(output_dir: Path, resume: str) -> Found:
+    """The checkpoint `--resume latest|PATH` names; refuses anything incomplete or damaged, naming what can work."""
+    where = f"--resume {resume}"
+    if resume == "latest":
+        if not _has_latest(output_dir):
+            fix = ("the run there stopped before its first checkpoint: start it again with --overwrite, without "
+                   "--resume" if (output_dir / "metrics.jsonl").exists() else
+                   "start without --resume, or pass --resume PATH to a checkpoint")
+            raise ConfigError([Problem(f"no checkpoint to resume in {output_dir}", where, fix)])
+        path = output_dir / "checkpoints" / (output_dir / "checkpoints" / "latest").read_text().strip()
+    else:
+        path = Path(resume)
+    if not (path / "trainer_state.json").is_file():
+        close = difflib.get_close_matches(resume, ["latest"], n=1) if not path.exists() else []
+        raise ConfigError([Problem(f"{path} is not a complete checkpoint (no trainer_state.json)", where,
+                                   "did you mean --resume latest?" if close else
+                                   "pass a checkpoints/step_<N> folder, or latest")])
+    state = _state(path)
+    damage = _damage(path, state)
+    if damage:
+        intact = [p for p in _checkpoints(path.parent) if p != path and not _damage(p, _state(p))]
+        raise ConfigError([Problem(f"checkpoint {path} is damaged: {damage}", where,
+                                   f"resume from the newest intact one: --resume {intact[0]}" if intact else
+                                   "no intact checkpoint is left: start again (--overwrite)")])
+    return Found(path, state)
+
+
+def resume_problems(found: Found, cfg: TrainConfig, resolved: dict[str, Any],
+                    overrides: list[tuple[str, str, str]]) -> list[Problem]:
+    """A resumed run continues the checkpoint's run: the same recipe, the same global batches (seed, global batch
+    size) and every setting the recipe does not list in `may_change_on_resume`. The others came from the checkpoint
+    unless a flag set them; a flag that sets one to another value is refused (it would not continue the run)."""
     saved = found.state["resolved_config"]
-    problems = [problem(f"{key} is {resolved[key]} but the checkpoint was trained with {saved[key]}",
-                        f"--resume {resume}", f"resume with the same {key}, or start a new run")
-                for key in ("recipe", "seed", "global_batch_size") if saved[key] != resolved[key]]
-    return problems, found
+    problems = []
+    for key in ("recipe", "global_batch_size"):
+        if saved[key] != resolved[key]:
+            problems.append(Problem(f"{key} is {resolved[key]} but the checkpoint was trained with {saved[key]}",
+                                    f"--resume {found.path}",
+                                    "keep batch_size x grad_accum x world_size as it was (the data order depends on "
+                                    "it): pass --batch_size or --grad_accum to match" if key == "global_batch_size"
+                                    else f"resume with --recipe {saved[key]}, or start a new run"))
+    for name, _, where in overrides:
+        if name in config_dict(cfg) and name not in cfg.may_change_on_resume and name in saved \
+                and getattr(cfg, name) != saved[name]:
+            problems.append(Problem(f"{name} is {getattr(cfg, name)} but the checkpoint was trained with "
+                                    f"{saved[name]}", where,
+                                    f"drop {where}: a resumed run keeps the checkpoint's {name}; or start a new run"))
+    return problems
 
 
 def clear_outputs(output_dir: Path) -> None:
@@ -282,31 +291,20 @@ def clear_outputs(output_dir: Path) -> None:
         (output_dir / name).unlink(missing_ok=True)
 
 
-def _raw(optimizer):
-    """The torch optimizer inside Accelerate's wrapper."""
-    return getattr(optimizer, "optimizer", optimizer)
+def export_final(strategy: Strategy, recipe: Recipe, cfg: TrainConfig, cache_dir: Path, output_dir: Path) -> Path:
+    """Consolidated weights in output_dir/final, whatever the strategy; written by the main process only.
 
-
-def export_final(accelerator, state_dict: dict, model, recipe: ModuleType, cfg: TrainConfig, cache_dir: Path,
-                 output_dir: Path) -> Path:
-    """Consolidated safetensors in output_dir/final, whatever the strategy; written by the main process only.
-
-    `state_dict` is the gathered full state dict (Strategy.full_state_dict). The folder is written under a
-    temporary name and renamed, so `final/` is never half-written.
+    Gathering the full state dict is a collective (every rank calls this). The folder is written under a temporary
+    name and renamed, so `final/` is never half-written.
     """
+    accelerator = strategy.accelerator
+    state_dict = strategy.full_state_dict()
     final = output_dir / "final"
     if accelerator.is_main_process:
         tmp = output_dir / "final.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-        unwrapped = accelerator.unwrap_model(model)
-        if hasattr(recipe, "export"):
-            recipe.export(unwrapped, state_dict, cfg, cache_dir, tmp)
-        else:
-            # safetensors refuses tensors that share memory; contiguous copies are what a reload needs anyway.
-            save_file({k: v.detach().contiguous().clone() for k, v in state_dict.items()},
-                      str(tmp / "model.safetensors"), metadata={"format": "pt"})
-            (tmp / "config.json").write_text(json.dumps(config_dict(cfg), indent=2) + "\n")
+        recipe.export(strategy.unwrapped_model, state_dict, cfg, cache_dir, tmp)
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
     accelerator.wait_for_everyone()

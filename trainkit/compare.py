@@ -19,6 +19,9 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from trainkit.data import global_batch_size
+from trainkit.launch import config_path
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -58,8 +61,7 @@ def launch_command(config: str | None, output_dir: Path, args: list[str], num_pr
     if config is None:
         cmd = [sys.executable, script]
     else:
-        path = Path(config) if config.endswith(".yaml") else ROOT / "accelerate_configs" / f"{config}.yaml"
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(path),
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config_path(config)),
                "--main_process_port", "0", *launch_args]
         if num_processes:
             cmd += ["--num_processes", str(num_processes)]
@@ -80,7 +82,7 @@ def run_config(config: str | None, output_dir: Path, args: list[str], num_proces
 def max_rel_diff(curve: list[float], reference: list[float]) -> float:
     if len(curve) != len(reference):
         return float("inf")
-    return max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(curve, reference))
+    return max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(curve, reference, strict=True))
 
 
 def plot(curves: list[Run], path: Path, title: str) -> None:
@@ -117,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     common = ["--max_steps", str(args.max_steps), "--eval_every", "0", *args.recipe_args]
-    global_batch = args.batch_size * args.grad_accum * args.num_processes
+    global_batch = global_batch_size(args.batch_size, args.grad_accum, args.num_processes)
     with tempfile.TemporaryDirectory() as tmp:
         reference = run_config(None, Path(tmp) / "reference",
                                ["--recipe", args.recipe, "--batch_size", str(global_batch), *common])

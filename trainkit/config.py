@@ -12,27 +12,17 @@ import dataclasses
 import difflib
 import os
 import re
+import sys
 import types
 import typing
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, ClassVar
 
-if TYPE_CHECKING:
-    from trainkit.strategy import Launch
+from trainkit.errors import ConfigError, Problem
 
-
-class ConfigError(Exception):
-    """One or more problems with what the user asked for; each says what, where it came from, and the fix."""
-
-    def __init__(self, problems: list[str]):
-        super().__init__("\n".join(problems))
-        self.problems = problems
-
-
-def problem(what: str, where: str, fix: str) -> str:
-    """The one format every config problem is reported in: `<what> (<where>): <fix>`."""
-    return f"{what} ({where}): {fix}"
+problem = Problem  # the name recipes written before trainkit.errors imported from here (copies of old recipes)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -51,9 +41,18 @@ class TrainConfig:
     eval_every: int = 50  # optimizer steps between evaluations; 0 evaluates only at the end
     eval_batches: int = 4  # global batches of the held-out split per evaluation
     seed: int = 0
+    # DDP: parameters may take no part in a step (a mixture of experts, a branch taken only sometimes). DDP then
+    # has to search the graph for them every step, a cost; without it such a model stops with an error naming this.
+    find_unused_parameters: bool = False
+
+    # What a resumed run may set anew (--resume restores every other field from the checkpoint and refuses a flag that
+    # differs): the schedule's length, evaluation, how the global batch is split (its size is checked on its own),
+    # DDP's search for unused parameters. A recipe adds its own, e.g. gradient checkpointing (memory, not math).
+    may_change_on_resume: ClassVar[frozenset[str]] = frozenset({
+        "max_steps", "eval_every", "eval_batches", "batch_size", "grad_accum", "find_unused_parameters"})
 
     def __post_init__(self) -> None:
-        problems = [problem(f"{name} must be {rule}, got {getattr(self, name)!r}", f"config field {name}", fix)
+        problems = [Problem(f"{name} must be {rule}, got {getattr(self, name)!r}", f"config field {name}", fix)
                     for name, ok, rule, fix in self._common_rules() if not ok]
         problems += self.check()
         if problems:
@@ -74,8 +73,9 @@ class TrainConfig:
             ("eval_batches", self.eval_batches >= 1, ">= 1", "use --set eval_batches=1 or more"),
         ]
 
-    def check(self) -> list[str]:
-        """Recipe-specific validation: return problems (see `problem`); the base fields are already checked."""
+    def check(self) -> list[Problem]:
+        """Recipe-specific validation: return problems (trainkit.errors.Problem); the base fields are already
+        checked."""
         return []
 
 
@@ -112,22 +112,27 @@ def parse_value(text: str, annotation: Any, name: str) -> Any:
     raise ValueError(f"{name} has type {annotation!r}, which cannot be set from the command line")
 
 
-def build_config(config_cls: type[TrainConfig], overrides: list[tuple[str, str, str]]) -> TrainConfig:
-    """Build the recipe's config from (field, text value, where it came from) overrides; report every problem."""
+def build_config(config_cls: type[TrainConfig], overrides: list[tuple[str, str, str]],
+                 restored: Mapping[str, Any] | None = None, flags: Sequence[str] = ()) -> TrainConfig:
+    """Build the recipe's config from (field, text value, where it came from) overrides on top of `restored` values
+    (a resumed checkpoint's); report every problem. An unknown name is matched against the recipe's fields and
+    train.py's own `flags` for the "did you mean"."""
     hints = typing.get_type_hints(config_cls)
     known = field_names(config_cls)
-    values: dict[str, Any] = {}
-    problems: list[str] = []
+    values: dict[str, Any] = {k: v for k, v in (restored or {}).items() if k in known}
+    problems: list[Problem] = []
     for name, text, where in overrides:
         if name not in known:
-            close = difflib.get_close_matches(name, known, n=3)
-            fix = f"did you mean {', '.join(close)}?" if close else f"known fields: {', '.join(known)}"
-            problems.append(problem(f"unknown config field {name!r}", where, fix))
+            close = difflib.get_close_matches(name, [*known, *flags], n=3)
+            named = [c if c in known else f"--{c}" for c in close]
+            fix = f"did you mean {', '.join(named)}?" if close else \
+                f"known fields: {', '.join(known)}; train.py's flags: python train.py --help"
+            problems.append(Problem(f"unknown config field {name!r}", where, fix))
             continue
         try:
             values[name] = parse_value(text, hints[name], name)
         except ValueError as e:
-            problems.append(problem(str(e), where, f"pass a value of the field's type: {hints[name]}"))
+            problems.append(Problem(str(e), where, f"pass a value of the field's type: {hints[name]}"))
     if problems:
         raise ConfigError(problems)
     return config_cls(**values)
@@ -160,11 +165,17 @@ class RunOptions:
     estimate: bool
     device_memory: int | None  # bytes
     num_processes: int | None
+    precision: str | None  # --estimate's: no | bf16 | fp16 (Accelerate's names); None: the launch's
 
 
 def parse_command_line(argv: list[str] | None = None) -> tuple[RunOptions, list[tuple[str, str, str]]]:
-    """Run options, and recipe overrides as (field, text, where) for `build_config`."""
-    parser = argparse.ArgumentParser(
+    """Run options, and recipe overrides as (field, text, where) for `build_config`.
+
+    Dashes and underscores in flag names are alike (--save-every is --save_every), and no flag is taken for an
+    abbreviation of another (--max_step is a typo, not --max_steps).
+    """
+    argv = [_underscores(a) for a in (sys.argv[1:] if argv is None else argv)]
+    parser = argparse.ArgumentParser(allow_abbrev=False,
         description="Train a recipe. Strategy and precision come from the launcher: "
                     "accelerate launch --config_file accelerate_configs/<strategy>.yaml train.py --recipe <recipe>",
         epilog="Any recipe field can be set with --<field> VALUE or --set field=VALUE "
@@ -190,6 +201,8 @@ def parse_command_line(argv: list[str] | None = None) -> tuple[RunOptions, list[
     parser.add_argument("--device_memory", help="with --estimate: memory per device (80GB, 24GiB) to find the "
                         "cheapest strategy that fits")
     parser.add_argument("--num_processes", type=int, help="with --estimate: the world size to estimate for")
+    parser.add_argument("--precision", choices=["fp32", "bf16", "fp16"],
+                        help="with --estimate: the precision to estimate for (default: the launch's)")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="set any recipe field")
     for name in RECIPE_FLAGS:
         parser.add_argument(f"--{name}", help=f"recipe field {name}")
@@ -221,14 +234,15 @@ def parse_command_line(argv: list[str] | None = None) -> tuple[RunOptions, list[
                          report_to=report_to, peak_flops=args.peak_flops, cache_dir=args.cache_dir,
                          save_every=args.save_every, keep_last=args.keep_last, resume=args.resume,
                          stop_at=args.stop_at, estimate=args.estimate, device_memory=None,
-                         num_processes=args.num_processes)
+                         num_processes=args.num_processes,
+                         precision={"fp32": "no"}.get(args.precision, args.precision))
     if args.device_memory:
         try:
             options.device_memory = parse_bytes(args.device_memory)
         except ValueError as e:
             parser.error(f"--device_memory: {e}")
-    if (options.device_memory or options.num_processes) and not options.estimate:
-        parser.error("--device_memory and --num_processes go with --estimate")
+    if (options.device_memory or options.num_processes or options.precision) and not options.estimate:
+        parser.error("--device_memory, --num_processes and --precision go with --estimate")
     for flag, value in (("--save_every", options.save_every), ("--keep_last", options.keep_last)):
         if value < 0:
             parser.error(f"{flag} must be >= 0, got {value}")
@@ -240,39 +254,32 @@ def parse_command_line(argv: list[str] | None = None) -> tuple[RunOptions, list[
     return options, overrides
 
 
-def field_sources(cfg: TrainConfig, overrides: list[tuple[str, str, str]]) -> dict[str, str]:
-    """Where each recipe field's value came from: the flag that set it, or the recipe's default."""
+def _underscores(arg: str) -> str:
+    if not arg.startswith("--"):
+        return arg
+    name, sep, value = arg[2:].partition("=")
+    return f"--{name.replace('-', '_')}{sep}{value}"
+
+
+def run_flags() -> list[str]:
+    """train.py's own flags (those that are not recipe fields), for suggestions."""
+    return [f.name for f in dataclasses.fields(RunOptions)] + ["set"]
+
+
+def field_sources(cfg: TrainConfig, overrides: list[tuple[str, str, str]],
+                  restored: Mapping[str, Any] | None = None, restored_from: str = "") -> dict[str, str]:
+    """Where each recipe field's value came from: the flag that set it, the resumed checkpoint, or the recipe's
+    default."""
     where = {name: source for name, _, source in overrides}
-    return {name: where.get(name, "recipe default") for name in field_names(type(cfg))}
-
-
-def resolved_config(recipe_path: Path, cfg: TrainConfig, sources: dict[str, str], launch: Launch,
-                    zero_stage: int | None, estimated_state_bytes: int, seq_len: int | None) -> dict[str, Any]:
-    """Every effective value (flat), and where each came from under `sources`."""
-    values = config_dict(cfg)
-    resolved: dict[str, Any] = {
-        "recipe": str(recipe_path), "strategy": launch.kind, "world_size": launch.world_size,
-        "num_machines": launch.num_machines, "mixed_precision": launch.mixed_precision, "zero_stage": zero_stage,
-        "global_batch_size": cfg.batch_size * cfg.grad_accum * launch.world_size,
-        "estimated_state_bytes": estimated_state_bytes,
-        **values,
-    }
-    if seq_len is not None:
-        resolved["seq_len"] = seq_len
-    sources = dict(sources)
-    sources.update({name: launch.source for name in ("strategy", "world_size", "num_machines", "mixed_precision")})
-    sources["global_batch_size"] = "batch_size x grad_accum x world_size"
-    sources["estimated_state_bytes"] = "trainkit.estimate"
-    sources["zero_stage"] = launch.deepspeed_config or "no DeepSpeed"
-    resolved["sources"] = sources
-    return resolved
+    return {name: where.get(name, restored_from if name in (restored or {}) else "recipe default")
+            for name in field_names(type(cfg))}
 
 
 def parse_bytes(text: str) -> int:
-    """'80GB', '80GiB', '512MB' or a plain number of bytes."""
-    units = {"": 1, "B": 1, "KB": 1000, "MB": 1000 ** 2, "GB": 1000 ** 3, "TB": 1000 ** 4,
+    """'80GB', '80GiB', '512MB': a size with its unit (a bare number is refused: 80 could mean bytes or GB)."""
+    units = {"B": 1, "KB": 1000, "MB": 1000 ** 2, "GB": 1000 ** 3, "TB": 1000 ** 4,
              "KIB": 1024, "MIB": 1024 ** 2, "GIB": 1024 ** 3, "TIB": 1024 ** 4}
     match = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([A-Za-z]*)\s*", text)
     if not match or match.group(2).upper() not in units:
-        raise ValueError(f"cannot read {text!r} as a size: write it like 80GB, 24GiB or 512MB")
+        raise ValueError(f"cannot read {text!r} as a size: write it with its unit, like 80GB, 24GiB or 512MB")
     return int(float(match.group(1)) * units[match.group(2).upper()])

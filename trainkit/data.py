@@ -17,6 +17,11 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 
+def global_batch_size(micro_batch: int, grad_accum: int, world_size: int) -> int:
+    """Samples per optimizer step over all ranks: what the data order, the schedule and the curves are defined by."""
+    return micro_batch * grad_accum * world_size
+
+
 @dataclass(frozen=True, slots=True)
 class BatchLayout:
     """Who computes which part of a global batch."""
@@ -28,7 +33,7 @@ class BatchLayout:
 
     @property
     def global_batch(self) -> int:
-        return self.micro_batch * self.grad_accum * self.world_size
+        return global_batch_size(self.micro_batch, self.grad_accum, self.world_size)
 
     def micro_slices(self) -> list[slice]:
         """Positions inside a global batch that this rank computes, one slice per micro-batch, in order."""

@@ -21,18 +21,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from types import ModuleType
 
 import torch
 
 from trainkit.config import TrainConfig
-from trainkit.strategy import hidden_size, persistence_threshold
+from trainkit.recipes import Recipe
 
 # Optimizer state bytes per parameter in fp32: AdamW keeps exp_avg and exp_avg_sq; plain SGD keeps nothing.
 OPTIMIZER_BYTES = {"adamw": 8, "sgd": 0}
-# From the cheapest to run (least communication, no host traffic) to the most frugal with device memory.
-STRATEGIES = ("ddp", "deepspeed_zero1", "deepspeed_zero2", "fsdp", "deepspeed_zero3", "deepspeed_zero2_offload",
-              "fsdp_offload", "deepspeed_zero3_offload")
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,9 +44,17 @@ class ModelShape:
         return sum(self.numels)
 
 
-def model_shape(recipe: ModuleType, cfg: TrainConfig) -> ModelShape:
+def hidden_size(model: torch.nn.Module) -> int:
+    """The model's hidden size: `model.config.hidden_size` where it has one; otherwise the square root of the largest
+    parameter (the width of a square weight matrix)."""
+    return getattr(getattr(model, "config", None), "hidden_size", None) or \
+        int(math.sqrt(max(p.numel() for p in model.parameters())))
+
+
+def model_shape(recipe: Recipe, cfg: TrainConfig) -> ModelShape:
+    """Parameter sizes of the recipe's model, built on the meta device: no memory, no initialisation."""
     with torch.device("meta"):
-        model = recipe.build_model(cfg)
+        model = recipe.make_model(cfg)
     numels = tuple(p.numel() for p in model.parameters())
     layers = getattr(getattr(model, "config", None), "num_hidden_layers", None) or \
         sum(isinstance(m, torch.nn.Linear) for m in model.modules())
@@ -77,45 +81,6 @@ class Estimate:
         return self.state - self.host + self.transient + self.activations
 
 
-def estimate(shape: ModelShape, strategy: str, world_size: int, precision: str, optimizer: str,
-             activations: int = 0) -> Estimate:
-    """Model-state bytes per rank under `strategy` (a name from STRATEGIES, or single)."""
-    n, w = shape.num_params, world_size
-    opt = OPTIMIZER_BYTES[optimizer]
-    if strategy in ("single", "ddp"):
-        return Estimate(strategy, 4 * n, 4 * n, opt * n, 0, activations)
-    if strategy.startswith("fsdp"):
-        shard = sum(math.ceil(k / w) for k in shape.numels)  # FSDP2 pads each parameter's dim-0 shards
-        host = (8 + opt) * shard if strategy == "fsdp_offload" else 0
-        return Estimate(strategy, 4 * shard, 4 * shard, opt * shard, host, activations)
-    low = 2 if precision in ("bf16", "fp16") else 4  # DeepSpeed turns the model itself to bf16/fp16
-    optimizer_bytes = (4 + opt) * math.ceil(n / w)  # fp32 master partition + optimizer states
-    if strategy in ("deepspeed_zero1", "deepspeed_zero2", "deepspeed_zero2_offload"):
-        transient = low * n if strategy == "deepspeed_zero1" else 0  # ZeRO-2 reduce-scatters in buckets
-        if not strategy.endswith("offload"):
-            return Estimate(strategy, low * n, 0, optimizer_bytes, 0, activations, transient)
-        # ZeRO-Offload also keeps, per rank, a low-precision copy of its partition and the partition's fp32
-        # gradients on the host, and two staging buffers of the largest parameter's size (measured: BENCHMARKS.md).
-        staging = low * max(shape.numels)
-        grads = 4 * math.ceil(n / w) + 2 * staging
-        optimizer_bytes += low * math.ceil(n / w)
-        return Estimate(strategy, low * n, grads, optimizer_bytes, optimizer_bytes + grads - staging, activations)
-    persistent = sum(k for k in shape.numels if k < persistence_threshold(shape.hidden))
-    params = low * (math.ceil((n - persistent) / w) + persistent)
-    grads = low * math.ceil(n / w)
-    host = params + optimizer_bytes if strategy == "deepspeed_zero3_offload" else 0
-    return Estimate(strategy, params, grads, optimizer_bytes, host, activations)
-
-
-def strategy_name(kind: str, zero_stage: int | None, offload: bool) -> str:
-    """The STRATEGIES name of a launch (kind from trainkit.strategy.Launch)."""
-    if kind == "deepspeed":
-        return f"deepspeed_zero{zero_stage}" + ("_offload" if offload else "")
-    if kind == "fsdp":
-        return "fsdp_offload" if offload else "fsdp"
-    return kind
-
-
 def activation_bytes(shape: ModelShape, micro_batch: int, seq_len: int | None, heads: int | None,
                      precision: str, checkpointing: bool) -> int:
     """Activations kept for backward, per rank, for one micro-batch.
@@ -132,19 +97,24 @@ def activation_bytes(shape: ModelShape, micro_batch: int, seq_len: int | None, h
     return int(scale * 2 * 2 * micro_batch * shape.hidden * shape.layers)
 
 
-def table(shape: ModelShape, world_size: int, precision: str, optimizer: str, activations: int,
-          device_memory: int | None) -> str:
-    """Every strategy's bytes per rank, and which is the cheapest that fits `device_memory`."""
-    rows = [estimate(shape, s, world_size, precision, optimizer, activations) for s in STRATEGIES]
+PRECISION_NAMES = {"no": "fp32", "bf16": "bf16", "fp16": "fp16"}
+HEADROOM = 0.9  # of a device's memory a strategy may plan for: the rest is the framework's, buffers', fragmentation's
+
+
+def report(shape: ModelShape, rows: list[Estimate], mine: Estimate, world_size: int, precision: str, optimizer: str,
+           device_memory: int | None) -> str:
+    """--estimate: every strategy's bytes per rank (`rows`, fastest first), the fastest that fits `device_memory`,
+    and whether this launch's strategy (`mine`) fits. One unit throughout."""
     gib = 1024 ** 3
+    unit, size = ("GiB", gib) if max(r.device for r in [*rows, mine]) >= gib / 10 else ("MiB", 1024 ** 2)
 
-    def fmt(b: int) -> str:
-        return f"{b / gib:.3f} GiB" if b >= gib / 10 else f"{b / 1024 ** 2:.2f} MiB"
+    def fmt(b: float) -> str:
+        return f"{b / size:,.3f}"
 
-    lines = [f"{shape.num_params:,} parameters, {world_size} process(es), precision {precision}, optimizer "
-             f"{optimizer}; bytes per rank (device = states not offloaded + activations {fmt(activations)})",
-             f"{'strategy':<26}{'params':>12}{'grads':>12}{'optim+master':>14}{'host (CPU)':>12}"
-             f"{'device peak':>13}"]
+    lines = [f"{shape.num_params:,} parameters, {world_size} process(es), {PRECISION_NAMES[precision]}, optimizer "
+             f"{optimizer}; {unit} per rank (device peak = states not offloaded + activations "
+             f"{fmt(mine.activations)} {unit})",
+             f"{'strategy':<26}{'params':>12}{'grads':>12}{'optim+master':>14}{'host (CPU)':>12}{'device peak':>13}"]
     for r in rows:
         lines.append(f"{r.strategy:<26}{fmt(r.params):>12}{fmt(r.grads):>12}{fmt(r.optimizer):>14}"
                      f"{fmt(r.host):>12}{fmt(r.device):>13}")
@@ -152,16 +122,25 @@ def table(shape: ModelShape, world_size: int, precision: str, optimizer: str, ac
                  "adds gradients that exist only in backward (ZeRO-1 holds them whole) and activations. The ZeRO "
                  "paper's 2+2+12 bytes/param assumes fp16 training; DeepSpeed also keeps an fp32 master partition "
                  "in fp32 training.")
+    verdict = ""
     if device_memory:
-        fitting = [r for r in rows if r.device <= 0.9 * device_memory]  # 10% for the framework and fragmentation
-        lines.append(f"cheapest strategy that fits {fmt(device_memory)} per device (with 10% headroom): "
-                     f"{fitting[0].strategy}" if fitting else
-                     f"nothing fits {fmt(device_memory)} per device: add processes or shrink the model or batch")
+        usable = HEADROOM * device_memory
+        lines.append(f"--device_memory {fmt(device_memory)} {unit}: a strategy fits when its device peak is at most "
+                     f"{fmt(usable)} {unit} ({HEADROOM:.0%}; the rest goes to the framework, communication buffers "
+                     f"and fragmentation)")
+        fitting = [r for r in rows if r.device <= usable]
+        lines.append(f"cheapest strategy that fits: {fitting[0].strategy} (device peak {fmt(fitting[0].device)} "
+                     f"{unit})" if fitting else
+                     "nothing fits: add processes, or shrink the model, the micro-batch or the sequence length "
+                     "(--gradient_checkpointing cuts activations)")
+        verdict = (f"; fits, {fmt(usable - mine.device)} {unit} to spare" if mine.device <= usable else
+                   f"; does not fit: {fmt(mine.device - usable)} {unit} over")
+    lines.append(f"this launch ({mine.strategy}, {world_size} process(es)): {fmt(mine.state)} {unit} of model state "
+                 f"per rank, device peak {fmt(mine.device)} {unit}{verdict}")
     return "\n".join(lines)
 
 
-def for_run(shape: ModelShape, cfg: TrainConfig, strategy: str, world_size: int, precision: str) -> Estimate:
-    """The estimate for this run; recipes with seq_len/heads fields get the transformer activation formula."""
-    activations = activation_bytes(shape, cfg.batch_size, getattr(cfg, "seq_len", None), getattr(cfg, "heads", None),
-                                   precision, getattr(cfg, "gradient_checkpointing", False))
-    return estimate(shape, strategy, world_size, precision, cfg.optimizer, activations)
+def run_activations(shape: ModelShape, cfg: TrainConfig, precision: str) -> int:
+    """Activation bytes for this run; recipes with seq_len/heads fields get the transformer formula."""
+    return activation_bytes(shape, cfg.batch_size, getattr(cfg, "seq_len", None), getattr(cfg, "heads", None),
+                            precision, getattr(cfg, "gradient_checkpointing", False))

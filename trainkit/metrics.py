@@ -7,13 +7,14 @@ import math
 import resource
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
-from trainkit.config import problem
+from trainkit.errors import Problem, TrainingError, write_failure
 
 # Dense bf16/fp16 tensor-core peaks (FLOP/s) of GPUs we know; MFU is reported against these.
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "V100": 125e12}
@@ -34,46 +35,21 @@ def model_flops_per_token(num_params: int) -> float:
     return 6.0 * num_params
 
 
-def state_bytes(model: torch.nn.Module, optimizer) -> int:
-    """Model-state bytes this rank holds: parameters, gradients and optimizer states, wherever they live.
-
-    Counted by storage, each once: the tensors reachable from the parameters (their gradients, a DTensor's local
-    shard, a ZeRO-3 partition) and from the optimizer, including a ZeRO optimizer's own buffers (flat parameter
-    groups, the fp32 master partition, gradient partitions), which hold the same state under other names.
-    """
+def state_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the storages behind `tensors` (Strategy.state_tensors: parameters, gradients, optimizer states,
+    wherever they live), each storage once: a library's flat buffers and the parameters that view them count once;
+    a DTensor counts its local shard; meta tensors hold no memory."""
     seen: set[tuple[int, str]] = set()
     total = 0
-
-    def count(t) -> None:
-        nonlocal total
-        if not torch.is_tensor(t) or t.device.type == "meta":  # DeepSpeed keeps meta tensors: shapes, no memory
-            return
+    for t in tensors:
+        if t.device.type == "meta":  # DeepSpeed keeps meta tensors: shapes, no memory
+            continue
         t = t.to_local() if hasattr(t, "to_local") else t
         storage = t.untyped_storage()
         key = (storage.data_ptr(), str(t.device))
         if storage.nbytes() and key not in seen:
             seen.add(key)
             total += storage.nbytes()
-
-    for p in model.parameters():
-        count(p)
-        count(p.grad)
-        count(getattr(p, "ds_tensor", None))
-    inner = optimizer
-    while inner is not None:  # Accelerate's wrapper -> DeepSpeed's ZeRO optimizer -> the torch optimizer
-        for state in getattr(inner, "state", {}).values():
-            for value in state.values() if isinstance(state, dict) else ():
-                count(value)
-        for group in getattr(inner, "param_groups", []):
-            for p in group["params"]:
-                count(p)
-                count(p.grad)
-        if type(inner).__module__.startswith("deepspeed"):
-            for value in vars(inner).values():
-                for item in value if isinstance(value, (list, tuple)) else [value]:
-                    for t in item if isinstance(item, (list, tuple)) else [item]:
-                        count(t)
-        inner = getattr(inner, "optimizer", None)
     return total
 
 
@@ -84,7 +60,7 @@ def peak_memory_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def check_trackers(report_to: list[str]) -> list[str]:
+def check_trackers(report_to: list[str]) -> list[Problem]:
     """Trackers that cannot log here: Accelerate would drop them with only a warning, and the run would go unlogged."""
     import accelerate.utils as utils
 
@@ -92,11 +68,11 @@ def check_trackers(report_to: list[str]) -> list[str]:
     for name in report_to:
         available = getattr(utils, f"is_{name}_available", None)
         if available is None:
-            problems.append(problem(f"unknown tracker {name!r}", "--report_to",
+            problems.append(Problem(f"unknown tracker {name!r}", "--report_to",
                                     "use tensorboard, wandb, mlflow, trackio, comet_ml, aim, clearml, swanlab, "
                                     "dvclive or none"))
         elif not available():
-            problems.append(problem(f"the {name} tracker is not installed", "--report_to",
+            problems.append(Problem(f"the {name} tracker is not installed", "--report_to",
                                     f"pip install {name.replace('_', '-')}, or pass --report_to tensorboard"))
     return problems
 
@@ -138,8 +114,14 @@ class MetricsLog:
         if self.file is not None:
             # A step that fp16's loss scaler skipped has an infinite gradient norm; JSON has no Infinity, so null.
             finite = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
-            self.file.write(json.dumps(finite, allow_nan=False) + "\n")
-            self.file.flush()
+            try:
+                self.file.write(json.dumps(finite, allow_nan=False) + "\n")
+                self.file.flush()
+            except OSError as e:
+                raise TrainingError(f"could not write {self.file.name}: {write_failure(e, Path(self.file.name))}",
+                                    "free space and continue with --resume latest (the checkpoints written so far "
+                                    "are whole), or start again (--overwrite) if there is none"
+                                    ) from None
         self.accelerator.log({k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"},
                              step=record["step"])
         self.bar.update(1)

@@ -2,29 +2,124 @@
 
 A recipe is one Python file. It defines:
 
-    Config                      a dataclass subclassing trainkit.config.TrainConfig
-    build_model(cfg)            -> torch.nn.Module
-    build_datasets(cfg, cache_dir) -> (train, eval) map-style datasets of equal-shaped samples
-    loss(model, batch)          -> scalar tensor: the mean loss over the micro-batch
+    Config                          a dataclass subclassing trainkit.config.TrainConfig (declared with
+                                    @dataclass(kw_only=True, slots=True))
+    build_model(cfg)                -> torch.nn.Module. Also called under `torch.device("meta")` to count parameters
+                                    for --estimate and --dry_run: build from the config, load no weights there
+    build_datasets(cfg, cache_dir)  -> (train, eval) map-style datasets of equal-shaped samples
+    loss(model, batch)              -> scalar tensor: the mean loss over the micro-batch
 
-and optionally:
+and optionally (the defaults are `Recipe`'s):
 
-    tokens_per_sample(cfg)      -> int: tokens in one sample, for tokens/s and MFU (token recipes)
-    summary(cfg, cache_dir)     -> dict of extra numbers to print and record at the end (e.g. unigram entropy)
-    export(model, state_dict, cfg, cache_dir, out_dir)  writes final/ (default: model.safetensors + config.json)
+    tokens_per_sample(cfg)          -> int: tokens in one sample, for tokens/s and MFU (token recipes); default None
+    summary(cfg, cache_dir)         -> dict of extra numbers for the final summary line; default none
+    export(model, state_dict, cfg, cache_dir, out_dir)
+                                    writes final/; default model.safetensors + config.json (the run's config)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
+import json
 import sys
-import types
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from trainkit.config import ConfigError, TrainConfig, problem
+import torch
 
-RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
+from trainkit.config import TrainConfig, config_dict
+from trainkit.errors import ConfigError, Problem
+
+ROOT = Path(__file__).resolve().parent.parent
+RECIPES_DIR = ROOT / "recipes"
+
+
+def no_tokens(cfg: TrainConfig) -> int | None:
+    return None
+
+
+def no_summary(cfg: TrainConfig, cache_dir: Path) -> dict[str, float]:
+    return {}
+
+
+def export_safetensors(model: torch.nn.Module, state_dict: dict[str, torch.Tensor], cfg: TrainConfig,
+                       cache_dir: Path, out_dir: Path) -> None:
+    """final/model.safetensors and final/config.json (the run's config, to rebuild the model with build_model).
+
+    A tied parameter (one Parameter under two names, like input and output embeddings) is written once, under its
+    first name, as safetensors' own save_model does: its load_model then restores both names from it.
+    """
+    from safetensors.torch import save_file
+
+    first: dict[int, str] = {}
+    tied = [name for name, p in model.named_parameters(remove_duplicate=False) if first.setdefault(id(p), name) != name]
+    # contiguous copies: what a reload needs, and gathered tensors may still share memory
+    save_file({k: v.detach().contiguous().clone() for k, v in state_dict.items() if k not in tied},
+              str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    (out_dir / "config.json").write_text(json.dumps(config_dict(cfg), indent=2) + "\n")
+
+
+@dataclass(frozen=True, slots=True)
+class Recipe:
+    """A loaded recipe file: its required functions, and its optional hooks or their defaults."""
+
+    path: Path
+    Config: type[TrainConfig]
+    build_model: Callable[[Any], torch.nn.Module]
+    build_datasets: Callable[[Any, Path], tuple[Any, Any]]
+    loss: Callable[[torch.nn.Module, Any], torch.Tensor]
+    tokens_per_sample: Callable[[Any], int | None] = no_tokens
+    summary: Callable[[Any, Path], dict[str, float]] = no_summary
+    export: Callable[[torch.nn.Module, dict, Any, Path, Path], None] = export_safetensors
+
+    # The protocol's functions called with their results checked: a recipe mistake is an error naming the file, the
+    # function and what was expected, not a traceback from deep inside a library.
+
+    def make_model(self, cfg: TrainConfig) -> torch.nn.Module:
+        model = self.build_model(cfg)
+        if not isinstance(model, torch.nn.Module):
+            raise ConfigError([Problem(f"recipe {self.path}: build_model returned {type(model).__name__}, not a "
+                                       f"torch.nn.Module", "--recipe", "return the model from build_model")])
+        return model
+
+    def make_datasets(self, cfg: TrainConfig, cache_dir: Path) -> tuple[Any, Any]:
+        from torch.utils.data import default_collate
+
+        splits = self.build_datasets(cfg, cache_dir)
+        if not (isinstance(splits, tuple | list) and len(splits) == 2):
+            raise ConfigError([Problem(f"recipe {self.path}: build_datasets returned {type(splits).__name__}, not "
+                                       f"(train, eval)", "--recipe", "return two map-style datasets: train, eval")])
+        for name, split in zip(("train", "eval"), splits, strict=True):
+            try:
+                default_collate([split[0], split[min(1, len(split) - 1)]])
+            except Exception as e:  # not a dataset, empty, or samples that do not stack into a batch
+                raise ConfigError([Problem(
+                    f"recipe {self.path}: build_datasets' {name} split does not give batches: {type(e).__name__}: "
+                    f"{' '.join(str(e).split())[:200]}", "--recipe",
+                    "return map-style datasets (len and [i]) whose samples are tensors, tuples or dicts of tensors "
+                    "of one shape")]) from None
+        return splits[0], splits[1]
+
+    def compute_loss(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        value = self.loss(model, batch)
+        if not (torch.is_tensor(value) and value.numel() == 1 and value.is_floating_point()):
+            got = f"a tensor of shape {tuple(value.shape)} and dtype {value.dtype}" if torch.is_tensor(value) \
+                else type(value).__name__
+            raise ConfigError([Problem(f"recipe {self.path}: loss returned {got}, not a scalar float tensor",
+                                       "--recipe", "return the mean loss over the micro-batch, e.g. "
+                                                   "torch.nn.functional.mse_loss(model(x), y)")])
+        if torch.is_grad_enabled() and model.training and not value.requires_grad:
+            raise ConfigError([Problem(f"recipe {self.path}: loss returned a tensor that does not require grad "
+                                       f"(computed under no_grad, or detached)", "--recipe",
+                                       "compute the loss from the model's output without .detach() or .item()")])
+        return value
+
+
 REQUIRED = ("Config", "build_model", "build_datasets", "loss")
+OPTIONAL = tuple(f.name for f in dataclasses.fields(Recipe) if f.name not in REQUIRED and f.name != "path")
 
 
 def shipped_recipes() -> list[str]:
@@ -35,16 +130,16 @@ def recipe_path(name_or_path: str) -> Path:
     path = Path(name_or_path)
     if path.suffix == ".py" or path.parent != Path("."):
         if not path.is_file():
-            raise ConfigError([problem(f"recipe file {name_or_path} does not exist", "--recipe",
+            raise ConfigError([Problem(f"recipe file {name_or_path} does not exist", "--recipe",
                                        "pass a shipped name or the path of a recipe file")])
         return path.resolve()
     if (RECIPES_DIR / f"{name_or_path}.py").is_file():
         return RECIPES_DIR / f"{name_or_path}.py"
-    raise ConfigError([problem(f"no shipped recipe named {name_or_path!r}", "--recipe",
+    raise ConfigError([Problem(f"no shipped recipe named {name_or_path!r}", "--recipe",
                                f"use one of {', '.join(shipped_recipes())} or the path of a recipe file")])
 
 
-def load_recipe(name_or_path: str) -> types.ModuleType:
+def load_recipe(name_or_path: str) -> Recipe:
     """Import the recipe file and check that it provides the protocol above."""
     path = recipe_path(name_or_path)
     module_name = f"recipe_{path.stem}"
@@ -57,13 +152,33 @@ def load_recipe(name_or_path: str) -> types.ModuleType:
     except ConfigError:
         raise
     except Exception as e:  # a broken recipe file: say which file and what broke, without a traceback
-        raise ConfigError([problem(f"recipe {path} failed to import: {type(e).__name__}: {e}", "--recipe",
-                                   f"fix the recipe file (`python {path}` shows the traceback)")]) from e
+        raise ConfigError([Problem(f"recipe {path} failed to import: {type(e).__name__}: {e}", "--recipe",
+                                   f"fix the recipe file (PYTHONPATH={ROOT} python {path} shows the traceback)")]
+                          ) from e
     missing = [name for name in REQUIRED if not hasattr(module, name)]
     if missing:
-        raise ConfigError([problem(f"recipe {path} lacks {', '.join(missing)}", "--recipe",
+        raise ConfigError([Problem(f"recipe {path} lacks {', '.join(missing)}", "--recipe",
                                    "define them as recipes/mlp.py does (copy it and edit)")])
-    if not (isinstance(module.Config, type) and issubclass(module.Config, TrainConfig)):
-        raise ConfigError([problem(f"recipe {path}: Config must subclass trainkit.config.TrainConfig", "--recipe",
-                                   "declare `@dataclass(kw_only=True, slots=True) class Config(TrainConfig)`")])
-    return module
+    problems = _config_problems(module.Config, path)
+    problems += [Problem(f"recipe {path}: {name} is not a function", "--recipe", f"define `def {name}(...)`")
+                 for name in (*REQUIRED[1:], *OPTIONAL)
+                 if hasattr(module, name) and not callable(getattr(module, name))]
+    if problems:
+        raise ConfigError(problems)
+    hooks = {name: getattr(module, name) for name in OPTIONAL if hasattr(module, name)}
+    return Recipe(path=path, Config=module.Config, build_model=module.build_model,
+                  build_datasets=module.build_datasets, loss=module.loss, **hooks)
+
+
+def _config_problems(config: Any, path: Path) -> list[Problem]:
+    """Config must be TrainConfig's dataclass subclass, declared as a dataclass itself: without the decorator its
+    fields would silently not exist (the base's defaults would train, and its own flags be called unknown)."""
+    declare = "declare `@dataclass(kw_only=True, slots=True) class Config(TrainConfig)`"
+    if not (isinstance(config, type) and issubclass(config, TrainConfig)):
+        return [Problem(f"recipe {path}: Config must subclass trainkit.config.TrainConfig", "--recipe", declare)]
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    own = [name for name in vars(config) if name in fields or name in vars(config).get("__annotations__", {})]
+    if config is not TrainConfig and "__dataclass_fields__" not in vars(config) and own:
+        return [Problem(f"recipe {path}: Config is not a dataclass, so its fields ({', '.join(own)}) do not exist",
+                        "--recipe", f"put @dataclass(kw_only=True, slots=True) on it: {declare}")]
+    return []

@@ -15,7 +15,7 @@ import os
 from collections import Counter
 from pathlib import Path
 
-from trainkit.config import ConfigError, problem
+from trainkit.errors import ConfigError, Problem
 
 EOS = "<|endoftext|>"
 EOS_ID = 0  # BpeTrainer gives the special tokens the first ids; the model configs need it before any tokenizer exists
@@ -38,15 +38,18 @@ def default_corpus(cache_dir: Path) -> Path:
 
 
 def local_files(data: str) -> list[Path] | None:
-    """The local files `--data` names, or None when it names a Hugging Face dataset (or the built-in corpus)."""
+    """The local files `--data` names, or None when it names a Hugging Face dataset (or the built-in corpus).
+
+    Local means: the path exists, or it ends in a suffix of LOCAL_FORMATS (a missing file is then refused by name).
+    Anything else is a dataset name, dots and slashes included (`org/name-1.0`).
+    """
     if data == "pydoc":
         return None
     files = [Path(p) for p in data.split(",")]
-    return files if any(p.suffix in LOCAL_FORMATS or p.exists() or "/" in str(p) and p.suffix for p in files) \
-        else None
+    return files if any(p.exists() or p.suffix in LOCAL_FORMATS for p in files) else None
 
 
-def check_data(data: str) -> list[str]:
+def check_data(data: str) -> list[Problem]:
     """Problems with `--data` that can be seen without loading it (run before anything is built)."""
     files = local_files(data)
     if files is None:
@@ -54,11 +57,11 @@ def check_data(data: str) -> list[str]:
     where = f"--data {data}"
     missing = [str(p) for p in files if not p.is_file()]
     if missing:
-        return [problem(f"data file(s) not found: {', '.join(missing)}", where,
+        return [Problem(f"data file(s) not found: {', '.join(missing)}", where,
                         "pass existing .txt/.jsonl/.csv files, comma-separated")]
     formats = {LOCAL_FORMATS.get(p.suffix) for p in files}
     if len(formats) != 1 or None in formats:
-        return [problem(f"cannot tell one format from the suffixes of {data}", where,
+        return [Problem(f"cannot tell one format from the suffixes of {data}", where,
                         "use files of one kind: .txt, .jsonl/.json or .csv")]
     return []
 
@@ -83,12 +86,12 @@ def load_documents(data: str, data_config: str, text_field: str, cache_dir: Path
         try:
             ds = datasets.load_dataset(data, data_config or None, split="train", cache_dir=hf_cache)
         except Exception as e:  # offline, unknown name, gated: the library's own words, and what to do instead
-            raise ConfigError([problem(f"could not load the Hugging Face dataset {data!r}: {type(e).__name__}: "
+            raise ConfigError([Problem(f"could not load the Hugging Face dataset {data!r}: {type(e).__name__}: "
                                        f"{str(e).splitlines()[0] if str(e) else ''}", where,
                                        "check the name and the network, or pass local .txt/.jsonl/.csv files")]
                               ) from None
     if text_field not in ds.column_names:
-        raise ConfigError([problem(f"the data has no column {text_field!r} (columns: {', '.join(ds.column_names)})",
+        raise ConfigError([Problem(f"the data has no column {text_field!r} (columns: {', '.join(ds.column_names)})",
                                    where, "name the text column with --text_field")])
     return ds.select_columns([text_field]).rename_column(text_field, "text") if text_field != "text" else \
         ds.select_columns(["text"])

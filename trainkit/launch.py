@@ -1,0 +1,218 @@
+"""What the launcher asked for, and whether this machine can do it.
+
+`Launch` is read from the environment that `accelerate launch` (or DeepSpeed's launcher) sets up for every process,
+or from an Accelerate YAML for `--dry_run --accelerate_config`. Either way the strategy's own block (the YAML's
+`deepspeed_config` or `fsdp_config`) arrives under the YAML's key names in `Launch.settings`, so a strategy reads one
+form whichever way the launch came. `check_yaml` lints a YAML file; `check_machine` refuses what this machine cannot
+run (fp16 without a GPU, more processes than GPUs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from trainkit.errors import ConfigError, Problem
+
+CONFIGS_DIR = Path(__file__).resolve().parent.parent / "accelerate_configs"
+PRECISIONS = ("no", "bf16", "fp16")
+# Accelerate's distributed types that this runner trains under; MULTI_CPU is what MULTI_GPU becomes without GPUs.
+DISTRIBUTED_TYPES = ("NO", "MULTI_GPU", "MULTI_CPU", "DEEPSPEED", "FSDP")
+
+# How `accelerate launch` hands the YAML's strategy block to each process: one environment variable per key
+# (accelerate/utils/launch.py). Read back under the YAML's names.
+DEEPSPEED_ENV = {
+    "deepspeed_config_file": "ACCELERATE_DEEPSPEED_CONFIG_FILE",
+    "zero_stage": "ACCELERATE_DEEPSPEED_ZERO_STAGE",
+    "offload_optimizer_device": "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE",
+    "offload_param_device": "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE",
+    "gradient_accumulation_steps": "ACCELERATE_GRADIENT_ACCUMULATION_STEPS",
+    "gradient_clipping": "ACCELERATE_GRADIENT_CLIPPING",
+    "zero3_init_flag": "ACCELERATE_DEEPSPEED_ZERO3_INIT",
+    "zero3_save_16bit_model": "ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL",
+}
+FSDP_ENV = {
+    "fsdp_version": "FSDP_VERSION",
+    "fsdp_offload_params": "FSDP_OFFLOAD_PARAMS",
+    "fsdp_reshard_after_forward": "FSDP_RESHARD_AFTER_FORWARD",
+    "fsdp_transformer_layer_cls_to_wrap": "FSDP_TRANSFORMER_CLS_TO_WRAP",
+}
+
+
+def is_true(value: Any) -> bool:
+    """A YAML or environment boolean: true, 1, yes (any case)."""
+    return str(value).lower() in ("1", "true", "yes")
+
+
+@dataclass(frozen=True, slots=True)
+class Launch:
+    """What the launcher asked for, before any process group exists."""
+
+    distributed_type: str  # one of DISTRIBUTED_TYPES
+    world_size: int
+    num_machines: int
+    mixed_precision: str  # no | bf16 | fp16
+    source: str  # where these values came from, for messages
+    settings: Mapping[str, Any] = field(default_factory=dict)  # the YAML's deepspeed_config / fsdp_config block
+    # Every key name of that block as written. Under a launcher Accelerate passes only the values of the keys it
+    # knows, but the names of all (ACCELERATE_CONFIG_DS_FIELDS): a typo is then seen at launch as in a dry run.
+    block_keys: tuple[str, ...] = ()
+    # Seconds a collective waits for the other ranks before it fails (TRAINKIT_DIST_TIMEOUT); None: torch's default
+    # (30 min over gloo, 10 min over NCCL). What bounds the wait when a machine vanishes without closing its sockets.
+    dist_timeout_s: float | None = None
+    main_process_ip: str | None = None
+
+    @classmethod
+    def from_env(cls) -> Launch:
+        """The launch as torchrun (`accelerate launch`, one per machine) or DeepSpeed's launcher (a hostfile) set it up.
+
+        torchrun sets WORLD_SIZE, LOCAL_WORLD_SIZE and GROUP_WORLD_SIZE (the number of machines); DeepSpeed's
+        launcher sets WORLD_SIZE, LOCAL_SIZE and CROSS_SIZE (the number of machines) and no LOCAL_WORLD_SIZE.
+        """
+        env = os.environ
+        world_size = int(env.get("WORLD_SIZE", "1"))
+        local_world = int(env.get("LOCAL_WORLD_SIZE") or env.get("LOCAL_SIZE") or world_size)
+        num_machines = int(env.get("GROUP_WORLD_SIZE") or env.get("CROSS_SIZE") or
+                           max(1, world_size // max(1, local_world)))
+        if is_true(env.get("ACCELERATE_USE_DEEPSPEED")):
+            distributed_type, names = "DEEPSPEED", DEEPSPEED_ENV
+        elif is_true(env.get("ACCELERATE_USE_FSDP")):
+            distributed_type, names = "FSDP", FSDP_ENV
+        else:
+            distributed_type, names = ("MULTI_GPU" if world_size > 1 else "NO"), {}
+        settings = {key: env[name] for key, name in names.items() if name in env}
+        written = [k for k in env.get("ACCELERATE_CONFIG_DS_FIELDS", "").split(",") if k and k != "mixed_precision"]
+        return cls(distributed_type=distributed_type, world_size=world_size, num_machines=num_machines,
+                   mixed_precision=env.get("ACCELERATE_MIXED_PRECISION", "no").lower(),
+                   source="the launcher's environment" if "ACCELERATE_MIXED_PRECISION" in env else "no launcher",
+                   settings=settings, block_keys=tuple(dict.fromkeys([*settings, *written])),
+                   dist_timeout_s=dist_timeout(), main_process_ip=env.get("MASTER_ADDR"))
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> Launch:
+        """What `accelerate launch --config_file PATH` would ask for (for --dry_run outside a launcher).
+
+        Only an unreadable file or an unknown distributed_type stop here; a process or machine count that is not a
+        positive integer reads as 1 and is reported by `check_yaml`, so that every problem is reported at once.
+        """
+        data = read_yaml(path)
+        distributed_type = str(data.get("distributed_type", "NO"))
+        if distributed_type not in DISTRIBUTED_TYPES:
+            raise ConfigError([Problem(f"distributed_type {distributed_type} is not supported",
+                                       f"--accelerate_config {path}", f"use one of {', '.join(DISTRIBUTED_TYPES)}")])
+        block = {"DEEPSPEED": "deepspeed_config", "FSDP": "fsdp_config"}.get(distributed_type)
+        settings = dict(data.get(block) or {}) if block else {}
+        return cls(distributed_type=distributed_type, world_size=_count(data.get("num_processes", 1)) or 1,
+                   num_machines=_count(data.get("num_machines", 1)) or 1,
+                   mixed_precision=str(data.get("mixed_precision", "no")).lower(), source=str(path),
+                   settings=settings, block_keys=tuple(settings), dist_timeout_s=dist_timeout(),
+                   main_process_ip=data.get("main_process_ip"))
+
+
+def _count(value: Any) -> int | None:
+    """A YAML process or machine count, or None when it is not a positive integer."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else None
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """An Accelerate YAML as a dict; a missing or unreadable file is a ConfigError naming it."""
+    where = f"--accelerate_config {path}"
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except FileNotFoundError:
+        raise ConfigError([Problem(f"{path} does not exist", where, "pass a file from accelerate_configs/")]) from None
+    except yaml.YAMLError as e:
+        raise ConfigError([Problem(f"{path} is not valid YAML: {e}", where, "fix the file")]) from None
+    if not isinstance(data, dict):
+        raise ConfigError([Problem(f"{path} is not a mapping of Accelerate settings", where,
+                                   "start from a file in accelerate_configs/")])
+    return data
+
+
+def dist_timeout() -> float | None:
+    """TRAINKIT_DIST_TIMEOUT: seconds a collective waits for the other ranks; unset: torch's default."""
+    value = os.environ.get("TRAINKIT_DIST_TIMEOUT", "").strip()
+    if not value:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = 0.0
+    if not (seconds > 0 and math.isfinite(seconds)):
+        raise ConfigError([Problem(f"TRAINKIT_DIST_TIMEOUT={value!r} is not a positive number of seconds",
+                                   "the environment variable TRAINKIT_DIST_TIMEOUT",
+                                   "set it to e.g. 600, or unset it for torch's default")])
+    return seconds
+
+
+def shipped_configs() -> dict[str, Launch]:
+    """Every YAML in accelerate_configs/ by name (file stem). They name their DeepSpeed JSON relative to the
+    repository root, where they are launched from; here it is made absolute, to be read from anywhere."""
+    launches = {path.stem: Launch.from_yaml(path) for path in sorted(CONFIGS_DIR.glob("*.yaml"))}
+    for name, launch in launches.items():
+        if "deepspeed_config_file" in launch.settings:
+            settings = {**launch.settings,
+                        "deepspeed_config_file": str(CONFIGS_DIR.parent / launch.settings["deepspeed_config_file"])}
+            launches[name] = dataclasses.replace(launch, settings=settings)
+    return launches
+
+
+def config_path(name_or_path: str) -> Path:
+    """A shipped config's name (ddp) or a path to a .yaml."""
+    return Path(name_or_path) if name_or_path.endswith(".yaml") else CONFIGS_DIR / f"{name_or_path}.yaml"
+
+
+def check_yaml(path: str | Path) -> list[Problem]:
+    """Unknown keys or values in an Accelerate YAML: Accelerate itself ignores or rejects them late."""
+    from accelerate.commands.config.config_args import ClusterConfig
+    from accelerate.utils import DistributedType
+
+    data = read_yaml(path)
+    where = f"--accelerate_config {path}"
+    known = {f.name for f in dataclasses.fields(ClusterConfig)}
+    problems = []
+    for key in sorted(set(data) - known):
+        close = difflib.get_close_matches(key, sorted(known), n=1)
+        problems.append(Problem(f"unknown key {key!r} in {path}", where,
+                                f"did you mean {close[0]}?" if close else "remove it"))
+    for key in ("num_processes", "num_machines"):
+        if key in data and _count(data[key]) is None:
+            problems.append(Problem(f"{key} must be a positive integer, got {data[key]!r}", where, f"write {key}: 2"))
+    types = {t.value for t in DistributedType}
+    if str(data.get("distributed_type", "NO")) not in types:
+        problems.append(Problem(f"distributed_type {data.get('distributed_type')!r} is not one of Accelerate's",
+                                where, f"use one of {', '.join(DISTRIBUTED_TYPES)}"))
+    return problems
+
+
+def check_machine(launch: Launch) -> list[Problem]:
+    """What this machine cannot run: the precision on this device, more processes than GPUs."""
+    problems = []
+    on_gpu = torch.cuda.is_available()
+    where = f"mixed_precision from {launch.source}"
+    if launch.mixed_precision not in PRECISIONS:
+        problems.append(Problem(f"unknown precision {launch.mixed_precision!r}", where,
+                                f"use one of {', '.join(PRECISIONS)}"))
+    if launch.mixed_precision == "fp16" and not on_gpu:
+        # Accelerate gives fp16 on CPU neither autocast nor a loss scaler (silently fp32), and DeepSpeed fails with
+        # "Type fp16 is not supported on your device".
+        problems.append(Problem("fp16 needs a GPU; this machine has none", where,
+                                "use --mixed_precision bf16 (or no) on CPU"))
+    if launch.mixed_precision == "bf16" and on_gpu and not torch.cuda.is_bf16_supported(including_emulation=False):
+        # Accelerate and DeepSpeed accept it (torch emulates bf16 there), and the run is many times slower than fp16.
+        problems.append(Problem(f"bf16 needs a GPU with bf16 arithmetic (Ampere or newer); "
+                                f"{torch.cuda.get_device_name()} only emulates it, many times slower", where,
+                                "use --mixed_precision fp16 on this GPU"))
+    if on_gpu and launch.world_size > torch.cuda.device_count() * launch.num_machines:
+        problems.append(Problem(f"{launch.world_size} processes but {torch.cuda.device_count()} GPU(s) per machine",
+                                f"num_processes from {launch.source}", "pass --num_processes <= the GPU count"))
+    return problems

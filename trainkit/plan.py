@@ -1,0 +1,114 @@
+"""Everything that can be checked before a model exists, resolved into one frozen plan.
+
+`make_plan` loads the recipe, builds its config from the command line, reads the launch, picks the strategy and asks
+every check (the YAML, the machine, the strategy's own config, the hosts of a hostfile launch, the trackers, the
+output directory) for its problems, then raises them all at once. `--dry_run` prints the plan's resolved config and
+`--estimate` its memory table; a real run builds from the same plan, so both check exactly what a launch checks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from trainkit.checkpoint import Found, check_output_dir, find_checkpoint, resume_problems
+from trainkit.config import RunOptions, TrainConfig, build_config, config_dict, field_sources, run_flags
+from trainkit.data import global_batch_size
+from trainkit.errors import ConfigError, Problem
+from trainkit.estimate import Estimate, ModelShape, model_shape, report, run_activations
+from trainkit.hosts import check_hosts, environment_note
+from trainkit.launch import Launch, check_machine, check_yaml
+from trainkit.metrics import check_trackers
+from trainkit.recipes import Recipe, load_recipe
+from trainkit.strategies import Strategy, for_launch, shipped_strategies
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """A run, fully resolved and checked; nothing built yet."""
+
+    options: RunOptions
+    recipe: Recipe
+    cfg: TrainConfig
+    launch: Launch
+    strategy: Strategy
+    shape: ModelShape
+    estimate: Estimate  # this run's model-state bytes per rank
+    resolved: dict[str, Any]  # what resolved_config.json holds
+    resume: Found | None  # the checkpoint --resume names
+
+
+def make_plan(options: RunOptions, overrides: list[tuple[str, str, str]]) -> Plan:
+    """The plan for this command line and launch, or a ConfigError with every problem found."""
+    recipe = load_recipe(options.recipe)
+    resume = find_checkpoint(options.output_dir, options.resume) if options.resume and not options.estimate else None
+    saved = resume.state["resolved_config"] if resume else {}  # --resume continues the checkpoint's settings
+    cfg = build_config(recipe.Config, overrides, restored=saved, flags=run_flags())
+    sources = field_sources(cfg, overrides, saved, f"checkpoint {resume.path}" if resume else "")
+    problems: list[Problem] = []
+    if options.accelerate_config:
+        problems += check_yaml(options.accelerate_config)
+        try:
+            launch = Launch.from_yaml(options.accelerate_config)
+        except ConfigError:
+            raise ConfigError(problems) from None  # an unknown distributed_type: check_yaml named it
+    else:
+        launch = Launch.from_env()
+    strategy = for_launch(launch, cfg, sources)
+    problems += check_machine(launch) + strategy.check()
+    if options.dry_run:  # a hostfile launch: every host answers over ssh, the slots add up, no secret travels
+        problems += check_hosts(launch)
+        if note := environment_note(launch):
+            print(f"note: {note}", file=sys.stderr)  # now: it matters whether or not the launch has problems
+    problems += check_trackers(options.report_to)
+    if not options.estimate:
+        problems += check_output_dir(options.output_dir, options.resume, options.overwrite)
+    if problems:
+        raise ConfigError(problems)
+    shape = model_shape(recipe, cfg)
+    activations = run_activations(shape, cfg, launch.mixed_precision)
+    estimate = strategy.estimate(shape, options.num_processes or launch.world_size, activations)
+    resolved = resolved_config(recipe, cfg, sources, launch, strategy, estimate)
+    if resume and (problems := resume_problems(resume, cfg, resolved, overrides)):
+        raise ConfigError(problems)
+    return Plan(options, recipe, cfg, launch, strategy, shape, estimate, resolved, resume)
+
+
+def resolved_config(recipe: Recipe, cfg: TrainConfig, sources: dict[str, str], launch: Launch, strategy: Strategy,
+                    estimate: Estimate) -> dict[str, Any]:
+    """Every effective value (flat), and under "sources" where each came from."""
+    resolved: dict[str, Any] = {
+        "recipe": str(recipe.path), **strategy.resolved_fields(), "world_size": launch.world_size,
+        "num_machines": launch.num_machines, "mixed_precision": launch.mixed_precision,
+        "global_batch_size": global_batch_size(cfg.batch_size, cfg.grad_accum, launch.world_size),
+        "estimated_state_bytes": estimate.state,
+        **config_dict(cfg),
+    }
+    seq_len = recipe.tokens_per_sample(cfg)
+    if seq_len is not None:
+        resolved["seq_len"] = seq_len
+    sources = dict(sources)
+    sources.update({name: launch.source for name in (*strategy.resolved_fields(), "world_size", "num_machines",
+                                                     "mixed_precision")})
+    sources["global_batch_size"] = "batch_size x grad_accum x world_size"
+    sources["estimated_state_bytes"] = "trainkit.estimate"
+    resolved["sources"] = sources
+    return resolved
+
+
+def estimate_report(plan: Plan) -> str:
+    """--estimate: every shipped strategy's bytes per rank for this model and launch, and this launch's own."""
+    world_size = plan.options.num_processes or plan.launch.world_size
+    precision = plan.options.precision or plan.launch.mixed_precision
+    # Without a launcher (python train.py --estimate --num_processes 8) the processes asked for are DDP's.
+    this = plan.launch if world_size == 1 or plan.launch.distributed_type != "NO" else \
+        dataclasses.replace(plan.launch, distributed_type="MULTI_GPU")
+    launches = [this, *shipped_strategies().values()]
+    mine, *candidates = [for_launch(dataclasses.replace(launch, world_size=world_size, mixed_precision=precision),
+                                    plan.cfg, {}) for launch in launches]
+    activations = run_activations(plan.shape, plan.cfg, precision)
+    rows = [s.estimate(plan.shape, world_size, activations) for s in sorted(candidates, key=lambda s: s.speed_rank)]
+    return report(plan.shape, rows, mine.estimate(plan.shape, world_size, activations), world_size, precision,
+                  plan.cfg.optimizer, plan.options.device_memory)

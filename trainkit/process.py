@@ -1,0 +1,49 @@
+"""How a rank's life ends: a lost peer recognised and named, and an exit that a launched rank survives."""
+
+from __future__ import annotations
+
+import atexit
+import os
+import re
+import sys
+from typing import NoReturn
+
+import torch
+
+from trainkit.errors import TrainingError
+
+# What a collective raises when another rank is gone: gloo (a plain RuntimeError) and NCCL / the store (DistError).
+_LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out waiting",
+              "NCCL communicator was aborted", "Socket Timeout")
+
+
+def lost_contact(error: BaseException) -> TrainingError | None:
+    """The error to report when a collective failed because another rank died, froze or lost its network, else None.
+
+    gloo's message starts with its source file ("[.../pair.cc:537] Read error [IP]:PORT: Connection reset by peer.
+    This is typically caused by ..."): the part that says what happened is kept.
+    """
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    if not (isinstance(error, torch.distributed.DistError) or any(s in text for s in _LOST_PEER)):
+        return None
+    reason = re.sub(r"^\[[^\]]*\]\s*", "", text).split(". This is typically")[0]
+    return TrainingError(f"rank {os.environ.get('RANK', '0')} lost contact with the other processes ({reason})",
+                         "a machine or process died, froze or lost its network. Check the other machines' logs, then "
+                         "continue with --resume latest (the last complete checkpoint is intact)")
+
+
+def end_process(code: int) -> NoReturn:
+    """Exit with `code`; a rank started by a launcher skips interpreter finalization.
+
+    destroy_process_group does not free torch 2.13's gloo groups while anything still holds them (ZeRO-3 tags every
+    parameter with its group), so their worker threads live until finalization, where dropping the tensors they hold
+    races the interpreter's teardown: a finished rank aborts with "terminate called without an active exception"
+    and the launcher reports the run failed (1 of 68 ZeRO-3 runs here, and in CI; pytorch/pytorch#190489, open).
+    Everything else that a normal exit does still happens: the atexit handlers run, the streams are flushed.
+    """
+    if "LOCAL_RANK" not in os.environ:
+        sys.exit(code)
+    atexit._run_exitfuncs()  # logging.shutdown and every library's own handlers, while the interpreter is whole
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -1,0 +1,338 @@
+"""The interface every strategy implements, and the registry that chooses one from the launch.
+
+A strategy is everything that differs between single/DDP, DeepSpeed and FSDP2 (and later pipeline or tensor
+parallelism): what it refuses before anything is built, the Accelerator it needs, how it prepares the model and
+optimizer, one optimizer step (micro-batches, gradient communication, clipping, the loss check), its checkpoint
+format, the consolidated weights, and its memory estimate. train.py, checkpoint.py and metrics.py call these
+methods and never ask which strategy runs.
+
+The defaults here are those of an Accelerate-driven data-parallel run with torch.distributed.checkpoint; a strategy
+module overrides what differs. To add a strategy: a module with one `@register`ed subclass, a YAML in
+accelerate_configs/, and the tests that every shipped config gets (tests/test_strategies.py) cover it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from trainkit.config import TrainConfig
+from trainkit.errors import ConfigError, Problem
+from trainkit.estimate import Estimate, ModelShape
+from trainkit.guards import FiniteCheck
+from trainkit.launch import Launch
+
+LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """What one optimizer step reports to the loop."""
+
+    loss: float  # mean over the whole global batch: every rank and micro-batch
+    grad_norm: float | None  # total norm before clipping; None when the strategy computes none
+    lr: float  # the rate this step used
+    skipped: bool  # fp16's loss scaler skipped the step
+    stop: bool  # some rank was asked to stop (a signal): every rank stops after this step
+
+
+class Strategy:
+    """One distributed strategy; an instance per run, made at plan time (no process group yet) and built later."""
+
+    name: ClassVar[str]  # resolved_config.json's "strategy"
+    checkpoint_format: ClassVar[str] = "dcp"  # recorded in trainer_state.json; resume compares it
+    state_dir: ClassVar[str] = "state"  # the folder of model + optimizer state inside checkpoints/step_<N>/
+
+    def __init__(self, launch: Launch, cfg: TrainConfig, sources: Mapping[str, str]) -> None:
+        self.launch, self.cfg, self.sources = launch, cfg, dict(sources)
+        self.notes: list[str] = []  # printed once before training: what the strategy decided on the user's behalf
+        self.accelerator: Any = None
+        self.model: torch.nn.Module | None = None
+        self.optimizer: Any = None
+        self.scheduler: Any = None
+
+    @classmethod
+    def selects(cls, launch: Launch) -> bool:
+        """Whether this strategy runs `launch` (the registry asks each in turn)."""
+        raise NotImplementedError
+
+    # --- plan: before anything is built ---------------------------------------------------------------------------
+
+    def check(self) -> list[Problem]:
+        """What this strategy refuses in the launch and the config, every problem at once."""
+        return []
+
+    @property
+    def label(self) -> str:
+        """The strategy with its variant (deepspeed_zero3_offload): --estimate's rows, benchmarks."""
+        return self.name
+
+    def resolved_fields(self) -> dict[str, Any]:
+        """The strategy's entries in resolved_config.json."""
+        return {"strategy": self.name, "zero_stage": None}
+
+    @property
+    def speed_rank(self) -> int:
+        """Where --estimate tries this strategy when it looks for the fastest one that fits: less communication
+        and no host traffic first (DDP 0 ... ZeRO-3 offload 7)."""
+        return 0
+
+    def estimate(self, shape: ModelShape, world_size: int, activations: int) -> Estimate:
+        """Model-state bytes one rank holds under this strategy (what metrics.jsonl's state_bytes measures)."""
+        raise NotImplementedError
+
+    # --- build ------------------------------------------------------------------------------------------------------
+
+    def accelerator_kwargs(self) -> dict[str, Any]:
+        """What this strategy adds to Accelerator(...). A MULTI_GPU launch on a machine without GPUs becomes
+        MULTI_CPU over gloo only when the script asks for the CPU; otherwise every process runs alone as
+        DistributedType.NO: N unsynchronised copies."""
+        return {"cpu": not torch.cuda.is_available()}
+
+    def process_group_kwargs(self) -> dict[str, Any]:
+        """InitProcessGroupKwargs for this launch (Accelerate takes one handler of each type)."""
+        if self.launch.dist_timeout_s and self.launch.world_size > 1:
+            # How long a collective waits for the other ranks (TRAINKIT_DIST_TIMEOUT): a machine that vanishes without
+            # closing its connections then fails the run after this, not after torch's 30 min (gloo) / 10 min (NCCL).
+            return {"timeout": timedelta(seconds=self.launch.dist_timeout_s)}
+        return {}
+
+    def wrapper_kwargs(self) -> list:
+        """Accelerate's kwargs handlers for the model wrapper it builds (DDP's)."""
+        return []
+
+    def expected_distributed_type(self) -> str:
+        """What Accelerate must report once built (verify refuses anything else)."""
+        return "MULTI_GPU" if torch.cuda.is_available() else "MULTI_CPU"
+
+    def build_accelerator(self, output_dir: Path, report_to: list[str]):
+        """An Accelerator that does what the launch asked for on this machine, verified before it is returned."""
+        from accelerate import Accelerator
+        from accelerate.utils import InitProcessGroupKwargs
+
+        init = self.process_group_kwargs()
+        accelerator = Accelerator(
+            gradient_accumulation_steps=self.cfg.grad_accum,
+            # The schedule is defined in optimizer steps; a prepared scheduler otherwise steps once per process.
+            step_scheduler_with_optimizer=False,
+            log_with=report_to or None,
+            project_dir=str(output_dir),
+            kwargs_handlers=([InitProcessGroupKwargs(**init)] if init else []) + self.wrapper_kwargs(),
+            **self.accelerator_kwargs(),
+        )
+        self.verify(accelerator)
+        self.accelerator = accelerator
+        return accelerator
+
+    def verify(self, accelerator) -> None:
+        """Refuse to train unless Accelerate does what the launch asked (N unsynchronised copies: the worst failure)."""
+        expected, actual = self.expected_distributed_type(), accelerator.distributed_type.value
+        problems = []
+        if actual != expected:
+            problems.append(Problem(f"Accelerate runs as {actual}, but the launch asked for {self.name} "
+                                    f"({expected} on this machine)", self.launch.source,
+                                    "build the Accelerator with the strategy's build_accelerator"))
+        if accelerator.num_processes != self.launch.world_size:
+            problems.append(Problem(f"Accelerate sees {accelerator.num_processes} process(es) but the launcher started "
+                                    f"{self.launch.world_size}: each would train alone on all the data",
+                                    self.launch.source, "build the Accelerator with the strategy's build_accelerator"))
+        if accelerator.mixed_precision != self.launch.mixed_precision:
+            problems.append(Problem(f"Accelerate uses precision {accelerator.mixed_precision}, the launch asked for "
+                                    f"{self.launch.mixed_precision}", self.launch.source,
+                                    "check mixed_precision in the YAML"))
+        if problems:
+            raise ConfigError(problems)
+
+    def prepare(self, model: torch.nn.Module,
+                build_optimizer: Callable[..., torch.optim.Optimizer],
+                build_scheduler: Callable[[TrainConfig, torch.optim.Optimizer], Any]) -> None:
+        """Shard or wrap the model, build the optimizer and schedule for it, and hand them to Accelerate."""
+        model = self.prepare_model(model)
+        optimizer = self.make_optimizer(model, build_optimizer)
+        scheduler = build_scheduler(self.cfg, optimizer)
+        self.model, self.optimizer, self.scheduler = self.accelerator.prepare(model, optimizer, scheduler)
+
+    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Strategy-specific changes before Accelerate sees the model. Replicas normalise BatchNorm per rank unless it
+        is converted to SyncBatchNorm, which torch supports on GPU/XPU only."""
+        if self.launch.world_size == 1 or not any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
+                                                  for m in model.modules()):
+            return model
+        if self.accelerator.device.type == "cpu":
+            self.notes.append("BatchNorm stays per-rank: torch's SyncBatchNorm supports only GPU/XPU devices, so on "
+                              "CPU each rank normalises with its own micro-batch statistics (losses will differ from "
+                              "one process)")
+            return model
+        self.notes.append("BatchNorm converted to SyncBatchNorm")
+        return torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+
+    def make_optimizer(self, model: torch.nn.Module,
+                       build_optimizer: Callable[..., torch.optim.Optimizer]) -> torch.optim.Optimizer:
+        return build_optimizer(self.cfg, model)
+
+    # --- one optimizer step -----------------------------------------------------------------------------------------
+
+    def train_step(self, step: int, micro_batches: list, loss_fn: LossFn, finite: FiniteCheck,
+                   stop_requested: bool) -> StepResult:
+        """Forward and backward over this rank's micro-batches (gradients communicated once, on the last), clip,
+        agree on the loss and the stop signal (one collective), check them, step."""
+        accelerator, model = self.accelerator, self.model
+        self.hold_gradients()
+        loss_sum = torch.zeros(1, device=accelerator.device)  # 1-element: gloo cannot reduce 0-d tensors
+        for i, batch in enumerate(micro_batches):
+            with accelerator.accumulate(model), self.gradient_sync(last=i == len(micro_batches) - 1):
+                loss = loss_fn(model, self.cast_batch(batch))
+                loss_sum += loss.detach().float()
+                accelerator.backward(loss)
+        loss_value, stop, grad_norm = self.agree(loss_sum / len(micro_batches), stop_requested, self.clip_grad_norm())
+        finite.loss(step, loss_value)
+        finite.grad_norm(step, grad_norm)
+        return self.optimizer_step(loss_value, grad_norm, stop)
+
+    def hold_gradients(self) -> None:
+        """Give every trainable parameter a gradient before its first step (zeros; kept between steps).
+
+        A parameter that takes no part in a step (an expert no sample picked) would otherwise have no gradient, which
+        AdamW takes as "skip me": no decay, no optimizer state until its first use. Its state would then be missing
+        from a checkpoint, and whether it is skipped would depend on what happened before a resume. With a gradient
+        of zeros it is updated like under DeepSpeed (whose flat buffers hold zeros for it), in every run the same.
+        """
+        for param in self.model.parameters():
+            if param.requires_grad and param.grad is None:
+                param.grad = torch.zeros_like(param)
+
+    def gradient_sync(self, last: bool) -> contextlib.AbstractContextManager:
+        """Gradient communication off on all but the last micro-batch, where Accelerate's `accumulate` cannot do it."""
+        return contextlib.nullcontext()
+
+    def clip_grad_norm(self) -> torch.Tensor | None:
+        """Clip to max_grad_norm (0: no clipping) and return the total norm before clipping, on the device."""
+        return self.accelerator.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm or float("inf"))
+
+    def agree(self, loss: torch.Tensor, stop_requested: bool,
+              grad_norm: torch.Tensor | None = None) -> tuple[float, bool, float | None]:
+        """The mean loss over all ranks and whether any rank asked to stop: one collective, then one transfer to the
+        host that also brings the gradient norm."""
+        local = torch.cat([loss.reshape(1), torch.tensor([float(stop_requested)], device=loss.device)])
+        summed = self.accelerator.reduce(local, "sum")
+        values = torch.cat([summed, grad_norm.detach().reshape(1).float()]) if grad_norm is not None else summed
+        numbers = values.tolist()
+        return (numbers[0] / self.accelerator.num_processes, numbers[1] > 0,
+                numbers[2] if grad_norm is not None else None)
+
+    def optimizer_step(self, loss: float, grad_norm: float | None, stop: bool) -> StepResult:
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        skipped = self.step_was_skipped()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=False)  # keep gradient buffers: state_bytes counts them as held
+        return StepResult(loss, grad_norm, lr, skipped, stop)
+
+    def step_was_skipped(self) -> bool:
+        """fp16's loss scaler skips steps that overflowed; a normal event, counted in metrics."""
+        return self.accelerator.optimizer_step_was_skipped
+
+    def cast_batch(self, batch: Any) -> Any:
+        from accelerate.utils import send_to_device
+
+        return send_to_device(batch, self.accelerator.device)
+
+    def eval_loss(self, batches: Iterator, loss_fn: LossFn) -> float:
+        """The mean loss over this rank's held-out micro-batches, averaged over ranks (equal micro-batches: the mean
+        of the means is the mean)."""
+        model = self.model
+        model.eval()
+        total, count = torch.zeros(1, device=self.accelerator.device), 0
+        with torch.no_grad():
+            for batch in batches:
+                total += loss_fn(model, self.cast_batch(batch)).detach().float()
+                count += 1
+        model.train()
+        return self.accelerator.reduce(total / count, "mean").item()
+
+    # --- what it holds --------------------------------------------------------------------------------------------
+
+    def state_tensors(self) -> Iterator[torch.Tensor]:
+        """Every tensor of model state this rank holds: parameters, gradients, optimizer states (metrics counts each
+        storage once)."""
+        for p in self.model.parameters():
+            yield p
+            if p.grad is not None:
+                yield p.grad
+        inner = self.optimizer
+        while inner is not None:  # Accelerate's wrapper -> the torch optimizer (or a library's own)
+            for state in getattr(inner, "state", {}).values():
+                yield from (v for v in (state.values() if isinstance(state, dict) else ()) if torch.is_tensor(v))
+            for group in getattr(inner, "param_groups", []):
+                for p in group["params"]:
+                    yield p
+                    if p.grad is not None:
+                        yield p.grad
+            inner = getattr(inner, "optimizer", None)
+
+    @property
+    def unwrapped_model(self) -> torch.nn.Module:
+        return self.accelerator.unwrap_model(self.model)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The consolidated weights on the main process (a collective: call on every rank)."""
+        return self.accelerator.get_state_dict(self.model)
+
+    # --- checkpoint format: torch.distributed.checkpoint, reshardable across world sizes and these strategies ------
+
+    def save_state(self, folder: Path) -> None:
+        """Write this rank's part of the model and optimizer state into the checkpoint folder."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optim_state = get_state_dict(self.unwrapped_model, _raw(self.optimizer))
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(folder / self.state_dir))
+
+    def load_state(self, folder: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        unwrapped, raw = self.unwrapped_model, _raw(self.optimizer)
+        model_state, optim_state = get_state_dict(unwrapped, raw)
+        state = {"model": model_state, "optim": optim_state}
+        dcp.load(state, checkpoint_id=str(folder / self.state_dir))
+        set_state_dict(unwrapped, raw, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+    def resumes_exactly(self, saved: Mapping[str, Any]) -> bool:
+        """Whether a checkpoint saved under `saved` (its trainer_state) restores model and optimizer here.
+        torch.distributed.checkpoint reshards between single, DDP and FSDP2 at any world size."""
+        return saved["format"] == self.checkpoint_format
+
+    def before_resume(self, folder: Path, saved: Mapping[str, Any], output_dir: Path) -> str | None:
+        """Before `prepare`: anything the checkpoint needs converted; returns a note to print, or None."""
+        return None
+
+    @classmethod
+    def load_weights(cls, model: torch.nn.Module, folder: Path) -> None:
+        """Load the consolidated weights of a checkpoint in this format into an unprepared model (a warm start
+        under another strategy)."""
+        import torch.distributed.checkpoint as dcp
+
+        weights = {"model": model.state_dict()}
+        dcp.load(weights, checkpoint_id=str(folder / cls.state_dir))
+        model.load_state_dict(weights["model"], strict=True)
+
+
+def _raw(optimizer):
+    """The torch optimizer inside Accelerate's wrapper."""
+    return getattr(optimizer, "optimizer", optimizer)
+
+
+REGISTRY: list[type[Strategy]] = []
+
+
+def register(cls: type[Strategy]) -> type[Strategy]:
+    """Add a strategy class; `select` asks them in the order registered, so register the most specific first."""
+    REGISTRY.append(cls)
+    return cls

@@ -1,0 +1,63 @@
+"""Data parallelism (DDP): a full replica per process, gradients all-reduced; and one process, its world of one.
+
+Accelerate wraps the model in DistributedDataParallel and `accelerator.accumulate` turns off its gradient
+all-reduce (`no_sync`) on all but the last micro-batch of a step. On a machine without GPUs the base strategy asks
+Accelerate for the CPU, which turns the YAML's MULTI_GPU into MULTI_CPU over gloo.
+"""
+
+from __future__ import annotations
+
+from trainkit.errors import TrainingError
+from trainkit.estimate import OPTIMIZER_BYTES, Estimate, ModelShape
+from trainkit.guards import FiniteCheck
+from trainkit.launch import Launch
+from trainkit.strategies.base import LossFn, StepResult, Strategy, register
+
+
+@register
+class DDP(Strategy):
+    """PyTorch DistributedDataParallel over NCCL (GPUs) or gloo (CPUs)."""
+
+    name = "ddp"
+
+    @classmethod
+    def selects(cls, launch: Launch) -> bool:
+        return launch.distributed_type in ("MULTI_GPU", "MULTI_CPU") and launch.world_size > 1
+
+    def wrapper_kwargs(self) -> list:
+        from accelerate.utils import DistributedDataParallelKwargs
+
+        return [DistributedDataParallelKwargs(find_unused_parameters=self.cfg.find_unused_parameters)]
+
+    def train_step(self, step: int, micro_batches: list, loss_fn: LossFn, finite: FiniteCheck,
+                   stop_requested: bool) -> StepResult:
+        try:
+            return super().train_step(step, micro_batches, loss_fn, finite, stop_requested)
+        except RuntimeError as e:  # DDP's reducer: a parameter took no part in the previous step
+            if "find_unused_parameters" not in str(e):
+                raise
+            raise TrainingError(f"a parameter of the model took no part in step {step - 1} on rank "
+                                f"{self.accelerator.process_index}, which DDP cannot reduce",
+                                "pass --find_unused_parameters true (DDP then looks for such parameters every "
+                                "step), or make every parameter take part in every step") from None
+
+    def estimate(self, shape: ModelShape, world_size: int, activations: int) -> Estimate:
+        """Everything replicated: fp32 weights, fp32 gradients (kept between steps), the optimizer's fp32 states.
+        Accelerate's bf16 is autocast: the weights stay fp32, so bf16 saves no state memory."""
+        n = shape.num_params
+        return Estimate(self.label, 4 * n, 4 * n, OPTIMIZER_BYTES[self.cfg.optimizer] * n, 0, activations)
+
+
+@register
+class Single(DDP):
+    """One process on one device: no process group, no wrapper. The reference every other strategy reproduces."""
+
+    name = "single"
+
+    @classmethod
+    def selects(cls, launch: Launch) -> bool:
+        return launch.distributed_type == "NO" or (launch.distributed_type in ("MULTI_GPU", "MULTI_CPU")
+                                                   and launch.world_size == 1)
+
+    def expected_distributed_type(self) -> str:
+        return "NO"

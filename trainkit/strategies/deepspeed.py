@@ -1,0 +1,301 @@
+"""DeepSpeed ZeRO stages 1-3, with or without CPU offload, through Accelerate's DeepSpeed integration.
+
+The config (a JSON, or the YAML's own deepspeed_config keys) is resolved in deepspeed_config.py: every value the run
+already knows comes from the run, and an explicit value that disagrees is refused before anything is built. The
+engine owns accumulation and
+clipping and takes the optimizer step inside the last micro-batch's backward, so the loss is checked before that
+backward. Checkpoints are DeepSpeed's own (sharded per rank); a ZeRO-1/2 checkpoint moves to another world size or
+stage through DeepSpeed's universal checkpoint.
+
+CPU-only machines: without a backend DeepSpeed forms a world of N while Accelerate sees one process (the data would
+not be sharded), and with `cpu=True` Accelerate would silently train plain DDP instead: this strategy passes
+`backend="gloo"` (only with a real world: a one-process gloo group breaks Accelerate's reduce and gather).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainkit.errors import ConfigError, Problem
+from trainkit.estimate import OPTIMIZER_BYTES, Estimate, ModelShape
+from trainkit.guards import FiniteCheck
+from trainkit.launch import Launch
+from trainkit.strategies.base import LossFn, StepResult, Strategy, register
+from trainkit.strategies.deepspeed_config import fill_bucket_sizes, persistence_threshold, resolve
+
+TAG = "deepspeed"  # the one tag under checkpoints/step_<N>/deepspeed/
+
+
+@register
+class DeepSpeed(Strategy):
+    """DeepSpeed's engine with the ZeRO stage, offload and precision of the resolved JSON."""
+
+    name = "deepspeed"
+    checkpoint_format = "deepspeed"
+    state_dir = "deepspeed"
+
+    def __init__(self, launch: Launch, cfg, sources: Mapping[str, str]) -> None:
+        super().__init__(launch, cfg, sources)
+        self.resolved = resolve(launch, cfg, sources)
+        self.config = self.resolved.config  # the filled JSON that the engine gets
+        self.notes += self.resolved.notes
+        self._universal: Path | None = None  # set by before_resume when a checkpoint was converted
+
+    @classmethod
+    def selects(cls, launch: Launch) -> bool:
+        return launch.distributed_type == "DEEPSPEED"
+
+    # --- plan ---------------------------------------------------------------------------------------------------------
+
+    @property
+    def zero(self) -> dict[str, Any]:
+        return self.config.get("zero_optimization", {})
+
+    @property
+    def stage(self) -> int | None:
+        return self.zero.get("stage")
+
+    @property
+    def offloads_optimizer(self) -> bool:
+        return self.zero.get("offload_optimizer", {}).get("device", "none") not in ("none", None)
+
+    @property
+    def offloads_params(self) -> bool:
+        return self.zero.get("offload_param", {}).get("device", "none") not in ("none", None)
+
+    @property
+    def label(self) -> str:
+        return f"deepspeed_zero{self.stage}" + ("_offload" if self.offloads_optimizer else "")
+
+    def resolved_fields(self) -> dict[str, Any]:
+        """Also the whole DeepSpeed config as the engine gets it (bucket sizes still "auto": they are filled from
+        the model when it is built)."""
+        return {"strategy": self.name, "zero_stage": self.stage, "deepspeed_config": self.config}
+
+    @property
+    def speed_rank(self) -> int:
+        if self.offloads_optimizer:
+            return 7 if self.stage == 3 else 5
+        return {0: 1, 1: 1, 2: 2, 3: 4}.get(self.stage, 4)
+
+    def check(self) -> list[Problem]:
+        return self.resolved.problems
+
+    def estimate(self, shape: ModelShape, world_size: int, activations: int) -> Estimate:
+        """ZeRO-1/2: full weights in the training dtype, plus an fp32 master copy of this rank's partition (even in
+        fp32 training: the ZeRO paper counts none there) and the partition's optimizer states; gradients live in
+        reduce buckets during backward (ZeRO-1: whole) and are freed after the step. ZeRO-3: everything
+        partitioned, except parameters below stage3_param_persistence_threshold, kept whole on every rank. Offload
+        moves master copy and optimizer states (ZeRO-3 offload: the weights too) to the host; ZeRO-2 offload adds
+        host copies of the partition (low precision) and of its fp32 gradients, and two staging buffers the size of
+        the largest parameter (measured: BENCHMARKS.md)."""
+        n, w = shape.num_params, world_size
+        low = 2 if self.launch.mixed_precision in ("bf16", "fp16") else 4  # DeepSpeed casts the model itself
+        optimizer = (4 + OPTIMIZER_BYTES[self.cfg.optimizer]) * math.ceil(n / w)  # fp32 master + optimizer states
+        if self.stage != 3:
+            if not self.offloads_optimizer:
+                transient = low * n if self.stage in (0, 1) else 0  # ZeRO-2 reduce-scatters in buckets
+                return Estimate(self.label, low * n, 0, optimizer, 0, activations, transient)
+            staging = low * max(shape.numels)
+            grads = 4 * math.ceil(n / w) + 2 * staging
+            optimizer += low * math.ceil(n / w)
+            return Estimate(self.label, low * n, grads, optimizer, optimizer + grads - staging, activations)
+        persistent = sum(k for k in shape.numels if k < persistence_threshold(shape.hidden))
+        params = low * (math.ceil((n - persistent) / w) + persistent)
+        host = (params if self.offloads_params else 0) + (optimizer if self.offloads_optimizer else 0)
+        return Estimate(self.label, params, low * math.ceil(n / w), optimizer, host, activations)
+
+    # --- build --------------------------------------------------------------------------------------------------------
+
+    def build_accelerator(self, output_dir, report_to):
+        # Accelerate refuses DeepSpeed settings from its YAML (mixed_precision, zero_stage, ...) next to a config it is
+        # handed, because its plugin would ignore them. Here they are that config's one source: the YAML's keys were
+        # translated into it and its "auto" values filled from the YAML's precision (deepspeed_config.py), so
+        # nothing is left for Accelerate to ignore.
+        os.environ["ACCELERATE_CONFIG_DS_FIELDS"] = ""
+        return super().build_accelerator(output_dir, report_to)
+
+    def accelerator_kwargs(self) -> dict[str, Any]:
+        from accelerate.utils import DeepSpeedPlugin
+
+        # Given explicitly so that nothing from the environment overrides the resolved JSON. Never cpu=True: under
+        # it Accelerate silently trains plain DDP.
+        return {"deepspeed_plugin": DeepSpeedPlugin(hf_ds_config=self.config,
+                                                    gradient_accumulation_steps=self.cfg.grad_accum,
+                                                    gradient_clipping=float(self.cfg.max_grad_norm))}
+
+    def process_group_kwargs(self) -> dict[str, Any]:
+        kwargs = super().process_group_kwargs()
+        if not torch.cuda.is_available() and self.launch.world_size > 1:
+            kwargs["backend"] = "gloo"
+        return kwargs
+
+    def expected_distributed_type(self) -> str:
+        return "DEEPSPEED"
+
+    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        fill_bucket_sizes(self.accelerator.state.deepspeed_plugin.deepspeed_config, model)
+        return super().prepare_model(model)
+
+    def make_optimizer(self, model: torch.nn.Module,
+                       build_optimizer: Callable[..., torch.optim.Optimizer]) -> torch.optim.Optimizer:
+        if not self.offloads_optimizer:
+            return build_optimizer(self.cfg, model)
+        if self.accelerator.is_main_process:
+            print("note: ZeRO-Offload runs Adam in DeepSpeed's cpu_adam op; its first use compiles it (about a "
+                  "minute), later runs reuse ~/.cache/torch_extensions", flush=True)
+        return build_optimizer(self.cfg, model, adam_class=_resumable_cpu_adam())
+
+    @property
+    def engine(self):
+        return self.accelerator.deepspeed_engine_wrapped.engine
+
+    # --- one optimizer step -----------------------------------------------------------------------------------------
+
+    def train_step(self, step: int, micro_batches: list, loss_fn: LossFn, finite: FiniteCheck,
+                   stop_requested: bool) -> StepResult:
+        """The engine clips and steps inside the last micro-batch's backward: the loss is agreed on and checked
+        before it, the gradient norm (computed by the engine) only after."""
+        accelerator, model = self.accelerator, self.model
+        loss_sum = torch.zeros(1, device=accelerator.device)
+        for i, batch in enumerate(micro_batches):
+            with accelerator.accumulate(model):
+                loss = loss_fn(model, self.cast_batch(batch))
+                loss_sum += loss.detach().float()
+                if i == len(micro_batches) - 1:
+                    loss_value, stop, _ = self.agree(loss_sum / len(micro_batches), stop_requested)
+                    finite.loss(step, loss_value)
+                accelerator.backward(loss)
+        # None when the JSON turns the norm's computation off (compute_grad_norm: false, allowed without clipping).
+        norm = self.engine.get_global_grad_norm()
+        grad_norm = float(norm) if norm is not None else None
+        finite.grad_norm(step, grad_norm, step_taken=True)
+        return self.optimizer_step(loss_value, grad_norm, stop)
+
+    def step_was_skipped(self) -> bool:
+        return bool(getattr(self.engine.optimizer, "overflow", False))
+
+    def cast_batch(self, batch: Any) -> Any:
+        """Under bf16/fp16 DeepSpeed turns the weights themselves to low precision: float inputs must follow
+        ("mat1 and mat2 must have the same dtype" otherwise)."""
+        batch = super().cast_batch(batch)
+        if self.launch.mixed_precision == "no":
+            return batch
+        dtype = torch.bfloat16 if self.launch.mixed_precision == "bf16" else torch.float16
+        if isinstance(batch, dict):
+            return {k: v.to(dtype) if torch.is_floating_point(v) else v for k, v in batch.items()}
+        return [t.to(dtype) if torch.is_floating_point(t) else t for t in batch]
+
+    def state_tensors(self) -> Iterator[torch.Tensor]:
+        """Also a ZeRO-3 parameter's partition and the ZeRO optimizer's own buffers (flat parameter groups, the fp32
+        master partition, gradient partitions), which hold the same state under other names."""
+        yield from super().state_tensors()
+        for p in self.model.parameters():
+            if getattr(p, "ds_tensor", None) is not None:
+                yield p.ds_tensor
+        zero_optimizer = self.engine.optimizer
+        for value in vars(zero_optimizer).values():
+            for item in value if isinstance(value, (list, tuple)) else [value]:
+                for t in item if isinstance(item, (list, tuple)) else [item]:
+                    if torch.is_tensor(t):
+                        yield t
+
+    # --- checkpoint format: DeepSpeed's own -------------------------------------------------------------------------
+
+    def save_state(self, folder: Path) -> None:
+        self.model.save_checkpoint(str(folder / self.state_dir), tag=TAG, save_latest=False)
+
+    def load_state(self, folder: Path) -> None:
+        load_dir, tag = ((self._universal.parent, self._universal.name) if self._universal
+                         else (folder / self.state_dir, TAG))
+        self.model.load_checkpoint(str(load_dir), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=False)
+
+    def _same_layout(self, saved: Mapping[str, Any]) -> bool:
+        return saved["zero_stage"] == self.stage and saved["world_size"] == self.launch.world_size
+
+    def resumes_exactly(self, saved: Mapping[str, Any]) -> bool:
+        """Natively under the same ZeRO stage and world size; between ZeRO-1 and ZeRO-2 of any world size through
+        DeepSpeed's universal checkpoint (`before_resume`). Measured here, universal checkpoints of ZeRO-3 either fail
+        to load (into ZeRO-2) or lose optimizer precision (1.4e-3 off after a step), so ZeRO-3 moves carry only the
+        consolidated weights over (a warm start)."""
+        if saved["format"] != self.checkpoint_format:
+            return False
+        return self._same_layout(saved) or (saved["zero_stage"] in (1, 2) and self.stage in (1, 2))
+
+    def before_resume(self, folder: Path, saved: Mapping[str, Any], output_dir: Path) -> str | None:
+        """Convert a ZeRO-1/2 checkpoint of another world size or stage into DeepSpeed's universal format (main
+        process, once, into output_dir/universal/), and tell the engine to load that format."""
+        if not self.resumes_exactly(saved) or self._same_layout(saved):
+            return None
+        accelerator = self.accelerator
+        target = output_dir / "universal" / folder.name
+        failed = target.with_name(target.name + ".failed")  # how the other ranks learn that rank 0's conversion failed
+        if accelerator.is_main_process and not target.exists():
+            tmp = target.with_name(target.name + ".tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            failed.unlink(missing_ok=True)
+            tmp.parent.mkdir(parents=True, exist_ok=True)
+            convert = subprocess.run(
+                [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                 str(folder / self.state_dir / TAG), "--output_folder", str(tmp),
+                 "--num_extract_workers", "1", "--num_merge_workers", "1", "--inject_missing_state"],
+                capture_output=True, text=True)
+            if convert.returncode == 0:
+                tmp.rename(target)
+            else:
+                failed.write_text((convert.stderr.strip().splitlines() or ["?"])[-1])
+        accelerator.wait_for_everyone()
+        if failed.exists():
+            raise ConfigError([Problem(f"DeepSpeed could not convert {folder} to a universal checkpoint: "
+                                       f"{failed.read_text()}", "--resume",
+                                       "resume under the ZeRO stage and process count it was saved with")])
+        accelerator.state.deepspeed_plugin.deepspeed_config["checkpoint"] = {"load_universal": True}
+        self._universal = target
+        return (f"resuming a ZeRO-{saved['zero_stage']} checkpoint of {saved['world_size']} process(es) as "
+                f"ZeRO-{self.stage} on {self.launch.world_size}: converted to DeepSpeed's universal checkpoint "
+                f"({target}), optimizer state kept")
+
+    @classmethod
+    def load_weights(cls, model: torch.nn.Module, folder: Path) -> None:
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        model.load_state_dict(get_fp32_state_dict_from_zero_checkpoint(str(folder / cls.state_dir), tag=TAG),
+                              strict=True)
+
+
+@functools.cache
+def _resumable_cpu_adam() -> type[torch.optim.Optimizer]:
+    """DeepSpeed's CPU Adam, with the bias correction computed the same way in a resumed run as in the original.
+
+    cpu_adam's C++ state keeps beta^t as a running float product (beta^t = beta^(t-1) * beta, deepspeed/ops/csrc/
+    includes/cpu_adam.h, IncrementStep), but a fresh process, such as a resumed run, starts it with pow(beta, t):
+    a few ulps apart, so the resumed curve left the uninterrupted one by ~1e-7 within two steps. Starting the C++
+    state afresh before every step makes every step take the pow path (step 1's product is beta itself), in both.
+    """
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    class ResumableCPUAdam(DeepSpeedCPUAdam):
+        def _fresh_state(self) -> None:
+            beta1, beta2 = self.defaults["betas"]
+            self.ds_opt_adam.create_adam(self.opt_id, self.defaults["lr"], beta1, beta2, self.defaults["eps"],
+                                         self.defaults["weight_decay"], self.adam_w_mode, False)
+
+        def step(self, closure=None):
+            self._fresh_state()
+            return super().step(closure)
+
+        def step_subgroup(self, subgroup_id: int, closure=None):
+            self._fresh_state()
+            return super().step_subgroup(subgroup_id, closure)
+
+    return ResumableCPUAdam
