@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -43,7 +45,7 @@ def test_bad_overrides_are_reported(argv, message):
     _, overrides = parse_command_line(["--recipe", "mlp", *argv])
     with pytest.raises(ConfigError) as error:
         build_config(load_recipe("mlp").Config, overrides)
-    assert any(message in p for p in error.value.problems), error.value.problems
+    assert any(message in str(p) for p in error.value.problems), error.value.problems
 
 
 def test_every_problem_is_reported_at_once():
@@ -64,23 +66,38 @@ def test_transformer_checks_its_own_fields():
     ("import not_a_module_anywhere\n", "failed to import: ModuleNotFoundError"),
     ("from trainkit.config import TrainConfig\nConfig = TrainConfig\n", "lacks build_model, build_datasets, loss"),
     ("Config = dict\nbuild_model = build_datasets = loss = None\n", "Config must subclass"),
+    ("from trainkit.config import TrainConfig\nclass Config(TrainConfig):\n    width: int = 3\n"
+     "def build_model(cfg): ...\ndef build_datasets(cfg, cache_dir): ...\ndef loss(model, batch): ...\n",
+     "Config is not a dataclass, so its fields (width) do not exist"),
+    ("from trainkit.recipes import load_recipe\nmlp = load_recipe('mlp')\nConfig = mlp.Config\n"
+     "build_model, build_datasets = mlp.build_model, mlp.build_datasets\nloss = 3\n", "loss is not a function"),
 ])
-def test_broken_recipe_files(tmp_path, recipe_text, message):
+def test_broken_recipe_files(check_only, tmp_path, recipe_text, message):
     path = tmp_path / "broken.py"
     path.write_text(recipe_text)
-    run = launch(tmp_path / "out", "--recipe", str(path))
+    run = check_only(tmp_path / "out", "--recipe", str(path))
     assert_refused(run, message)
     assert "Traceback" not in run.stderr and not (tmp_path / "out").exists()
 
 
-def test_unknown_recipe_name(tmp_path):
-    assert_refused(launch(tmp_path / "out", "--recipe", "gpt5"),
+def test_the_hint_for_a_broken_recipe_works_when_pasted(check_only, tmp_path):
+    """The refusal says how to see the traceback; the command it gives runs from anywhere and shows it."""
+    path = tmp_path / "broken.py"
+    path.write_text("from trainkit.config import TrainConfig\nimport not_a_module_anywhere\n")
+    run = check_only(tmp_path / "out", "--recipe", str(path))
+    hint = run.stderr.split("fix the recipe file (")[1].split(" shows the traceback")[0]
+    shown = subprocess.run(hint, shell=True, cwd=tmp_path, capture_output=True, text=True)
+    assert "Traceback" in shown.stderr and "No module named 'not_a_module_anywhere'" in shown.stderr, shown.stderr
+
+
+def test_unknown_recipe_name(check_only, tmp_path):
+    assert_refused(check_only(tmp_path / "out", "--recipe", "gpt5"),
                    "no shipped recipe named 'gpt5' (--recipe): use one of mlp, tiny_transformer")
 
 
-def test_dry_run_prints_the_resolved_config_and_trains_nothing(tmp_path):
-    run = launch(tmp_path / "out", "--recipe", "tiny_transformer", "--dry_run", "--lr", "1e-3",
-                 "--accelerate_config", str(ROOT / "accelerate_configs" / "ddp.yaml"))
+def test_dry_run_prints_the_resolved_config_and_trains_nothing(check_only, tmp_path):
+    run = check_only(tmp_path / "out", "--recipe", "tiny_transformer", "--dry_run", "--lr", "1e-3",
+                     "--accelerate_config", str(ROOT / "accelerate_configs" / "ddp.yaml"))
     assert run.returncode == 0, run.stderr
     resolved = json.loads(run.stdout)
     assert resolved["strategy"] == "ddp" and resolved["world_size"] == 2
@@ -89,3 +106,76 @@ def test_dry_run_prints_the_resolved_config_and_trains_nothing(tmp_path):
     assert resolved["sources"]["lr"] == "--lr" and resolved["sources"]["hidden"] == "recipe default"
     assert resolved["estimated_state_bytes"] > 0
     assert not (tmp_path / "out").exists()
+
+
+MLP_RECIPE = (ROOT / "recipes" / "mlp.py").read_text()
+
+
+@pytest.mark.parametrize("change, message", [
+    (("    return torch.nn.Sequential(*layers)", "    return layers"),
+     "build_model returned list, not a torch.nn.Module (--recipe): return the model from build_model"),
+])
+def test_recipe_mistakes_found_while_planning(check_only, tmp_path, change, message):
+    path = tmp_path / "my_model.py"
+    path.write_text(MLP_RECIPE.replace(*change))
+    assert_refused(check_only(tmp_path / "out", "--recipe", str(path), "--dry_run"), message)
+
+
+@pytest.mark.parametrize("change, message", [
+    (("    return torch.nn.functional.mse_loss(model(x), y)", "    return torch.nn.functional.mse_loss(model(x), y, "
+                                                               "reduction='none')"),
+     "loss returned a tensor of shape (32, 1) and dtype torch.float32, not a scalar float tensor"),
+    (("    return torch.nn.functional.mse_loss(model(x), y)", "    return torch.nn.functional.mse_loss(model(x), y)"
+                                                               ".item()"),
+     "loss returned float, not a scalar float tensor"),
+    (("    return TensorDataset(x[:split], y[:split]), TensorDataset(x[split:], y[split:])",
+      "    return [{'x': x[i], 'n': i % 2 and [1] or [1, 2]} for i in range(split)], TensorDataset(x[split:])"),
+     "build_datasets' train split does not give batches"),
+    (("    return TensorDataset(x[:split], y[:split]), TensorDataset(x[split:], y[split:])",
+      "    return TensorDataset(x[:split], y[:split])"), "build_datasets returned TensorDataset, not (train, eval)"),
+])
+def test_recipe_mistakes_found_when_the_run_starts(tmp_path, change, message):
+    """Each names the recipe file, the function and what was expected; nothing but an error line, exit 2."""
+    path = tmp_path / "my_model.py"
+    path.write_text(MLP_RECIPE.replace(*change))
+    run = launch(tmp_path / "out", "--recipe", str(path), "--max_steps", "2")
+    assert_refused(run, message)
+    assert f"recipe {path}" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_output_dir_that_is_a_file_is_refused(check_only, tmp_path):
+    (tmp_path / "notes.txt").write_text("keep me")
+    assert_refused(check_only(tmp_path / "notes.txt", "--recipe", "mlp"),
+                   f"{tmp_path / 'notes.txt'} is a file, not a folder (--output_dir)")
+    assert (tmp_path / "notes.txt").read_text() == "keep me"
+
+
+def test_data_names_a_dataset_or_a_file_without_guessing_from_a_dot():
+    from trainkit.text import local_files
+
+    assert local_files("org/name-1.0") is None and local_files("wikitext") is None  # Hugging Face names
+    assert local_files("missing.txt") == [Path("missing.txt")]  # a file (refused later: it does not exist)
+
+
+def test_flags_take_dashes_and_typos_get_advice_that_matches(check_only, tmp_path):
+    """train.py's own flags and the recipe's fields are suggested together; dashes are underscores; no abbreviation
+    is taken for a flag."""
+    run = check_only(tmp_path / "x", "--recipe", "mlp", "--dry_run", "--save-every", "5", "--keep-last", "2",
+                     "--warmup-steps", "3")
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout)["warmup_steps"] == 3
+    options, _ = parse_command_line(["--recipe", "mlp", "--save-every", "5", "--output-dir", "elsewhere"])
+    assert (options.save_every, str(options.output_dir)) == (5, "elsewhere")
+    for typo, advice in [("--overwite", "did you mean --overwrite?"), ("--dryrun", "did you mean --dry_run?"),
+                         ("--max_step", "did you mean max_steps"), ("--save_evry", "did you mean --save_every")]:
+        run = check_only(tmp_path / "x", "--recipe", "mlp", typo, "20")
+        assert_refused(run, f"unknown config field {typo[2:]!r} ({typo}): {advice}")
+
+
+def test_an_output_dir_that_cannot_be_written_is_refused(check_only, tmp_path, monkeypatch):
+    """Faked (the tests may run as root, for whom every folder is writable): os.access says no."""
+    import trainkit.checkpoint
+
+    monkeypatch.setattr(trainkit.checkpoint.os, "access", lambda path, mode: False)
+    assert_refused(check_only(tmp_path / "new" / "run", "--recipe", "mlp"),
+                   f"cannot write in {tmp_path} (--output_dir): pass a folder you can write to, or fix its permissions")

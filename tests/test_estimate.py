@@ -2,12 +2,25 @@
 
 from __future__ import annotations
 
+import dataclasses
+import re
+
 import pytest
 
 from conftest import ROOT
 from trainkit.config import parse_bytes
-from trainkit.estimate import STRATEGIES, estimate, model_shape
+from trainkit.estimate import Estimate, ModelShape, model_shape
 from trainkit.recipes import load_recipe
+from trainkit.strategies import for_launch, shipped_strategies
+
+STRATEGIES = shipped_strategies()
+
+
+def estimate(shape: ModelShape, config: str, world_size: int, precision: str, optimizer: str) -> Estimate:
+    """The estimate of a shipped config's strategy for another world size and precision."""
+    launch = dataclasses.replace(STRATEGIES[config], world_size=world_size, mixed_precision=precision)
+    recipe = load_recipe("mlp")
+    return for_launch(launch, recipe.Config(optimizer=optimizer), {}).estimate(shape, world_size, 0)
 
 # A 7B-class transformer at 4 sequences of 2048 tokens, with gradient checkpointing.
 BIG = ["--hidden", "4096", "--layers", "32", "--heads", "32", "--seq_len", "2048", "--vocab_size", "32000",
@@ -19,10 +32,12 @@ def test_table_names_the_cheapest_strategy_that_fits(check_only, run_dir):
                      "--device_memory", "80GB", *BIG).check()
     rows = {line.split()[0] for line in run.stdout.splitlines()}
     assert set(STRATEGIES) <= rows
-    assert "cheapest strategy that fits 74.506 GiB per device (with 10% headroom): deepspeed_zero2" in run.stdout
+    assert ("--device_memory 74.506 GiB: a strategy fits when its device peak is at most 67.055 GiB (90%; the rest "
+            "goes to the framework") in run.stdout
+    assert "cheapest strategy that fits: deepspeed_zero2 (device peak " in run.stdout
     small = check_only(run_dir("y"), "--recipe", "tiny_transformer", "--estimate", "--num_processes", "8",
                        "--device_memory", "24GB", *BIG).check()
-    assert "per device (with 10% headroom): fsdp_offload" in small.stdout
+    assert "cheapest strategy that fits: fsdp_offload" in small.stdout
     none = check_only(run_dir("z"), "--recipe", "tiny_transformer", "--estimate", "--num_processes", "1",
                       "--device_memory", "1GB", *BIG).check()
     assert "nothing fits" in none.stdout
@@ -48,11 +63,30 @@ def test_deepspeed_holds_more_than_the_idealised_zero_paper():
 
 
 @pytest.mark.parametrize("text, value", [("80GB", 80 * 10 ** 9), ("24GiB", 24 * 2 ** 30), ("1.5 TB", 1.5e12),
-                                         ("512", 512)])
+                                         ("512B", 512)])
 def test_sizes_parse(text, value):
     assert parse_bytes(text) == value
 
 
-def test_bad_size_is_refused(check_only, run_dir):
-    run = check_only(run_dir("x"), "--recipe", "mlp", "--estimate", "--device_memory", "lots")
-    assert run.returncode == 2 and "cannot read 'lots' as a size: write it like 80GB" in run.stderr
+@pytest.mark.parametrize("size", ["lots", "80"])
+def test_a_size_without_its_unit_is_refused(check_only, run_dir, size):
+    """80 could be bytes or GB: the unit is asked for, not guessed."""
+    run = check_only(run_dir("x"), "--recipe", "mlp", "--estimate", "--device_memory", size)
+    assert run.returncode == 2 and f"cannot read {size!r} as a size: write it with its unit, like 80GB" in run.stderr
+
+
+def test_a_7b_llama_is_sized_as_published_and_the_verdict_is_readable(check_only, run_dir):
+    """Llama-2-7B's shape through the recipe's flags gives its published 6,738,415,616 parameters; the precision is
+    a flag, named as people name it; the launch's own line says whether it fits and by how much, in the table's
+    unit."""
+    llama_7b = ["--hidden", "4096", "--layers", "32", "--heads", "32", "--ffn", "11008", "--vocab_size", "32000",
+                "--seq_len", "4096", "--tie_embeddings", "false", "--batch_size", "1", "--gradient_checkpointing"]
+    zero3 = ["--accelerate_config", str(ROOT / "accelerate_configs" / "deepspeed_zero3.yaml")]
+    run = check_only(run_dir("x"), "--recipe", "tiny_transformer", "--estimate", "--num_processes", "8",
+                     "--device_memory", "80GB", "--precision", "bf16", *zero3, *llama_7b).check()
+    assert run.stdout.startswith("6,738,415,616 parameters, 8 process(es), bf16, optimizer adamw; GiB per rank")
+    assert re.search(r"this launch \(deepspeed_zero3, 8 process\(es\)\): [\d.]+ GiB of model state per rank, "
+                     r"device peak [\d.]+ GiB; fits, [\d.]+ GiB to spare", run.stdout), run.stdout
+    tight = check_only(run_dir("y"), "--recipe", "tiny_transformer", "--estimate", "--num_processes", "2",
+                       "--device_memory", "24GB", *zero3, *llama_7b).check()
+    assert ", fp32, optimizer adamw" in tight.stdout and re.search(r"; does not fit: [\d.]+ GiB over", tight.stdout)

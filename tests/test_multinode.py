@@ -16,14 +16,18 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
+from torch.utils.cpp_extension import get_default_build_root
 
 from conftest import ROOT, TEST_ENV, Run, kill_tree, launch, max_rel_diff
-from trainkit.strategy import Launch, check_hosts
+from trainkit.hosts import check_hosts
+from trainkit.launch import Launch
 
 MLP = ["--recipe", "mlp", "--max_steps", "15", "--eval_every", "0", "--batch_size", "8"]
 ENV = {**os.environ, **TEST_ENV}
@@ -335,8 +339,8 @@ def test_hostfile_yaml_over_ssh_matches_ddp(sshd, ddp_reference, tmp_path):
     log_start = len(sshd.log.read_text())
     cmd = [sys.executable, "-m", "accelerate.commands.launch",
            "--config_file", str(ROOT / "accelerate_configs" / "deepspeed_hostfile.yaml"),
-           "--deepspeed_hostfile", str(hostfile), "--main_process_ip", HOSTS[0], "--main_process_port", str(free_port()),
-           "train.py", "--output_dir", str(out), "--report_to", "none", *MLP]
+           "--deepspeed_hostfile", str(hostfile), "--main_process_ip", HOSTS[0],
+           "--main_process_port", str(free_port()), "train.py", "--output_dir", str(out), "--report_to", "none", *MLP]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=110)
     run = Run("deepspeed_hostfile.yaml", proc.returncode, proc.stdout, proc.stderr, out)
     diff = check_deepspeed_run(run, ddp_reference)
@@ -345,6 +349,58 @@ def test_hostfile_yaml_over_ssh_matches_ddp(sshd, ddp_reference, tmp_path):
     # what carried the launch's settings to the ranks: Accelerate's environment dump, read by DeepSpeed's runner
     written = env_file.read_text().splitlines()
     assert "ACCELERATE_USE_DEEPSPEED=true" in written and "OMP_NUM_THREADS=1" in written
+
+
+@pytest.mark.slow
+def test_hosts_launcher_sends_the_hosts_no_secret(sshd, ddp_reference, tmp_path):
+    """python -m trainkit.hosts: the hostfile launch with a fake token and key planted in the shell. Neither reaches
+    a file or a host's command line (accelerate launch alone wrote the shell's 47 lines into ./.deepspeed_env and
+    onto every pdsh command line); what ~/.deepspeed_env lists still travels; the private env file is gone after."""
+    token, key = "hf_fake_secret_123", "key_fake_456"
+    hostfile = write_hostfile(tmp_path / "hostfile", f"{HOSTS[0]} slots=1", f"{HOSTS[1]} slots=1")
+    bin_dir, home = tmp_path / "bin", tmp_path / "home"
+    bin_dir.mkdir()
+    home.mkdir()
+    (home / ".deepspeed_env").write_text("TRAINKIT_MARK=from_home\n")
+    ssh_args = tmp_path / "ssh_args"
+    (bin_dir / "ssh").write_text(f'#!/bin/sh\necho "$@" >> {ssh_args}\n'
+                                 f'exec {shutil.which("ssh")} -F {sshd.config} "$@"\n')
+    (bin_dir / "ssh").chmod(0o755)
+    # HOME is the test's (its ~/.deepspeed_env); DeepSpeed's compiled ops stay where they are (else ~30 s to rebuild)
+    extensions = os.environ.get("TORCH_EXTENSIONS_DIR") or str(Path(get_default_build_root()) / (
+        f"py{sys.version_info[0]}{sys.version_info[1]}_"
+        + (f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda else "cpu")))
+    env = {**ENV, "HOME": str(home), "PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}",
+           "PDSH_SSH_ARGS_APPEND": f"-F {sshd.config}", "HF_TOKEN": token, "MY_API_KEY": key,
+           "TORCH_EXTENSIONS_DIR": extensions}
+    env.pop("DS_ENV_FILE", None)
+    out = tmp_path / "out"
+    before = (ROOT / ".deepspeed_env").read_text() if (ROOT / ".deepspeed_env").exists() else None
+    cmd = [sys.executable, "-m", "trainkit.hosts",
+           "--config_file", str(ROOT / "accelerate_configs" / "deepspeed_hostfile.yaml"),
+           "--deepspeed_hostfile", str(hostfile), "--main_process_ip", HOSTS[0],
+           "--main_process_port", str(free_port()), "train.py", "--output_dir", str(out), "--report_to", "none", *MLP]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=110)
+    check_deepspeed_run(Run("trainkit.hosts", proc.returncode, proc.stdout, proc.stderr, out), ddp_reference)
+    assert "not sent to the hosts, among them HF_TOKEN, MY_API_KEY" in proc.stderr
+    sent = ssh_args.read_text()
+    assert "export TRAINKIT_MARK=from_home" in sent and "export ACCELERATE_USE_DEEPSPEED=true" in sent
+    assert token not in sent and key not in sent
+    written = [p for p in tmp_path.rglob("*") if p.is_file()] + [ROOT / ".deepspeed_env"] * (before is not None)
+    assert not [file for file in written if token in file.read_text(errors="ignore")]
+    assert ((ROOT / ".deepspeed_env").read_text() if (ROOT / ".deepspeed_env").exists() else None) == before
+    assert not list(Path(tempfile.gettempdir()).glob("trainkit-hosts-*"))
+
+
+def test_dry_run_of_a_hostfile_launch_warns_of_secrets_in_the_shell(check_only, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", "hf_fake_secret_123")
+    yaml_file = tmp_path / "cluster.yaml"
+    yaml_file.write_text((ROOT / "accelerate_configs" / "deepspeed_hostfile.yaml").read_text()
+                         .replace("deepspeed_hostfile: hostfile", f"deepspeed_hostfile: {tmp_path / 'missing'}"))
+    run = check_only(tmp_path / "out", "--recipe", "mlp", "--dry_run", "--accelerate_config", str(yaml_file))
+    assert "note: this shell holds HF_TOKEN: `accelerate launch` with" in run.stderr
+    assert "launch with `python -m trainkit.hosts --config_file" in run.stderr
+    assert "hf_fake_secret_123" not in run.stderr
 
 
 @pytest.mark.slow
@@ -374,19 +430,25 @@ def test_deepspeed_launcher_over_ssh_matches_ddp(sshd, ddp_reference, tmp_path):
 
 # --- the hostfile pre-flight (--dry_run) ---------------------------------------------------------------------------
 
-def hostfile_launch(hostfile: Path, **changes) -> Launch:
+def hostfile_launch(hostfile: Path, world_size: int = 2, num_machines: int = 2, **settings: str) -> Launch:
+    """deepspeed_hostfile.yaml with another hostfile, process count or deepspeed_config keys (its filters)."""
     launch = Launch.from_yaml(str(ROOT / "accelerate_configs" / "deepspeed_hostfile.yaml"))
-    return dataclasses.replace(launch, hostfile=str(hostfile), **changes)
+    return dataclasses.replace(launch, world_size=world_size, num_machines=num_machines,
+                               settings={**launch.settings, "deepspeed_hostfile": str(hostfile), **settings})
+
+
+def host_problems(launch: Launch) -> list[str]:
+    return [str(p) for p in check_hosts(launch)]
 
 
 @pytest.mark.slow
 def test_preflight_reaches_every_host_and_names_the_one_that_fails(sshd, tmp_path, monkeypatch):
     monkeypatch.setenv("PDSH_SSH_ARGS_APPEND", f"-F {sshd.config}")  # what pdsh will use, the check uses too
     good = write_hostfile(tmp_path / "good", f"{HOSTS[0]} slots=1", f"{HOSTS[1]} slots=1")
-    assert check_hosts(hostfile_launch(good)) == []
+    assert host_problems(hostfile_launch(good)) == []
     # 127.0.0.3 is a loopback address where no sshd listens: refused at once
     bad = write_hostfile(tmp_path / "bad", f"{HOSTS[0]} slots=1", "127.0.0.3 slots=1")
-    problems = check_hosts(hostfile_launch(bad))
+    problems = host_problems(hostfile_launch(bad))
     assert len(problems) == 1, problems
     assert problems[0].startswith("host 127.0.0.3 does not answer over ssh: ") and "refused" in problems[0]
     assert f"deepspeed_hostfile {bad}" in problems[0] and "ssh-copy-id 127.0.0.3" in problems[0]
@@ -414,25 +476,25 @@ def test_dry_run_checks_the_hosts(sshd, tmp_path):
 def test_preflight_checks_that_the_slots_add_up(tmp_path):
     """Everything but ssh is checked first, and without a network: these hosts are never contacted."""
     three = write_hostfile(tmp_path / "three", "a slots=1", "b slots=1", "c slots=1")
-    assert check_hosts(hostfile_launch(three)) == [
+    assert host_problems(hostfile_launch(three)) == [
         f"{three} lists 3 host(s) but num_machines is 2 (without a filter DeepSpeed starts ranks on every host of "
         f"the file) (deepspeed_hostfile {three} in {ROOT / 'accelerate_configs' / 'deepspeed_hostfile.yaml'}): "
         f"list exactly num_machines hosts, or select some with deepspeed_inclusion_filter"]
     small = write_hostfile(tmp_path / "small", "a slots=2", "b slots=1")
-    [problem] = check_hosts(hostfile_launch(small, world_size=4))
+    [problem] = host_problems(hostfile_launch(small, world_size=4))
     assert problem.startswith("host b has 1 slot(s) but each machine runs num_processes / num_machines = 2 "
                               "process(es); the slots add up to 3, num_processes is 4")
-    [problem] = check_hosts(hostfile_launch(three, hostfile_exclude="c:0", world_size=3))
+    [problem] = host_problems(hostfile_launch(three, deepspeed_exclusion_filter="c:0", world_size=3))
     assert problem.startswith("the filtered hostfile gives 2 slot(s) on 2 host(s), the launch asks for "
                               "num_processes 3 on num_machines 2")
-    [problem] = check_hosts(hostfile_launch(three, hostfile_include="a@d"))
+    [problem] = host_problems(hostfile_launch(three, deepspeed_inclusion_filter="a@d"))
     assert problem.startswith("host d in the inclusion filter is not in ")
     broken = write_hostfile(tmp_path / "broken", "a slots=1", "b", "a slots=2")
-    assert [p.split(" (")[0] for p in check_hosts(hostfile_launch(broken))] == [
+    assert [p.split(" (")[0] for p in host_problems(hostfile_launch(broken))] == [
         f"line 3 of {broken} is not `HOSTNAME slots=N`: 'b'", f"host a is listed twice in {broken}, again on line 4"]
-    assert check_hosts(hostfile_launch(tmp_path / "missing"))[0].startswith(
+    assert host_problems(hostfile_launch(tmp_path / "missing"))[0].startswith(
         f"cannot read the hostfile {tmp_path / 'missing'}: No such file or directory")
-    assert "Accelerate then ignores the hostfile" in check_hosts(hostfile_launch(three, num_machines=1))[0]
+    assert "Accelerate then ignores the hostfile" in host_problems(hostfile_launch(three, num_machines=1))[0]
 
 
 def test_launch_reads_the_machine_count_of_both_launchers(monkeypatch):

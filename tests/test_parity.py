@@ -6,6 +6,8 @@ import pytest
 
 from conftest import launch, max_rel_diff
 
+pytestmark = pytest.mark.slow  # 2-process launches
+
 STEPS = ["--max_steps", "25", "--eval_every", "0", "--warmup_steps", "2"]
 
 

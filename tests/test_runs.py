@@ -18,7 +18,7 @@ SMALL_LM = ["--hidden", "64", "--layers", "2", "--seq_len", "64"]
 STEP_KEYS = {"step", "loss", "lr", "grad_norm", "samples_per_s", "mfu", "state_bytes", "peak_mem_bytes"}
 
 
-@pytest.mark.parametrize("config", ["single", "ddp"])
+@pytest.mark.parametrize("config", ["single"])  # every other config: tests/test_strategies.py
 def test_mlp_trains_and_exports(run_dir, config):
     run = launch(run_dir("out"), "--recipe", "mlp", "--max_steps", "60", "--eval_every", "30", config=config).check()
     metrics = run.metrics
@@ -40,7 +40,7 @@ def test_mlp_trains_and_exports(run_dir, config):
     assert reloaded == pytest.approx(metrics[-1]["eval_loss"], rel=1e-5)
 
 
-@pytest.mark.parametrize("config", ["single", "ddp"])
+@pytest.mark.parametrize("config", ["single"])  # every other config: tests/test_strategies.py
 def test_transformer_learns_and_exports_for_transformers(run_dir, config):
     run = launch(run_dir("out"), "--recipe", "tiny_transformer", "--max_steps", "40", "--eval_every", "20",
                  "--warmup_steps", "5", *SMALL_LM, config=config).check()
@@ -57,9 +57,11 @@ def test_transformer_learns_and_exports_for_transformers(run_dir, config):
     assert model.config.bos_token_id == tokenizer.eos_token_id
     ids = tokenizer("The for statement", return_tensors="pt").input_ids
     out = model.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False)
-    assert out.shape[1] == ids.shape[1] + 8 and isinstance(tokenizer.decode(out[0]), str)
+    assert out.shape[1] == ids.shape[1] + 8
+    assert tokenizer.decode(out[0]).startswith("The for statement")  # the byte-level BPE round-trips the prompt
 
 
+@pytest.mark.slow
 def test_default_transformer_beats_unigram_entropy(run_dir):
     """The README's claim, on a shortened default run: eval loss falls well below the unigram entropy."""
     run = launch(run_dir("out"), "--recipe", "tiny_transformer", "--max_steps", "150", "--eval_every", "0",
@@ -80,14 +82,20 @@ def test_local_text_file_as_data(run_dir, tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--data", "someone/no_such_dataset"], "could not load the Hugging Face dataset 'someone/no_such_dataset'"),
     (["--data", "missing.txt"], "data file(s) not found: missing.txt (--data missing.txt)"),
     (["--data", "a.txt,b.csv"], "data file(s) not found: a.txt, b.csv"),
     (["--report_to", "wandb"], "the wandb tracker is not installed (--report_to): pip install wandb"),
     (["--report_to", "tensorbored"], "unknown tracker 'tensorbored'"),
 ])
-def test_bad_data_is_refused(run_dir, args, message):
-    assert_refused(launch(run_dir("out"), "--recipe", "tiny_transformer", *args), message)
+def test_bad_data_is_refused(check_only, run_dir, args, message):
+    """Found while planning: refused in the test process."""
+    assert_refused(check_only(run_dir("out"), "--recipe", "tiny_transformer", *args), message)
+
+
+def test_an_unreachable_dataset_is_refused(run_dir):
+    """Found only when the data is loaded, after the launch: a real run."""
+    assert_refused(launch(run_dir("out"), "--recipe", "tiny_transformer", "--data", "someone/no_such_dataset"),
+                   "could not load the Hugging Face dataset 'someone/no_such_dataset'")
 
 
 def test_fp16_on_cpu_is_refused(run_dir):
@@ -96,20 +104,11 @@ def test_fp16_on_cpu_is_refused(run_dir):
     assert "use --mixed_precision bf16" in run.stderr and not run.output_dir.exists()
 
 
-def test_bf16_ddp_trains_close_to_fp32(run_dir):
-    args = ["--recipe", "mlp", "--max_steps", "30", "--eval_every", "0", "--batch_size", "16"]
-    fp32 = launch(run_dir("fp32"), *args, config="ddp").check()
-    bf16 = launch(run_dir("bf16"), *args, config="ddp", extra_launch=("--mixed_precision", "bf16")).check()
-    assert bf16.resolved["mixed_precision"] == "bf16"
-    assert bf16.losses != fp32.losses  # autocast really ran
-    assert max(abs(a - b) / b for a, b in zip(bf16.losses, fp32.losses)) < 0.05
-
-
-def test_existing_run_is_not_overwritten(run_dir):
+def test_existing_run_is_not_overwritten(check_only, run_dir):
     out = run_dir("out")
     launch(out, "--recipe", "mlp", "--max_steps", "3").check()
     before = (out / "metrics.jsonl").read_text()
-    again = launch(out, "--recipe", "mlp", "--max_steps", "5")
+    again = check_only(out, "--recipe", "mlp", "--max_steps", "5")
     assert_refused(again, "already holds a run (metrics.jsonl, final)")
     assert "--overwrite" in again.stderr and (out / "metrics.jsonl").read_text() == before
     launch(out, "--recipe", "mlp", "--max_steps", "5", "--overwrite").check()
@@ -121,13 +120,15 @@ def test_diverging_loss_stops_before_the_step(run_dir):
     assert_refused(run, "non-finite", code=1)
     assert "the optimizer step was not taken" in run.stderr
     steps = [json.loads(line)["step"] for line in (run.output_dir / "metrics.jsonl").read_text().splitlines()]
-    assert not (run.output_dir / "final").exists() and len(steps) >= 1
+    assert not (run.output_dir / "final").exists() and steps == list(range(1, len(steps) + 1))
+    assert f"non-finite loss at step {len(steps) + 1} " in run.stderr  # the step that diverged was not logged
 
 
 def test_under_fp16_only_a_loss_that_stays_non_finite_stops_the_run():
     """fp16's loss scaler skips a step with a non-finite loss or gradient and the run goes on; 3 non-finite losses in
     a row stop it (the GPU check in test_gpu.py counts the skipped steps; fp16 needs a GPU, this logic does not)."""
-    from train import FiniteCheck, TrainingError
+    from trainkit.errors import TrainingError
+    from trainkit.guards import FiniteCheck
 
     fp32 = FiniteCheck(fp16=False)
     with pytest.raises(TrainingError, match=r"non-finite loss at step 4 \(nan\); the optimizer step was not taken"):
@@ -142,6 +143,7 @@ def test_under_fp16_only_a_loss_that_stays_non_finite_stops_the_run():
         fp16.loss(6, float("nan"))
 
 
+@pytest.mark.slow
 def test_batchnorm_under_ddp_on_cpu_says_why_it_is_not_synced(run_dir):
     run = launch(run_dir("out"), "--recipe", "mlp", "--batchnorm", "--max_steps", "5", config="ddp").check()
     assert "SyncBatchNorm supports only GPU/XPU devices" in run.stderr
@@ -151,7 +153,7 @@ def test_a_launched_rank_exits_with_its_code_after_the_atexit_handlers(tmp_path)
     """end_process skips only interpreter finalization (where gloo's threads can abort a finished rank): the exit
     status and everything registered with atexit (logging, the libraries' own clean-ups) still happen."""
     marker = tmp_path / "atexit-ran"
-    script = ("import atexit, pathlib; from trainkit.strategy import end_process\n"
+    script = ("import atexit, pathlib; from trainkit.process import end_process\n"
               f"atexit.register(pathlib.Path({str(marker)!r}).write_text, 'yes')\n"
               "print('flushed', end=''); end_process(3)")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT,
@@ -159,6 +161,7 @@ def test_a_launched_rank_exits_with_its_code_after_the_atexit_handlers(tmp_path)
     assert (done.returncode, done.stdout, marker.read_text()) == (3, "flushed", "yes")
 
 
+@pytest.mark.slow
 def test_gradient_checkpointing_changes_memory_not_numbers(run_dir):
     """Recomputing activations in backward gives the gradients that keeping them does: the same loss curve."""
     args = ["--recipe", "tiny_transformer", "--max_steps", "6", "--eval_every", "0", "--warmup_steps", "1", *SMALL_LM]

@@ -1,19 +1,21 @@
 """Reproduces the worst CPU trap: a MULTI_GPU launch whose script builds Accelerator() without cpu=True.
 
-Each process then believes it is alone (DistributedType.NO). trainkit's start-up check must refuse it.
+Each process then believes it is alone (DistributedType.NO). The strategy's start-up check must refuse it.
 """
 
 import sys
 
 from accelerate import Accelerator
 
-from trainkit.config import ConfigError
-from trainkit.strategy import Launch, verify_accelerator
+from trainkit.config import TrainConfig
+from trainkit.errors import ConfigError
+from trainkit.launch import Launch
+from trainkit.strategies import for_launch
 
 accelerator = Accelerator()
 try:
-    verify_accelerator(Launch.from_env(), accelerator)
+    for_launch(Launch.from_env(), TrainConfig(), {}).verify(accelerator)
 except ConfigError as e:
-    print("\n".join(f"error: {p}" for p in e.problems), file=sys.stderr)
+    print("\n".join(f"error: {line}" for line in e.lines()), file=sys.stderr)
     sys.exit(2)
 print("not refused")

@@ -1,0 +1,145 @@
+"""What the dry run (and every launch) refuses in a strategy config, checked inside the test process: DeepSpeed JSON
+that disagrees with the run, YAML typos, launches this machine cannot run, and every shipped config accepted."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import ROOT, assert_refused, write_yaml, zero2_json
+from trainkit.launch import shipped_configs
+
+
+@pytest.mark.parametrize("json_changes, message", [
+    ({"train_micro_batch_size_per_gpu": 4},
+     "train_micro_batch_size_per_gpu is 4 in {ds} but 8 in the run (--batch_size)"),
+    ({"gradient_accumulation_steps": 3}, "gradient_accumulation_steps is 3 in {ds} but 1 in the run (recipe default)"),
+    ({"gradient_clipping": 5.0}, "gradient_clipping is 5.0 in {ds} but 1.0 in the run (recipe default)"),
+    ({"bf16": {"enabled": True}}, "bf16.enabled is True in {ds} but mixed_precision is no"),
+    ({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}, "{ds} defines an optimizer, and so does the recipe"),
+])
+def test_deepspeed_json_that_disagrees_with_the_run_is_refused(check_only, tmp_path, json_changes, message):
+    yaml_path = write_yaml(tmp_path, "deepspeed_zero2", zero2_json(**json_changes))
+    run = check_only(tmp_path / "out", "--recipe", "mlp", "--batch_size", "8", "--dry_run",
+                     "--accelerate_config", str(yaml_path))
+    assert_refused(run, message.format(ds=tmp_path / "ds.json"))
+    assert 'set "' in run.stderr or "remove" in run.stderr or "change" in run.stderr
+
+
+def test_every_problem_is_reported_together(check_only, tmp_path):
+    yaml_path = write_yaml(tmp_path, "deepspeed_zero2", zero2_json(train_micro_batch_size_per_gpu=4,
+                                                                    gradient_clipping=5.0))
+    run = check_only(tmp_path / "out", "--recipe", "mlp", "--dry_run", "--accelerate_config", str(yaml_path))
+    assert run.returncode == 2 and run.stderr.count("error: ") == 2
+
+
+def test_explicit_values_that_agree_are_accepted(check_only, tmp_path):
+    yaml_path = write_yaml(tmp_path, "deepspeed_zero2", zero2_json(train_micro_batch_size_per_gpu=8,
+                                                                    gradient_clipping=1.0))
+    run = check_only(tmp_path / "out", "--recipe", "mlp", "--batch_size", "8", "--dry_run",
+                     "--accelerate_config", str(yaml_path))
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout)["zero_stage"] == 2
+
+
+def test_a_gpu_machine_that_cannot_do_it_is_refused_before_start(check_only, tmp_path, monkeypatch):
+    """The dry run on a one-GPU machine whose GPU only emulates bf16 (a V100): both problems, before any GPU hour.
+    The machine is faked here (torch.cuda answers as a V100 box would); test_gpu.py refuses on real hardware."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla V100-SXM2-16GB")
+    yaml_path = write_yaml(tmp_path, "ddp", **{'mixed_precision:__"no"': 'mixed_precision: "bf16"'})
+    run = check_only(tmp_path / "out", "--recipe", "mlp", "--dry_run", "--accelerate_config", str(yaml_path))
+    assert_refused(run, "bf16 needs a GPU with bf16 arithmetic (Ampere or newer); Tesla V100-SXM2-16GB only emulates "
+                        "it, many times slower")
+    assert "use --mixed_precision fp16 on this GPU" in run.stderr
+    assert "2 processes but 1 GPU(s) per machine" in run.stderr
+
+
+def test_refused_launch_configs(check_only, tmp_path):
+    cases = [
+        (write_yaml(tmp_path, "fsdp", **{"fsdp_version: 2": "fsdp_version: 1"}),
+         "fsdp_version 1: this runner shards with FSDP2 only"),
+        (write_yaml(tmp_path, "deepspeed_zero2", json_text=json.dumps({
+            **json.loads(zero2_json()), "zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}})),
+         "offload_param needs ZeRO stage 3, the JSON has stage 2"),
+    ]
+    for yaml_path, message in cases:
+        run = check_only(tmp_path / "out", "--recipe", "mlp", "--dry_run", "--accelerate_config", str(yaml_path))
+        assert_refused(run, message)
+    run = check_only(tmp_path / "out", "--recipe", "mlp", "--dry_run", "--optimizer", "sgd",
+                     "--accelerate_config", str(ROOT / "accelerate_configs" / "deepspeed_zero2_offload.yaml"))
+    assert_refused(run, "optimizer sgd cannot run in DeepSpeed's CPU offload")
+
+
+def test_dry_run_checks_the_yaml_itself(check_only, tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("distributed_type: DEEPSPEED\nnum_processes: 0\nmixed_precison: bf16\ndeepspeed_config:\n"
+                   "  deepspeed_config_file: ds_configs/zero2.json\n  gradient_accumulation_steps: 4\n")
+    run = check_only(tmp_path / "out", "--recipe", "mlp", "--dry_run", "--accelerate_config", str(bad))
+    assert_refused(run, "unknown key 'mixed_precison'")
+    assert "did you mean mixed_precision?" in run.stderr
+    assert "num_processes must be a positive integer, got 0" in run.stderr
+    assert "deepspeed_config sets gradient_accumulation_steps next to a deepspeed_config_file" in run.stderr
+
+
+def test_dry_run_runs_deepspeeds_own_validation(check_only, tmp_path):
+    ds = json.loads(zero2_json())
+    ds["zero_optimization"]["reduce_bucket_sise"] = 100
+    run = check_only(tmp_path / "out", "--recipe", "mlp", "--dry_run",
+                     "--accelerate_config", str(write_yaml(tmp_path, "deepspeed_zero2", json.dumps(ds))))
+    assert_refused(run, "DeepSpeed rejects the JSON")
+    assert "reduce_bucket_sise" in run.stderr
+
+
+def test_every_shipped_config_passes_the_dry_run(check_only, tmp_path):
+    for name in shipped_configs():
+        if name == "deepspeed_hostfile":  # its example hosts do not exist; test_multinode.py dry-runs it over ssh
+            continue
+        path = ROOT / "accelerate_configs" / f"{name}.yaml"
+        run = check_only(tmp_path / "out", "--recipe", "mlp", "--dry_run", "--accelerate_config", str(path))
+        assert run.returncode == 0, (path.name, run.stderr)
+
+
+def test_fsdp_blocks_keep_tied_parameters_in_one_group_and_follow_declared_classes():
+    """FSDP2 refuses a parameter managed by two groups: a block that shares a parameter with a module outside it
+    (tied embeddings) stays in the root's group. Blocks the YAML or the model declares are used as they are."""
+    import dataclasses
+
+    from trainkit.recipes import load_recipe
+    from trainkit.strategies import for_launch
+
+    fsdp = shipped_configs()["fsdp"]
+    lm = load_recipe(str(ROOT / "tests" / "zoo" / "tied_rnn_lm.py"))
+    model = lm.build_model(lm.Config())
+    strategy = for_launch(fsdp, lm.Config(), {})
+    assert model.out.weight is model.embed.weight and strategy.blocks(model) == []  # its only Linear is tied
+    vision = load_recipe(str(ROOT / "tests" / "zoo" / "vision_moe.py"))
+    model = vision.build_model(vision.Config())
+    assert strategy.blocks(model) == [*reversed(model.experts), model.router]  # every Linear, innermost first
+    model._no_split_modules = ["Residual"]  # declared by the recipe's build_model
+    assert strategy.blocks(model) == [model.block]
+    declared = dataclasses.replace(fsdp, settings={**fsdp.settings, "fsdp_transformer_layer_cls_to_wrap": "Linear"})
+    assert for_launch(declared, vision.Config(), {}).blocks(model) == [*reversed(model.experts), model.router]
+
+
+@pytest.mark.parametrize("yaml_text, messages", [
+    ("distributed_type: DEEPSEED\nmixed_precison: bf16\n",
+     ["distributed_type 'DEEPSEED' is not one of Accelerate's", "unknown key 'mixed_precison'"]),
+    ("distributed_type: MULTI_GPU\nnum_processes: two\n", ["num_processes must be a positive integer, got 'two'"]),
+    ("distributed_type: DEEPSPEED\ndeepspeed_config:\n  deepspeed_config_file: ds_configs/zero2.json\n"
+     "  zero3_init_flg: false\n",
+     ["unknown key 'zero3_init_flg' in deepspeed_config (deepspeed_config in {yaml}): did you mean zero3_init_flag?"]),
+])
+def test_every_yaml_problem_is_named_at_once_and_none_crashes_the_check(check_only, tmp_path, yaml_text, messages):
+    path = tmp_path / "mine.yaml"
+    path.write_text(yaml_text)
+    run = check_only(tmp_path / "out", "--recipe", "mlp", "--dry_run", "--accelerate_config", str(path))
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
+    for message in messages:
+        assert f"error: {message.format(yaml=path)}" in run.stderr, run.stderr
+    assert run.stderr.count("error: ") == len(messages)
