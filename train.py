@@ -155,7 +155,7 @@ def loop(plan: Plan, run: Run) -> str | None:
             run.record["tokens_per_s"] = samples_per_s * tokens
         if step == cfg.max_steps or (cfg.eval_every and step % cfg.eval_every == 0):
             batches = eval_batches(run.eval_set, run.layout, cfg.eval_batches)
-            run.record["eval_loss"] = strategy.eval_loss(batches, plan.recipe.compute_loss)
+            run.record.update(strategy.evaluate(batches, plan.recipe.compute_loss, plan.recipe.eval_metrics))
         log.step(run.record)
         if result.stop or step == options.stop_at:
             stopped_by = signal.name or "--stop_at"

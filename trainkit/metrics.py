@@ -127,7 +127,9 @@ class MetricsLog:
         self.bar.update(1)
         self.bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}", refresh=False)
         if "eval_loss" in record:
-            self.bar.write(f"step {record['step']}: eval loss {record['eval_loss']:.4f}")
+            extra = "".join(f", {k.removeprefix('eval_')} {v:.4f}" for k, v in record.items()
+                            if k.startswith("eval_") and k != "eval_loss")
+            self.bar.write(f"step {record['step']}: eval loss {record['eval_loss']:.4f}{extra}")
 
     def close(self) -> None:
         self.bar.close()
@@ -142,6 +144,8 @@ def summary_line(last: dict[str, Any], steps_run: int, seconds: float, extra: di
     parts = [f"done: {steps_run} steps (to step {last['step']}) in {seconds:.1f}s", f"train loss {last['loss']:.4f}"]
     if "eval_loss" in last:
         parts.append(f"eval loss {last['eval_loss']:.4f}")
+        parts += [f"eval {k.removeprefix('eval_')} {v:.4f}" for k, v in last.items()
+                  if k.startswith("eval_") and k != "eval_loss"]
     parts += [f"{name} {value:.4f}" for name, value in extra.items()]
     parts.append(f"{last['tokens_per_s']:.0f} tokens/s" if "tokens_per_s" in last
                  else f"{last['samples_per_s']:.0f} samples/s")

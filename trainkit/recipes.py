@@ -13,6 +13,9 @@ and optionally (the defaults are `Recipe`'s):
 
     tokens_per_sample(cfg)          -> int: tokens in one sample, for tokens/s and MFU (token recipes); default None
     summary(cfg, cache_dir)         -> dict of extra numbers for the final summary line; default none
+    eval_metrics(model, batch)      -> {name: the sum over the batch's samples of a per-sample value}, e.g.
+                                    {"accuracy": (logits.argmax(-1) == labels).sum()}: reported as eval_<name>,
+                                    the mean over every held-out sample of every rank; default none
     export(model, state_dict, cfg, cache_dir, out_dir)
                                     writes final/; default model.safetensors + config.json (the run's config)
 """
@@ -45,6 +48,10 @@ def no_summary(cfg: TrainConfig, cache_dir: Path) -> dict[str, float]:
     return {}
 
 
+def no_metrics(model: torch.nn.Module, batch: Any) -> dict[str, torch.Tensor]:
+    return {}
+
+
 def export_safetensors(model: torch.nn.Module, state_dict: dict[str, torch.Tensor], cfg: TrainConfig,
                        cache_dir: Path, out_dir: Path) -> None:
     """final/model.safetensors and final/config.json (the run's config, to rebuild the model with build_model).
@@ -73,6 +80,7 @@ class Recipe:
     loss: Callable[[torch.nn.Module, Any], torch.Tensor]
     tokens_per_sample: Callable[[Any], int | None] = no_tokens
     summary: Callable[[Any, Path], dict[str, float]] = no_summary
+    eval_metrics: Callable[[torch.nn.Module, Any], dict[str, torch.Tensor]] = no_metrics
     export: Callable[[torch.nn.Module, dict, Any, Path, Path], None] = export_safetensors
 
     # The protocol's functions called with their results checked: a recipe mistake is an error naming the file, the

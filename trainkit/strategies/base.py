@@ -29,6 +29,7 @@ from trainkit.guards import FiniteCheck
 from trainkit.launch import Launch
 
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
+MetricsFn = Callable[[torch.nn.Module, Any], dict[str, torch.Tensor]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,18 +244,31 @@ class Strategy:
 
         return send_to_device(batch, self.accelerator.device)
 
-    def eval_loss(self, batches: Iterator, loss_fn: LossFn) -> float:
-        """The mean loss over this rank's held-out micro-batches, averaged over ranks (equal micro-batches: the mean
-        of the means is the mean)."""
+    def evaluate(self, batches: Iterator, loss_fn: LossFn, metrics_fn: MetricsFn) -> dict[str, float]:
+        """eval_loss and eval_<metric> over every rank's held-out micro-batches, with one collective.
+
+        The loss is the mean of the micro-batch means (equal micro-batches: that is the mean); each recipe metric
+        is a sum over a micro-batch's samples, divided here by the number of samples evaluated on all ranks.
+        """
         model = self.model
         model.eval()
-        total, count = torch.zeros(1, device=self.accelerator.device), 0
+        loss_sum, batch_count, sample_count, sums = 0.0, 0, 0, {}
         with torch.no_grad():
             for batch in batches:
-                total += loss_fn(model, self.cast_batch(batch)).detach().float()
-                count += 1
+                batch = self.cast_batch(batch)
+                loss_sum = loss_sum + loss_fn(model, batch).detach().float()
+                for name, value in metrics_fn(model, batch).items():
+                    sums[name] = sums.get(name, 0.0) + value.detach().float()
+                batch_count += 1
+                sample_count += _samples(batch)
         model.train()
-        return self.accelerator.reduce(total / count, "mean").item()
+        device = self.accelerator.device
+        local = torch.stack([torch.as_tensor(v, dtype=torch.float32, device=device).reshape(()) for v in
+                             (loss_sum / batch_count, sample_count, *sums.values())])
+        totals = self.accelerator.reduce(local, "sum").tolist()
+        loss, samples, *metric_sums = totals
+        return {"eval_loss": loss / self.accelerator.num_processes,
+                **{f"eval_{name}": total / samples for name, total in zip(sums, metric_sums, strict=True)}}
 
     # --- what it holds --------------------------------------------------------------------------------------------
 
@@ -322,6 +336,13 @@ class Strategy:
         weights = {"model": model.state_dict()}
         dcp.load(weights, checkpoint_id=str(folder / cls.state_dir))
         model.load_state_dict(weights["model"], strict=True)
+
+
+def _samples(batch: Any) -> int:
+    """The number of samples in a collated batch: the length of its first tensor."""
+    first = next(iter(batch.values())) if isinstance(batch, dict) else batch[0] if isinstance(batch, list | tuple) \
+        else batch
+    return len(first)
 
 
 def _raw(optimizer):
