@@ -145,6 +145,10 @@ class DeepSpeed(Strategy):
 
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
         fill_bucket_sizes(self.accelerator.state.deepspeed_plugin.deepspeed_config, model)
+        if self.stage == 3 and all(hasattr(p, "ds_id") for p in model.parameters()):
+            # transformers' from_pretrained builds inside zero.Init once Accelerate has selected a ZeRO-3 config
+            self.notes.append(f"ZeRO-3: the model was built partitioned across {self.launch.world_size} process(es) "
+                              f"(zero.Init): no rank held it whole")
         return super().prepare_model(model)
 
     def make_optimizer(self, model: torch.nn.Module,

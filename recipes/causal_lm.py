@@ -1,0 +1,176 @@
+"""Fine-tune a pretrained causal language model (any AutoModelForCausalLM) from a local folder or a Hub id.
+
+Trains: the model and tokenizer that --model_name_or_path names, on --data: CPython's pydoc topics by default,
+local .txt/.jsonl/.csv files (comma-separated; --text_field names the column), or a Hugging Face dataset name.
+Each document is cut into samples of seq_len tokens, the last piece padded with the tokenizer's pad token (its end
+of text when it has none); the loss is each sample's mean over its real tokens (padding masked out), averaged over
+the samples, so that every split of a global batch gives the same loss. Reports eval_token_accuracy.
+Output: final/ loads with AutoModelForCausalLM / AutoTokenizer.from_pretrained exactly as the input did (the
+weights as safetensors; the tokenizer with its special tokens and chat template).
+
+Safe by default: weights are read only from safetensors files (--allow_pickle true accepts pytorch_model.bin), and
+code shipped with a Hub model runs only with --trust_remote_code true.
+
+    python train.py --recipe causal_lm --model_name_or_path runs/tiny_transformer/final
+    accelerate launch --config_file accelerate_configs/deepspeed_zero3.yaml --mixed_precision bf16 train.py \\
+        --recipe causal_lm --model_name_or_path Qwen/Qwen2.5-0.5B --seq_len 512 --batch_size 4
+
+A Hub id downloads once into the Hugging Face cache (HF_HOME), which needs the network; a gated model also needs
+`huggingface-cli login`. Under ZeRO-3 the weights are partitioned as they load (transformers builds the model
+inside DeepSpeed's zero.Init: no rank holds it whole); under FSDP2 each rank loads the weights into host memory,
+then each block is sharded. --trainable lists the parameters to train (name prefixes; the rest is frozen), for
+example `--trainable lm_head,model.layers.3` or `--trainable model.layers.` to freeze the embeddings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from trainkit import text
+from trainkit.config import TrainConfig
+from trainkit.errors import ConfigError, Problem
+
+
+@dataclass(kw_only=True, slots=True)
+class Config(TrainConfig):
+    # Model
+    model_name_or_path: str = ""  # a local folder (from_pretrained's layout) or a Hub id
+    trust_remote_code: bool = False  # run code shipped with the model (a Hub model's own modelling files)
+    allow_pickle: bool = False  # accept pytorch_model.bin weights (unpickled) when there are no safetensors
+    trainable: str = ""  # comma-separated parameter-name prefixes to train, the rest frozen; empty: all
+    gradient_checkpointing: bool = False
+    # Data
+    data: str = "pydoc"
+    data_config: str = ""
+    text_field: str = "text"
+    seq_len: int = 128
+    eval_fraction: float = 0.05
+    # Training (overrides of TrainConfig's defaults: fine-tuning takes small steps)
+    batch_size: int = 8
+    lr: float = 1e-4
+    warmup_steps: int = 10
+    max_steps: int = 100
+    eval_every: int = 50
+    eval_batches: int = 2
+
+    may_change_on_resume = TrainConfig.may_change_on_resume | {"gradient_checkpointing"}
+
+    def check(self) -> list[Problem]:
+        problems = []
+        if not self.model_name_or_path:
+            problems.append(Problem("no model to fine-tune", "config field model_name_or_path",
+                                    "pass --model_name_or_path with a folder from_pretrained reads (such as "
+                                    "runs/tiny_transformer/final) or a Hub id"))
+        if self.seq_len < 2:
+            problems.append(Problem(f"seq_len must be >= 2, got {self.seq_len}", "config field seq_len",
+                                    "use --seq_len 128"))
+        if not 0 < self.eval_fraction < 1:
+            problems.append(Problem(f"eval_fraction must be in (0, 1), got {self.eval_fraction}",
+                                    "config field eval_fraction", "use --eval_fraction 0.05"))
+        folder = Path(self.model_name_or_path)
+        if self.model_name_or_path and folder.is_dir() and not self.allow_pickle and \
+                any(folder.glob("*.bin")) and not any(folder.glob("*.safetensors")):
+            problems.append(Problem(f"{folder} has no .safetensors weights, only pickled ones (.bin)",
+                                    "config field model_name_or_path",
+                                    "pass --allow_pickle true to read pytorch_model.bin if you trust the file, or "
+                                    "convert it to safetensors"))
+        return problems + text.check_data(self.data)
+
+
+def _load(what: str, cfg: Config, load):
+    """from_pretrained with the recipe's safety settings; a failure is a config problem naming the model."""
+    where = f"--model_name_or_path {cfg.model_name_or_path}"
+    try:
+        return load(cfg.model_name_or_path, trust_remote_code=cfg.trust_remote_code)
+    except (OSError, ValueError) as e:
+        said = " ".join(str(e).split())
+        fix = ("pass --trust_remote_code true if you trust the code that comes with it" if "trust_remote_code" in said
+               else "pass --allow_pickle true to read pytorch_model.bin (it unpickles the file)"
+               if "safetensors" in said.lower() else "check the folder or the Hub id (a Hub id needs the network)")
+        said = said if len(said) < 400 else said[:400] + " ..."
+        raise ConfigError([Problem(f"cannot load the {what}: {type(e).__name__}: {said}", where, fix)]) from None
+
+
+def build_model(cfg: Config) -> nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = _load("model's config", cfg, AutoConfig.from_pretrained)
+    if torch.get_default_device().type == "meta":  # --estimate and --dry_run: the shapes, no weights
+        return AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.trust_remote_code)
+    model = _load("model", cfg, lambda path, **kw: AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, use_safetensors=None if cfg.allow_pickle else True, **kw))
+    prefixes = [p.strip() for p in cfg.trainable.split(",") if p.strip()]
+    if prefixes:
+        chosen = {name for name, _ in model.named_parameters() if name.startswith(tuple(prefixes))}
+        if not chosen:
+            raise ConfigError([Problem(f"no parameter name starts with {', '.join(prefixes)}", "--trainable",
+                                       f"names look like {next(iter(dict(model.named_parameters())))}")])
+        for name, param in model.named_parameters():
+            param.requires_grad_(name in chosen)
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def tokenizer_of(cfg: Config):
+    from transformers import AutoTokenizer
+
+    return _load("tokenizer", cfg, AutoTokenizer.from_pretrained)
+
+
+def build_datasets(cfg: Config, cache_dir: Path):
+    docs = text.load_documents(cfg.data, cfg.data_config, cfg.text_field, cache_dir)
+    tokenizer = tokenizer_of(cfg)
+    # Many causal LMs have no pad token; which token fills the padding does not matter, it is masked out of the loss.
+    end, length = tokenizer.eos_token_id, cfg.seq_len
+    pad = end if tokenizer.pad_token_id is None else tokenizer.pad_token_id
+
+    def cut(batch):
+        ids_out, mask_out = [], []
+        for ids in tokenizer(batch["text"], add_special_tokens=False)["input_ids"]:
+            ids = ids + [end]
+            for start in range(0, len(ids) - 1, length):  # a piece needs two real tokens: one to predict
+                piece = ids[start:start + length]
+                ids_out.append(piece + [pad] * (length - len(piece)))
+                mask_out.append([1] * len(piece) + [0] * (length - len(piece)))
+        return {"input_ids": ids_out, "attention_mask": mask_out}
+
+    samples = docs.map(cut, batched=True, remove_columns=docs.column_names)
+    held_out = max(1, int(len(samples) * cfg.eval_fraction))
+    split = len(samples) - held_out
+    return (samples.select(range(split)).with_format("torch"),
+            samples.select(range(split, len(samples))).with_format("torch"))
+
+
+def _per_sample(model: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sample's mean next-token loss over its real tokens, and its share of correctly predicted tokens."""
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
+    targets = ids[:, 1:]
+    real = mask[:, 1:].bool()
+    token_loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                                             reduction="none").view_as(targets)
+    count = real.sum(dim=1).clamp(min=1)
+    correct = (logits.argmax(dim=-1) == targets) & real
+    return (token_loss * real).sum(dim=1) / count, correct.sum(dim=1) / count
+
+
+def loss(model: nn.Module, batch: dict) -> torch.Tensor:
+    return _per_sample(model, batch)[0].mean()
+
+
+def eval_metrics(model: nn.Module, batch: dict) -> dict[str, torch.Tensor]:
+    return {"token_accuracy": _per_sample(model, batch)[1].sum()}
+
+
+def tokens_per_sample(cfg: Config) -> int:
+    return cfg.seq_len
+
+
+def export(model, state_dict: dict, cfg: Config, cache_dir: Path, out_dir: Path) -> None:
+    model.save_pretrained(str(out_dir), state_dict=state_dict)
+    tokenizer_of(cfg).save_pretrained(str(out_dir))
