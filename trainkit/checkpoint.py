@@ -25,7 +25,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.distributed.checkpoint.api import CheckpointException
 
 from trainkit.config import TrainConfig, config_dict
 from trainkit.errors import ConfigError, Problem, TrainingError, said, write_failure
@@ -113,7 +112,7 @@ class Checkpointer:
                 shutil.rmtree(final, ignore_errors=True)  # a re-run of this very step (after a resume)
                 os.replace(tmp, final)
                 _write_atomically(self.root / "latest", final.name + "\n")
-        except (OSError, RuntimeError, CheckpointException) as e:  # DCP wraps its ranks' failures in a BaseException
+        except (OSError, RuntimeError, _dcp_error()) as e:  # DCP wraps its ranks' failures in a BaseException
             if isinstance(e, RuntimeError) and lost_contact(e):
                 raise
             shutil.rmtree(tmp, ignore_errors=True)
@@ -158,7 +157,7 @@ class Checkpointer:
         if strategy.resumes_exactly(found.state):
             try:
                 strategy.load_state(found.path)
-            except (Exception, CheckpointException) as e:  # damage the sizes cannot show: the library's words
+            except (Exception, _dcp_error()) as e:  # damage the sizes cannot show: the library's words
                 if isinstance(e, RuntimeError) and lost_contact(e):
                     raise
                 older = [p for p in _checkpoints(found.path.parent)
@@ -172,6 +171,14 @@ class Checkpointer:
         rng_file = found.path / "rng" / f"rank_{acc.process_index}.pt"
         if rng_file.exists():  # a rank the saved run did not have keeps its fresh seed
             _set_rng_state(torch.load(rng_file, weights_only=True))
+
+
+def _dcp_error() -> type[BaseException]:
+    """torch.distributed.checkpoint's exception (a BaseException), imported only when an error is being matched:
+    the package takes 0.6 s to import, in every process of every run."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return CheckpointException
 
 
 def _checkpoints(root: Path) -> list[Path]:

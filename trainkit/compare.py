@@ -85,7 +85,8 @@ def max_rel_diff(curve: list[float], reference: list[float]) -> float:
     return max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(curve, reference, strict=True))
 
 
-def plot(curves: list[Run], path: Path, title: str) -> None:
+def plot(curves: list[Run], path: Path, title: str):
+    """The curves, one line each (the reference first and thicker), saved to `path`; returns the figure."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -102,6 +103,7 @@ def plot(curves: list[Run], path: Path, title: str) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    return fig
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -142,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             curves.append(curve)
             print(f"{config:<28} {max_rel_diff(curve.losses, reference.losses):.2e}")
-    plot(curves, args.png, f"{args.recipe}: loss per step by strategy")
+        # Inside the block: the curves are read from the runs' metrics.jsonl, which go with the temporary folder.
+        plot(curves, args.png, f"{args.recipe}: loss per step by strategy")
     print(f"loss curves: {args.png}")
     return 1 if failed else 0
 
