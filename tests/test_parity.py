@@ -18,8 +18,7 @@ def mlp_reference(tmp_path_factory):
 
 
 @pytest.mark.parametrize("config, batch_size, grad_accum", [
-    ("ddp", 16, 1),  # 2 processes x 16 (every other strategy: test_strategies.py)
-    (None, 8, 4),  # 1 process, 4 micro-batches of 8
+    (None, 8, 4),  # 1 process, 4 micro-batches of 8 (2 processes, no accumulation: every config, test_strategies.py)
     ("ddp", 4, 4),  # 2 processes x 4 micro-batches of 4
 ])
 def test_mlp_matches_one_process(mlp_reference, run_dir, config, batch_size, grad_accum):

@@ -167,6 +167,24 @@ def test_bf16_trains_within_tolerance(mlp_reference, run_dir, config):
     assert max_rel_diff(run.losses, mlp_reference.losses) <= 5e-2
 
 
+IMAGE = ["--recipe", "image_classifier", "--max_steps", "12", "--eval_every", "0", "--warmup_steps", "2"]
+
+
+@pytest.fixture(scope="module")
+def image_reference(tmp_path_factory):
+    return launch(tmp_path_factory.mktemp("image") / "ref", *IMAGE, "--batch_size", "32").check()
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_image_classifier_matches_one_process_and_its_accuracy(image_reference, run_dir, config):
+    """The third shipped recipe under every config: the curve, and eval_accuracy summed over the ranks' held-out
+    samples (a tie that rounding breaks the other way may move it by one sample of the 128)."""
+    run = launch(run_dir(config), *IMAGE, "--batch_size", "16", config=config).check()
+    assert max_rel_diff(run.losses, image_reference.losses) <= PARITY_BOUND
+    assert run.metrics[-1]["eval_accuracy"] == pytest.approx(image_reference.metrics[-1]["eval_accuracy"],
+                                                             abs=1.01 / 128)
+
+
 def assert_estimate_within_10_percent(run) -> None:
     """trainkit.estimate's prediction (resolved_config.json) against what rank 0 really held (metrics.jsonl)."""
     estimated, measured = run.resolved["estimated_state_bytes"], run.metrics[-1]["state_bytes"]
@@ -215,10 +233,22 @@ def test_fp16_on_cpu_is_refused_for_every_strategy(run_dir, config):
     assert run.stderr.count("error: fp16 needs a GPU") == 1  # once, not once per rank
 
 
-def test_compare_tool_reports_and_plots(tmp_path, capsys, test_env):
+def test_compare_tool_reports_and_plots(tmp_path, capsys, test_env, monkeypatch):
+    import trainkit.compare
+
     png = tmp_path / "curves.png"
     mine = write_yaml(tmp_path, "fsdp")  # a user's own YAML, by path
+    plotted, plot = [], trainkit.compare.plot
+
+    def plot_and_look(curves, path, title):  # what the figure holds, while the runs' files are still there
+        figure = plot(curves, path, title)
+        plotted.extend((list(line.get_ydata()), curve.losses) for line, curve in zip(figure.axes[0].lines, curves,
+                                                                                     strict=True))
+        return figure
+
+    monkeypatch.setattr(trainkit.compare, "plot", plot_and_look)
     assert compare_main(["--recipe", "mlp", "--configs", f"ddp,{mine}", "--max_steps", "5", "--png", str(png)]) == 0
+    assert len(plotted) == 3 and all(len(ys) == 5 and ys == losses for ys, losses in plotted)  # not a blank plot
     out = capsys.readouterr().out
     rows = {line.split()[0]: line.split()[1] for line in out.splitlines() if line.startswith(("ddp", str(mine)))}
     assert set(rows) == {"ddp", str(mine)} and all(float(v) <= 1e-5 for v in rows.values())

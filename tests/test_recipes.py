@@ -1,0 +1,182 @@
+"""Recipes people start from: the catalog (list, copy), recipes/README.md's walk-through run from the file itself,
+the image classifier and its accuracy, and fine-tuning a pretrained causal LM under DDP, ZeRO-3 and FSDP."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_model
+
+from conftest import PARITY_BOUND, ROOT, assert_refused, launch, max_rel_diff
+from trainkit.catalog import main as catalog
+from trainkit.launch import shipped_configs
+from trainkit.recipes import load_recipe, shipped_recipes
+
+
+def test_catalog_lists_every_recipe_and_config_with_its_description(capsys):
+    assert catalog(["ls"]) == 0
+    out = capsys.readouterr().out
+    for name in [*shipped_recipes(), *shipped_configs()]:
+        line = next(line for line in out.splitlines() if line.strip().startswith(f"{name} "))
+        assert len(line.split(maxsplit=1)[1]) > 20, line  # a description, not just the name
+    assert "image_classifier" in out and "A small convolutional image classifier" in out
+
+
+def test_catalog_copies_never_over_a_file_and_prints_a_command_that_works(capsys, check_only, tmp_path):
+    mine = tmp_path / "my_images.py"
+    assert catalog(["cp", "image_classifier", str(mine)]) == 0
+    assert mine.read_text() == (ROOT / "recipes" / "image_classifier.py").read_text()
+    command = capsys.readouterr().out.split("run it: ")[1].split("    #")[0].split()
+    assert command[:2] == ["python", "train.py"]
+    assert check_only(tmp_path / "out", *command[2:]).returncode == 0  # the printed dry run passes as printed
+    mine.write_text("# my edits\n")
+    assert catalog(["cp", "image_classifier", str(mine)]) == 2
+    assert "refusing to overwrite it" in capsys.readouterr().err and mine.read_text() == "# my edits\n"
+    assert catalog(["cp", "deepspeed_zero3", str(tmp_path / "z3")]) == 0
+    assert (tmp_path / "z3.yaml").read_text() == (ROOT / "accelerate_configs" / "deepspeed_zero3.yaml").read_text()
+    assert f"accelerate launch --config_file {tmp_path / 'z3.yaml'} train.py" in capsys.readouterr().out
+    assert catalog(["cp", "image_clasifier", str(tmp_path / "x.py")]) == 2
+    assert "did you mean image_classifier?" in capsys.readouterr().err
+
+
+def walkthrough(tmp_path: Path) -> Path:
+    """The walk-through's recipe, taken from recipes/README.md as a user would copy it."""
+    readme = (ROOT / "recipes" / "README.md").read_text()
+    code = re.search(r"## Walk-through.*?```python\n(.*?)```", readme, re.S).group(1)
+    path = tmp_path / "my_model.py"
+    path.write_text(code)
+    return path
+
+
+def test_walkthrough_recipe_passes_the_dry_run_and_the_estimate(check_only, tmp_path):
+    path = walkthrough(tmp_path)
+    run = check_only(tmp_path / "out", "--recipe", str(path), "--dry_run")
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout)["width"] == 32
+    zero3 = check_only(tmp_path / "out", "--recipe", str(path), "--estimate", "--accelerate_config",
+                       str(ROOT / "accelerate_configs" / "deepspeed_zero3.yaml"))
+    assert zero3.returncode == 0 and "this launch (deepspeed_zero3, 2 process(es))" in zero3.stdout
+
+
+@pytest.mark.slow
+def test_walkthrough_recipe_trains_under_zero3_like_one_process(tmp_path):
+    """Steps 2 and 4 of the walk-through, as written there: one process at 32, ZeRO-3 at 2 x 16."""
+    path = walkthrough(tmp_path)
+    one = launch(tmp_path / "one", "--recipe", str(path)).check()
+    zero3 = launch(tmp_path / "zero3", "--recipe", str(path), "--batch_size", "16",
+                   config="deepspeed_zero3").check()
+    assert one.losses[-1] < 0.5 * one.losses[0]  # it learns
+    assert max_rel_diff(zero3.losses, one.losses) <= PARITY_BOUND
+    model_recipe = load_recipe(str(path))
+    model = model_recipe.build_model(model_recipe.Config(**json.loads((zero3.output_dir / "final" /
+                                                                       "config.json").read_text())))
+    load_model(model, str(zero3.output_dir / "final" / "model.safetensors"))  # step 5
+
+
+def test_image_classifier_learns_and_reports_the_accuracy_its_export_has(run_dir):
+    """The third kind of model, written through the documented interface only: 200 steps give well over 90 % on
+    held-out pictures, and the exported weights classify exactly as the run reported."""
+    run = launch(run_dir("out"), "--recipe", "image_classifier").check()
+    last = run.metrics[-1]
+    assert last["eval_accuracy"] > 0.9 and "eval accuracy" in run.stdout
+    recipe = load_recipe("image_classifier")
+    cfg = recipe.Config()
+    model = recipe.build_model(cfg)
+    load_model(model, str(run.output_dir / "final" / "model.safetensors"))
+    _, held_out = recipe.build_datasets(cfg, None)
+    images, labels = held_out[: run.resolved["eval_batches"] * run.resolved["global_batch_size"]]
+    with torch.no_grad():
+        accuracy = (model(images).argmax(dim=-1) == labels).float().mean().item()
+    assert accuracy == pytest.approx(last["eval_accuracy"], abs=1e-6)
+
+
+# --- fine-tuning a pretrained causal LM ---------------------------------------------------------------------------
+
+TINY = ["--hidden", "64", "--layers", "2", "--seq_len", "64"]
+CHAT_TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):
+    """The project's own tiny transformer, trained and exported, with a chat template added: the model that gets
+    fine-tuned, as a user's downloaded one would be."""
+    out = tmp_path_factory.mktemp("pretrained") / "run"
+    run = launch(out, "--recipe", "tiny_transformer", "--max_steps", "100", "--eval_every", "0", "--batch_size", "16",
+                 "--warmup_steps", "5", *TINY).check()
+    config = json.loads((out / "final" / "tokenizer_config.json").read_text())
+    (out / "final" / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
+    return out / "final", run.metrics[-1]["eval_loss"]
+
+
+def fine_tune(pretrained_folder: Path, output_dir: Path, *args: str, config: str | None = None):
+    return launch(output_dir, "--recipe", "causal_lm", "--model_name_or_path", str(pretrained_folder), "--seq_len",
+                  "64", "--max_steps", "6", "--eval_every", "0", *args, config=config).check()
+
+
+@pytest.fixture(scope="module")
+def fine_tune_reference(pretrained, tmp_path_factory):
+    return fine_tune(pretrained[0], tmp_path_factory.mktemp("ft") / "ref", "--batch_size", "8")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", ["ddp", "deepspeed_zero3", "fsdp"])
+def test_fine_tuning_starts_where_the_model_ended_and_matches_one_process(pretrained, fine_tune_reference, run_dir,
+                                                                         config):
+    folder, pretrained_eval = pretrained
+    run = fine_tune(folder, run_dir(config), "--batch_size", "4", config=config)
+    # A fresh model starts near ln(1024) = 6.93; the pretrained one where its own training ended.
+    assert abs(run.losses[0] - pretrained_eval) < 0.5 and run.losses[0] < 6.93 - 1.0, (run.losses[0], pretrained_eval)
+    assert max_rel_diff(run.losses, fine_tune_reference.losses) <= PARITY_BOUND
+    if config == "deepspeed_zero3":
+        assert "the model was built partitioned across 2 process(es) (zero.Init): no rank held it whole" in run.stderr
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(run.output_dir / "final")
+    tokenizer, original = AutoTokenizer.from_pretrained(run.output_dir / "final"), AutoTokenizer.from_pretrained(folder)
+    assert tokenizer.special_tokens_map == original.special_tokens_map and tokenizer.chat_template == CHAT_TEMPLATE
+    assert tokenizer.get_vocab() == original.get_vocab()
+    ids = tokenizer("The for statement", return_tensors="pt").input_ids
+    assert model.generate(ids, max_new_tokens=5, min_new_tokens=5, do_sample=False).shape[1] == ids.shape[1] + 5
+    weights = AutoModelForCausalLM.from_pretrained(folder).state_dict()
+    assert any(not torch.equal(v, model.state_dict()[k]) for k, v in weights.items())  # it did train
+
+
+@pytest.mark.slow
+def test_freezing_all_but_some_modules_holds_less(pretrained, fine_tune_reference, run_dir):
+    """--trainable: the frozen parameters get no gradient and no AdamW state (measured in state_bytes)."""
+    run = fine_tune(pretrained[0], run_dir("frozen"), "--batch_size", "8", "--trainable", "model.layers.1.")
+    assert run.metrics[-1]["state_bytes"] < 0.6 * fine_tune_reference.metrics[-1]["state_bytes"]
+    assert run.losses[1:] != fine_tune_reference.losses[1:] and run.losses[-1] < run.losses[0] + 0.5
+
+
+def test_fine_tuning_is_safe_by_default(check_only, tmp_path):
+    """Pickled weights and code shipped with a model are used only when a flag says so; before anything is built."""
+    from transformers import LlamaConfig
+
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    (pickled / "config.json").write_text(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+                                                     num_hidden_layers=1, num_attention_heads=2).to_json_string())
+    torch.save({}, pickled / "pytorch_model.bin")
+    assert_refused(check_only(tmp_path / "out", "--recipe", "causal_lm", "--model_name_or_path", str(pickled),
+                              "--dry_run"), f"{pickled} has no .safetensors weights, only pickled ones")
+    remote = tmp_path / "remote"
+    remote.mkdir()
+    marker = tmp_path / "remote_code_ran"
+    (remote / "config.json").write_text(json.dumps({"model_type": "my_custom_lm", "auto_map": {
+        "AutoConfig": "configuration_mine.MyConfig", "AutoModelForCausalLM": "modeling_mine.MyModel"}}))
+    (remote / "model.safetensors").write_bytes(b"")
+    (remote / "configuration_mine.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+    run = check_only(tmp_path / "out", "--recipe", "causal_lm", "--model_name_or_path", str(remote), "--dry_run")
+    assert_refused(run, "contains custom code")
+    assert "pass --trust_remote_code true if you trust the code that comes with it" in run.stderr
+    assert not marker.exists()
+
+
+def test_fine_tuning_needs_a_model(check_only, tmp_path):
+    assert_refused(check_only(tmp_path / "out", "--recipe", "causal_lm", "--dry_run"),
+                   "no model to fine-tune (config field model_name_or_path): pass --model_name_or_path")
