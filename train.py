@@ -105,11 +105,11 @@ def build(plan: Plan) -> Run:
                                                if isinstance(v, (int, float, str))})
     with accelerator.local_main_process_first():  # one process per machine builds the data caches
         train_set, eval_set = recipe.make_datasets(cfg, options.cache_dir)
-    layout = BatchLayout(cfg.batch_size, cfg.grad_accum, accelerator.process_index, accelerator.num_processes)
+    layout = BatchLayout(cfg.batch_size, cfg.grad_accum, strategy.data_parallel_rank, strategy.data_parallel_size)
     for name, dataset in (("training", train_set), ("held-out", eval_set)):
         if len(dataset) < layout.global_batch:
             raise ConfigError([Problem(f"the {name} split has {len(dataset)} samples, fewer than one global batch "
-                                       f"({layout.global_batch})", "batch_size x grad_accum x world_size",
+                                       f"({layout.global_batch})", "batch_size x grad_accum x data-parallel size",
                                        "use a smaller --batch_size or --grad_accum, or more data")])
     set_seed(cfg.seed)  # the same initial weights on every rank and in a one-process run
     model = recipe.make_model(cfg)
@@ -150,7 +150,7 @@ def loop(plan: Plan, run: Run) -> str | None:
                       "samples_per_s": samples_per_s,
                       "mfu": samples_per_s * flops_per_sample / (peak * run.layout.world_size) if peak else None,
                       "state_bytes": held, "peak_mem_bytes": peak_memory_bytes(device),
-                      "skipped_steps": run.skipped_steps}
+                      "skipped_steps": run.skipped_steps, **result.extra}
         if tokens:
             run.record["tokens_per_s"] = samples_per_s * tokens
         if step == cfg.max_steps or (cfg.eval_every and step % cfg.eval_every == 0):
@@ -182,6 +182,8 @@ def finish(plan: Plan, run: Run, stopped_by: str | None) -> int:
     if accelerator.is_main_process:
         extra = plan.recipe.summary(plan.cfg, plan.options.cache_dir)
         print(summary_line(run.record, run.steps_trained, run.seconds, extra, final))
+        if report := run.strategy.report():
+            print(report)
     return 0
 
 

@@ -274,13 +274,13 @@ def resume_problems(found: Found, cfg: TrainConfig, resolved: dict[str, Any],
     unless a flag set them; a flag that sets one to another value is refused (it would not continue the run)."""
     saved = found.state["resolved_config"]
     problems = []
-    for key in ("recipe", "global_batch_size"):
+    fixes = {"recipe": f"resume with --recipe {saved['recipe']}, or start a new run",
+             "global_batch_size": "keep batch_size x grad_accum x data-parallel size as it was (the data order "
+                                  "depends on it): pass --batch_size or --grad_accum to match"}
+    for key, fix in fixes.items():
         if saved[key] != resolved[key]:
             problems.append(Problem(f"{key} is {resolved[key]} but the checkpoint was trained with {saved[key]}",
-                                    f"--resume {found.path}",
-                                    "keep batch_size x grad_accum x world_size as it was (the data order depends on "
-                                    "it): pass --batch_size or --grad_accum to match" if key == "global_batch_size"
-                                    else f"resume with --recipe {saved[key]}, or start a new run"))
+                                    f"--resume {found.path}", fix))
     for name, _, where in overrides:
         if name in config_dict(cfg) and name not in cfg.may_change_on_resume and name in saved \
                 and getattr(cfg, name) != saved[name]:

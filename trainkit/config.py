@@ -44,12 +44,21 @@ class TrainConfig:
     # DDP: parameters may take no part in a step (a mixture of experts, a branch taken only sometimes). DDP then
     # has to search the graph for them every step, a cost; without it such a model stops with an error naming this.
     find_unused_parameters: bool = False
+    # Pipeline parallelism (trainkit/strategies/pipeline.py): the model's layers cut into this many stages, one per
+    # process (the processes of a launch: stages x data-parallel replicas); 1 = off. Each step's grad_accum
+    # micro-batches flow through the stages; the recipe says where the model can be cut (recipes/README.md).
+    pipeline_stages: int = 1
+    pipeline_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved (two stages per process, a smaller bubble)
+    # Where stages start, as layer indices ("2" or "1,3"); empty: cut where the stages' parameter counts balance.
+    pipeline_split: str = ""
 
     # What a resumed run may set anew (--resume restores every other field from the checkpoint and refuses a flag that
-    # differs): the schedule's length, evaluation, how the global batch is split (its size is checked on its own),
-    # DDP's search for unused parameters. A recipe adds its own, e.g. gradient checkpointing (memory, not math).
+    # differs): the schedule's length, evaluation, how the global batch is split (its size is checked on its own) and
+    # how the model is (pipeline stages), DDP's search for unused parameters. A recipe adds its own, e.g. gradient
+    # checkpointing (memory, not math).
     may_change_on_resume: ClassVar[frozenset[str]] = frozenset({
-        "max_steps", "eval_every", "eval_batches", "batch_size", "grad_accum", "find_unused_parameters"})
+        "max_steps", "eval_every", "eval_batches", "batch_size", "grad_accum", "find_unused_parameters",
+        "pipeline_stages", "pipeline_schedule", "pipeline_split"})
 
     def __post_init__(self) -> None:
         problems = [Problem(f"{name} must be {rule}, got {getattr(self, name)!r}", f"config field {name}", fix)
@@ -71,6 +80,11 @@ class TrainConfig:
             ("max_grad_norm", self.max_grad_norm >= 0, ">= 0 (0 = no clipping)", "use --set max_grad_norm=1.0"),
             ("eval_every", self.eval_every >= 0, ">= 0", "use --set eval_every=0 to evaluate only at the end"),
             ("eval_batches", self.eval_batches >= 1, ">= 1", "use --set eval_batches=1 or more"),
+            ("pipeline_stages", self.pipeline_stages >= 1, ">= 1 (1 = no pipeline)", "pass --pipeline_stages 2"),
+            ("pipeline_schedule", self.pipeline_schedule in ("gpipe", "1f1b", "interleaved"),
+             "gpipe, 1f1b or interleaved", "pass --pipeline_schedule 1f1b"),
+            ("pipeline_split", re.fullmatch(r"(\d+(,\d+)*)?", self.pipeline_split.replace(" ", "")) is not None,
+             "comma-separated layer indices", "pass --pipeline_split 2 (stage 2 starts at layer 2), or leave it out"),
         ]
 
     def check(self) -> list[Problem]:

@@ -38,6 +38,9 @@ class ModelShape:
     numels: tuple[int, ...]
     hidden: int
     layers: int
+    names: tuple[str, ...] = ()  # the parameters' names, in the order of numels (what a model split assigns)
+    # The tensor-parallel plan the model declares (model._tp_plan: module name pattern -> style), as pairs
+    tp_plan: tuple[tuple[str, str], ...] = ()
 
     @property
     def num_params(self) -> int:
@@ -51,14 +54,20 @@ def hidden_size(model: torch.nn.Module) -> int:
         int(math.sqrt(max(p.numel() for p in model.parameters())))
 
 
-def model_shape(recipe: Recipe, cfg: TrainConfig) -> ModelShape:
-    """Parameter sizes of the recipe's model, built on the meta device: no memory, no initialisation."""
+def meta_model(recipe: Recipe, cfg: TrainConfig) -> torch.nn.Module:
+    """The recipe's model built on the meta device: its structure and sizes, no memory, no initialisation."""
     with torch.device("meta"):
-        model = recipe.make_model(cfg)
-    numels = tuple(p.numel() for p in model.parameters())
+        return recipe.make_model(cfg)
+
+
+def model_shape(recipe: Recipe, cfg: TrainConfig, model: torch.nn.Module | None = None) -> ModelShape:
+    """Parameter sizes of the recipe's model (`model`: its meta-device build, if already made)."""
+    model = model if model is not None else meta_model(recipe, cfg)
+    names, params = zip(*model.named_parameters(), strict=True)
     layers = getattr(getattr(model, "config", None), "num_hidden_layers", None) or \
         sum(isinstance(m, torch.nn.Linear) for m in model.modules())
-    return ModelShape(numels, hidden_size(model), layers)
+    return ModelShape(tuple(p.numel() for p in params), hidden_size(model), layers, tuple(names),
+                      tuple((getattr(model, "_tp_plan", None) or {}).items()))
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,7 +17,7 @@ from trainkit.checkpoint import Found, check_output_dir, find_checkpoint, resume
 from trainkit.config import RunOptions, TrainConfig, build_config, config_dict, field_sources, run_flags
 from trainkit.data import global_batch_size
 from trainkit.errors import ConfigError, Problem
-from trainkit.estimate import Estimate, ModelShape, model_shape, report, run_activations
+from trainkit.estimate import Estimate, ModelShape, meta_model, model_shape, report, run_activations
 from trainkit.hosts import check_hosts, environment_note
 from trainkit.launch import Launch, check_machine, check_yaml
 from trainkit.metrics import check_trackers
@@ -56,7 +56,7 @@ def make_plan(options: RunOptions, overrides: list[tuple[str, str, str]]) -> Pla
             raise ConfigError(problems) from None  # an unknown distributed_type: check_yaml named it
     else:
         launch = Launch.from_env()
-    strategy = for_launch(launch, cfg, sources)
+    strategy = for_launch(launch, cfg, sources, recipe)
     problems += check_machine(launch) + strategy.check()
     if options.dry_run:  # a hostfile launch: every host answers over ssh, the slots add up, no secret travels
         problems += check_hosts(launch)
@@ -67,7 +67,10 @@ def make_plan(options: RunOptions, overrides: list[tuple[str, str, str]]) -> Pla
         problems += check_output_dir(options.output_dir, options.resume, options.overwrite)
     if problems:
         raise ConfigError(problems)
-    shape = model_shape(recipe, cfg)
+    model = meta_model(recipe, cfg)
+    if problems := strategy.check_model(model):  # a split the model does not declare, for example
+        raise ConfigError(problems)
+    shape = model_shape(recipe, cfg, model)
     activations = run_activations(shape, cfg, launch.mixed_precision)
     estimate = strategy.estimate(shape, options.num_processes or launch.world_size, activations)
     resolved = resolved_config(recipe, cfg, sources, launch, strategy, estimate)
@@ -82,7 +85,8 @@ def resolved_config(recipe: Recipe, cfg: TrainConfig, sources: dict[str, str], l
     resolved: dict[str, Any] = {
         "recipe": str(recipe.path), **strategy.resolved_fields(), "world_size": launch.world_size,
         "num_machines": launch.num_machines, "mixed_precision": launch.mixed_precision,
-        "global_batch_size": global_batch_size(cfg.batch_size, cfg.grad_accum, launch.world_size),
+        "global_batch_size": global_batch_size(cfg.batch_size, cfg.grad_accum, strategy.data_parallel_size),
+        "data_parallel_size": strategy.data_parallel_size,
         "estimated_state_bytes": estimate.state,
         **config_dict(cfg),
     }
@@ -92,7 +96,8 @@ def resolved_config(recipe: Recipe, cfg: TrainConfig, sources: dict[str, str], l
     sources = dict(sources)
     sources.update({name: launch.source for name in (*strategy.resolved_fields(), "world_size", "num_machines",
                                                      "mixed_precision")})
-    sources["global_batch_size"] = "batch_size x grad_accum x world_size"
+    sources["global_batch_size"] = "batch_size x grad_accum x data_parallel_size"
+    sources["data_parallel_size"] = "world_size / the ranks that split one model (pipeline stages, tensor parallel)"
     sources["estimated_state_bytes"] = "trainkit.estimate"
     resolved["sources"] = sources
     return resolved
@@ -105,9 +110,12 @@ def estimate_report(plan: Plan) -> str:
     # Without a launcher (python train.py --estimate --num_processes 8) the processes asked for are DDP's.
     this = plan.launch if world_size == 1 or plan.launch.distributed_type != "NO" else \
         dataclasses.replace(plan.launch, distributed_type="MULTI_GPU")
-    launches = [this, *shipped_strategies().values()]
-    mine, *candidates = [for_launch(dataclasses.replace(launch, world_size=world_size, mixed_precision=precision),
-                                    plan.cfg, {}) for launch in launches]
+    resized = {"world_size": world_size, "mixed_precision": precision}
+    mine = for_launch(dataclasses.replace(this, **resized), plan.cfg, {}, plan.recipe)
+    # The shipped configs as they are (a pipeline is this run's flags, not theirs).
+    plain = dataclasses.replace(plan.cfg, pipeline_stages=1)
+    candidates = [for_launch(dataclasses.replace(launch, **resized), plain, {})
+                  for launch in shipped_strategies().values()]
     activations = run_activations(plan.shape, plan.cfg, precision)
     rows = [s.estimate(plan.shape, world_size, activations) for s in sorted(candidates, key=lambda s: s.speed_rank)]
     return report(plan.shape, rows, mine.estimate(plan.shape, world_size, activations), world_size, precision,

@@ -18,6 +18,18 @@ and optionally (the defaults are `Recipe`'s):
                                     the mean over every held-out sample of every rank; default none
     export(model, state_dict, cfg, cache_dir, out_dir)
                                     writes final/; default model.safetensors + config.json (the run's config)
+
+and, to train under pipeline parallelism (--pipeline_stages; all three or none):
+
+    pipeline_layers(model)          -> the model's repeated layers, in order: stages are cut between them
+    pipeline_stage(model, layers, first, last)
+                                    -> an nn.Module holding the model's own submodules for the layers in `layers`
+                                    (a range), plus what comes before them on the first stage and after them on
+                                    the last. Its forward takes the micro-batch's input (first stage) or the
+                                    previous stage's output, and returns one tensor
+    pipeline_loss(output, target)   -> scalar: the micro-batch's mean loss from the last stage's output. The input
+                                    and target are cut from the batch: a tensor is both, a tuple is (input, target),
+                                    a dict gives input_ids and labels (or input_ids again)
 """
 
 from __future__ import annotations
@@ -82,6 +94,9 @@ class Recipe:
     summary: Callable[[Any, Path], dict[str, float]] = no_summary
     eval_metrics: Callable[[torch.nn.Module, Any], dict[str, torch.Tensor]] = no_metrics
     export: Callable[[torch.nn.Module, dict, Any, Path, Path], None] = export_safetensors
+    pipeline_layers: Callable[[torch.nn.Module], Any] | None = None
+    pipeline_stage: Callable[[torch.nn.Module, range, bool, bool], torch.nn.Module] | None = None
+    pipeline_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     # The protocol's functions called with their results checked: a recipe mistake is an error naming the file, the
     # function and what was expected, not a traceback from deep inside a library.

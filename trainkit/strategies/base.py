@@ -1,21 +1,21 @@
-"""The interface every strategy implements, and the registry that chooses one from the launch.
+"""The interface every strategy implements.
 
-A strategy is everything that differs between single/DDP, DeepSpeed and FSDP2 (and later pipeline or tensor
-parallelism): what it refuses before anything is built, the Accelerator it needs, how it prepares the model and
-optimizer, one optimizer step (micro-batches, gradient communication, clipping, the loss check), its checkpoint
-format, the consolidated weights, and its memory estimate. train.py, checkpoint.py and metrics.py call these
-methods and never ask which strategy runs.
+A strategy is everything that differs between single/DDP, DeepSpeed, FSDP2, pipeline and tensor parallelism: what
+it refuses before anything is built, the Accelerator it needs, how it prepares the model and optimizer, one optimizer
+step (micro-batches, gradient communication, clipping, the loss check), its checkpoint format, the consolidated
+weights, and its memory estimate. train.py, checkpoint.py and metrics.py call these methods and never ask which
+strategy runs.
 
 The defaults here are those of an Accelerate-driven data-parallel run with torch.distributed.checkpoint; a strategy
-module overrides what differs. To add a strategy: a module with one `@register`ed subclass, a YAML in
-accelerate_configs/, and the tests that every shipped config gets (tests/test_strategies.py) cover it.
+module overrides what differs. To add a strategy: a module with a subclass, listed in strategies/__init__.py's
+REGISTRY, a YAML in accelerate_configs/, and the tests that every shipped config gets (tests/test_strategies.py).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, ClassVar
@@ -27,6 +27,7 @@ from trainkit.errors import ConfigError, Problem
 from trainkit.estimate import Estimate, ModelShape
 from trainkit.guards import FiniteCheck
 from trainkit.launch import Launch
+from trainkit.recipes import Recipe
 
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
 MetricsFn = Callable[[torch.nn.Module, Any], dict[str, torch.Tensor]]
@@ -41,6 +42,7 @@ class StepResult:
     lr: float  # the rate this step used
     skipped: bool  # fp16's loss scaler skipped the step
     stop: bool  # some rank was asked to stop (a signal): every rank stops after this step
+    extra: dict[str, Any] = field(default_factory=dict)  # the strategy's own metrics (a pipeline's idle time)
 
 
 class Strategy:
@@ -49,9 +51,13 @@ class Strategy:
     name: ClassVar[str]  # resolved_config.json's "strategy"
     checkpoint_format: ClassVar[str] = "dcp"  # recorded in trainer_state.json; resume compares it
     state_dir: ClassVar[str] = "state"  # the folder of model + optimizer state inside checkpoints/step_<N>/
+    # Whether the strategy cuts the model itself between ranks (pipeline stages, tensor-parallel matrices): it then
+    # needs the recipe to say where (a split the recipe declares), and refuses a model that declares none.
+    splits_model: ClassVar[bool] = False
 
-    def __init__(self, launch: Launch, cfg: TrainConfig, sources: Mapping[str, str]) -> None:
-        self.launch, self.cfg, self.sources = launch, cfg, dict(sources)
+    def __init__(self, launch: Launch, cfg: TrainConfig, sources: Mapping[str, str],
+                 recipe: Recipe | None = None) -> None:
+        self.launch, self.cfg, self.sources, self.recipe = launch, cfg, dict(sources), recipe
         self.notes: list[str] = []  # printed once before training: what the strategy decided on the user's behalf
         self.accelerator: Any = None
         self.model: torch.nn.Module | None = None
@@ -59,14 +65,18 @@ class Strategy:
         self.scheduler: Any = None
 
     @classmethod
-    def selects(cls, launch: Launch) -> bool:
-        """Whether this strategy runs `launch` (the registry asks each in turn)."""
+    def selects(cls, launch: Launch, cfg: TrainConfig) -> bool:
+        """Whether this strategy runs `launch` with this config (the registry asks each in turn)."""
         raise NotImplementedError
 
     # --- plan: before anything is built ---------------------------------------------------------------------------
 
     def check(self) -> list[Problem]:
         """What this strategy refuses in the launch and the config, every problem at once."""
+        return []
+
+    def check_model(self, model: torch.nn.Module) -> list[Problem]:
+        """What this strategy refuses in the recipe's model, built on the meta device (structure only)."""
         return []
 
     @property
@@ -77,6 +87,18 @@ class Strategy:
     def resolved_fields(self) -> dict[str, Any]:
         """The strategy's entries in resolved_config.json."""
         return {"strategy": self.name, "zero_stage": None}
+
+    @property
+    def data_parallel_size(self) -> int:
+        """How many ranks compute different parts of each global batch (the rest split the model, not the data): the
+        world size for data parallelism; the global batch is batch_size x grad_accum x this."""
+        return self.launch.world_size
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """Which part of each global batch this rank computes (after build): ranks that split one model between them
+        share a data-parallel rank and see the same samples."""
+        return self.accelerator.process_index
 
     @property
     def speed_rank(self) -> int:
@@ -270,6 +292,10 @@ class Strategy:
         return {"eval_loss": loss / self.accelerator.num_processes,
                 **{f"eval_{name}": total / samples for name, total in zip(sums, metric_sums, strict=True)}}
 
+    def report(self) -> str | None:
+        """A line for the end of the run about the strategy's own measurements (a pipeline's bubble), or None."""
+        return None
+
     # --- what it holds --------------------------------------------------------------------------------------------
 
     def state_tensors(self) -> Iterator[torch.Tensor]:
@@ -292,11 +318,16 @@ class Strategy:
 
     @property
     def unwrapped_model(self) -> torch.nn.Module:
-        return self.accelerator.unwrap_model(self.model)
+        """The recipe's model inside the strategy's wrapper: DDP holds it as `.module`. (Accelerate's unwrap_model
+        does the same after importing DeepSpeed to check for its engine: 1.2 s in every process of every run.)"""
+        from torch.nn.parallel import DistributedDataParallel
+
+        return self.model.module if isinstance(self.model, DistributedDataParallel) else self.model
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The consolidated weights on the main process (a collective: call on every rank)."""
-        return self.accelerator.get_state_dict(self.model)
+        """The consolidated weights on the main process (a collective: call on every rank). Here every rank holds
+        them whole."""
+        return self.unwrapped_model.state_dict()
 
     # --- checkpoint format: torch.distributed.checkpoint, reshardable across world sizes and these strategies ------
 
@@ -348,12 +379,3 @@ def _samples(batch: Any) -> int:
 def _raw(optimizer):
     """The torch optimizer inside Accelerate's wrapper."""
     return getattr(optimizer, "optimizer", optimizer)
-
-
-REGISTRY: list[type[Strategy]] = []
-
-
-def register(cls: type[Strategy]) -> type[Strategy]:
-    """Add a strategy class; `select` asks them in the order registered, so register the most specific first."""
-    REGISTRY.append(cls)
-    return cls

@@ -7,21 +7,21 @@ Accelerate for the CPU, which turns the YAML's MULTI_GPU into MULTI_CPU over glo
 
 from __future__ import annotations
 
+from trainkit.config import TrainConfig
 from trainkit.errors import TrainingError
 from trainkit.estimate import OPTIMIZER_BYTES, Estimate, ModelShape
 from trainkit.guards import FiniteCheck
 from trainkit.launch import Launch
-from trainkit.strategies.base import LossFn, StepResult, Strategy, register
+from trainkit.strategies.base import LossFn, StepResult, Strategy
 
 
-@register
 class DDP(Strategy):
     """PyTorch DistributedDataParallel over NCCL (GPUs) or gloo (CPUs)."""
 
     name = "ddp"
 
     @classmethod
-    def selects(cls, launch: Launch) -> bool:
+    def selects(cls, launch: Launch, cfg: TrainConfig) -> bool:
         return launch.distributed_type in ("MULTI_GPU", "MULTI_CPU") and launch.world_size > 1
 
     def wrapper_kwargs(self) -> list:
@@ -48,14 +48,13 @@ class DDP(Strategy):
         return Estimate(self.label, 4 * n, 4 * n, OPTIMIZER_BYTES[self.cfg.optimizer] * n, 0, activations)
 
 
-@register
 class Single(DDP):
     """One process on one device: no process group, no wrapper. The reference every other strategy reproduces."""
 
     name = "single"
 
     @classmethod
-    def selects(cls, launch: Launch) -> bool:
+    def selects(cls, launch: Launch, cfg: TrainConfig) -> bool:
         return launch.distributed_type == "NO" or (launch.distributed_type in ("MULTI_GPU", "MULTI_CPU")
                                                    and launch.world_size == 1)
 

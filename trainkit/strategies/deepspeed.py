@@ -26,17 +26,18 @@ from typing import Any
 
 import torch
 
+from trainkit.config import TrainConfig
 from trainkit.errors import ConfigError, Problem
 from trainkit.estimate import OPTIMIZER_BYTES, Estimate, ModelShape
 from trainkit.guards import FiniteCheck
 from trainkit.launch import Launch
-from trainkit.strategies.base import LossFn, StepResult, Strategy, register
+from trainkit.recipes import Recipe
+from trainkit.strategies.base import LossFn, StepResult, Strategy
 from trainkit.strategies.deepspeed_config import fill_bucket_sizes, persistence_threshold, resolve
 
 TAG = "deepspeed"  # the one tag under checkpoints/step_<N>/deepspeed/
 
 
-@register
 class DeepSpeed(Strategy):
     """DeepSpeed's engine with the ZeRO stage, offload and precision of the resolved JSON."""
 
@@ -44,15 +45,16 @@ class DeepSpeed(Strategy):
     checkpoint_format = "deepspeed"
     state_dir = "deepspeed"
 
-    def __init__(self, launch: Launch, cfg, sources: Mapping[str, str]) -> None:
-        super().__init__(launch, cfg, sources)
+    def __init__(self, launch: Launch, cfg: TrainConfig, sources: Mapping[str, str],
+                 recipe: Recipe | None = None) -> None:
+        super().__init__(launch, cfg, sources, recipe)
         self.resolved = resolve(launch, cfg, sources)
         self.config = self.resolved.config  # the filled JSON that the engine gets
         self.notes += self.resolved.notes
         self._universal: Path | None = None  # set by before_resume when a checkpoint was converted
 
     @classmethod
-    def selects(cls, launch: Launch) -> bool:
+    def selects(cls, launch: Launch, cfg: TrainConfig) -> bool:
         return launch.distributed_type == "DEEPSPEED"
 
     # --- plan ---------------------------------------------------------------------------------------------------------
@@ -213,6 +215,14 @@ class DeepSpeed(Strategy):
                 for t in item if isinstance(item, (list, tuple)) else [item]:
                     if torch.is_tensor(t):
                         yield t
+
+    @property
+    def unwrapped_model(self) -> torch.nn.Module:
+        return self.accelerator.unwrap_model(self.model)  # the engine's module
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """ZeRO-3 gathers the partitions (zero3_save_16bit_model / stage3_gather_16bit_weights_on_model_save)."""
+        return self.accelerator.get_state_dict(self.model)
 
     # --- checkpoint format: DeepSpeed's own -------------------------------------------------------------------------
 
