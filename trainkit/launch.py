@@ -2,8 +2,9 @@
 
 `Launch` is read from the environment that `accelerate launch` (or DeepSpeed's launcher) sets up for every process,
 or from an Accelerate YAML for `--dry_run --accelerate_config`. Either way the strategy's own block (the YAML's
-`deepspeed_config` or `fsdp_config`) arrives under the YAML's key names in `Launch.settings`, so a strategy reads one
-form whichever way the launch came. `check_yaml` lints a YAML file; `check_machine` refuses what this machine cannot
+`deepspeed_config` or `fsdp_config`) arrives under the YAML's key names in `Launch.settings`, and the sizes of its
+`parallelism_config` block (tensor parallelism, hybrid sharding) in `Launch.parallelism`, so a strategy reads one form
+whichever way the launch came. `check_yaml` lints a YAML file; `check_machine` refuses what this machine cannot
 run (fp16 without a GPU, more processes than GPUs).
 """
 
@@ -47,6 +48,13 @@ FSDP_ENV = {
     "fsdp_transformer_layer_cls_to_wrap": "FSDP_TRANSFORMER_CLS_TO_WRAP",
 }
 
+# The sizes of a YAML's `parallelism_config` block, each key written in full (parallelism_config_tp_size: 2): how
+# `accelerate launch` hands them to every process (accelerate/utils/launch.py, prepare_extend_env_parallelism_config).
+# Read back as Launch.parallelism under the short names.
+PARALLELISM_KEY = "parallelism_config_{}_size"
+PARALLELISM_ENV = {name: f"PARALLELISM_CONFIG_{name.upper()}_SIZE" for name in ("dp_replicate", "dp_shard", "tp",
+                                                                                 "cp", "sp")}
+
 
 def is_true(value: Any) -> bool:
     """A YAML or environment boolean: true, 1, yes (any case)."""
@@ -70,6 +78,9 @@ class Launch:
     # (30 min over gloo, 10 min over NCCL). What bounds the wait when a machine vanishes without closing its sockets.
     dist_timeout_s: float | None = None
     main_process_ip: str | None = None
+    # The YAML's parallelism_config sizes by short name (dp_replicate, dp_shard, tp, cp, sp); empty when it has no
+    # such block.
+    parallelism: Mapping[str, int] = field(default_factory=dict)
 
     @classmethod
     def from_env(cls) -> Launch:
@@ -91,11 +102,13 @@ class Launch:
             distributed_type, names = ("MULTI_GPU" if world_size > 1 else "NO"), {}
         settings = {key: env[name] for key, name in names.items() if name in env}
         written = [k for k in env.get("ACCELERATE_CONFIG_DS_FIELDS", "").split(",") if k and k != "mixed_precision"]
+        parallelism = {name: int(env[var]) for name, var in PARALLELISM_ENV.items()
+                       if var in env} if is_true(env.get("ACCELERATE_USE_PARALLELISM_CONFIG")) else {}
         return cls(distributed_type=distributed_type, world_size=world_size, num_machines=num_machines,
                    mixed_precision=env.get("ACCELERATE_MIXED_PRECISION", "no").lower(),
                    source="the launcher's environment" if "ACCELERATE_MIXED_PRECISION" in env else "no launcher",
                    settings=settings, block_keys=tuple(dict.fromkeys([*settings, *written])),
-                   dist_timeout_s=dist_timeout(), main_process_ip=env.get("MASTER_ADDR"))
+                   dist_timeout_s=dist_timeout(), main_process_ip=env.get("MASTER_ADDR"), parallelism=parallelism)
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> Launch:
@@ -111,11 +124,20 @@ class Launch:
                                        f"--accelerate_config {path}", f"use one of {', '.join(DISTRIBUTED_TYPES)}")])
         block = {"DEEPSPEED": "deepspeed_config", "FSDP": "fsdp_config"}.get(distributed_type)
         settings = dict(data.get(block) or {}) if block else {}
+        sizes = data.get("parallelism_config") or {}
+        sizes = sizes if isinstance(sizes, dict) else {}  # anything else: check_yaml names it
+        # Accelerate's default for a size the block leaves out is 1, as in the launcher's environment
+        parallelism = {name: _count(sizes.get(PARALLELISM_KEY.format(name), 1)) or 1 for name in PARALLELISM_ENV
+                       } if sizes else {}
         return cls(distributed_type=distributed_type, world_size=_count(data.get("num_processes", 1)) or 1,
                    num_machines=_count(data.get("num_machines", 1)) or 1,
                    mixed_precision=str(data.get("mixed_precision", "no")).lower(), source=str(path),
                    settings=settings, block_keys=tuple(settings), dist_timeout_s=dist_timeout(),
-                   main_process_ip=data.get("main_process_ip"))
+                   main_process_ip=data.get("main_process_ip"), parallelism=parallelism)
+
+    def parallelism_size(self, name: str) -> int:
+        """One size of the parallelism config (dp_replicate, dp_shard, tp, cp, sp); 1 where the launch gives none."""
+        return self.parallelism.get(name, 1)
 
 
 def _count(value: Any) -> int | None:
@@ -191,6 +213,36 @@ def check_yaml(path: str | Path) -> list[Problem]:
     if str(data.get("distributed_type", "NO")) not in types:
         problems.append(Problem(f"distributed_type {data.get('distributed_type')!r} is not one of Accelerate's",
                                 where, f"use one of {', '.join(DISTRIBUTED_TYPES)}"))
+    if data.get("parallelism_config"):
+        problems += _check_parallelism_block(data["parallelism_config"], path)
+        if data.get("distributed_type") != "FSDP":
+            # accelerate launch passes the sizes on under any type; only FSDP (version 2) applies them
+            problems.append(Problem(f"parallelism_config needs distributed_type: FSDP, the YAML has "
+                                    f"{data.get('distributed_type')}", where,
+                                    "start from accelerate_configs/tp.yaml, fsdp_tp.yaml or hsdp.yaml"))
+    return problems
+
+
+def _check_parallelism_block(block: Any, path: str | Path) -> list[Problem]:
+    """The `parallelism_config` block: `accelerate launch` copies each key as written onto its own arguments, so a
+    key that is not one of its `parallelism_config_*` options (`tp_size: 2`) is silently ignored."""
+    from accelerate.commands.launch import launch_command_parser
+
+    where = f"parallelism_config in {path}"
+    if not isinstance(block, dict):
+        return [Problem(f"parallelism_config must be a mapping of sizes, got {block!r}", where,
+                        "write parallelism_config_tp_size: 2 (and the others) indented under it")]
+    known = sorted(a.dest for a in launch_command_parser()._actions if a.dest.startswith("parallelism_config_"))
+    problems = []
+    for key in sorted(set(block) - set(known)):
+        close = difflib.get_close_matches(key, known, n=1) or difflib.get_close_matches(PARALLELISM_KEY.format(
+            key.removesuffix("_size")), known, n=1)
+        problems.append(Problem(f"unknown key {key!r} in parallelism_config", where,
+                                f"did you mean {close[0]}?" if close else "remove it"))
+    for name in PARALLELISM_ENV:
+        key = PARALLELISM_KEY.format(name)
+        if key in block and _count(block[key]) is None:
+            problems.append(Problem(f"{key} must be a positive integer, got {block[key]!r}", where, f"write {key}: 2"))
     return problems
 
 

@@ -4,7 +4,9 @@ the reason, so that nothing else is hidden. Everything not listed still prints.
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 import warnings
 
 import torch
@@ -18,11 +20,23 @@ SILENCED = [
      "torch.distributed.checkpoint on one process without a process group: exactly what a one-process run does"),
 ]
 
+# (logger, message regex, why): the same for messages that libraries log instead of warn
+SILENCED_LOGS = [
+    ("torch.distributed.tensor._redistribute", r"While redistributing from .* \d+ sequential \w+ operations will be "
+                                               r"performed",
+     "DTensor's note that it gathers a parameter sliced on two mesh dimensions (tensor parallelism inside FSDP2's "
+     "shards, trainkit/strategies/mesh.py) in two steps: for the gradient norm and for final/, one line per rank; "
+     "every rank gets the same values, and only torch can merge the steps"),
+]
+
 
 def silence_library_noise() -> None:
-    """Apply SILENCED; and on a machine without GPUs tell DeepSpeed its accelerator is the CPU, which is what its
-    detection concludes anyway, after a "Setting accelerator to CPU" warning in every process."""
+    """Apply SILENCED and SILENCED_LOGS; and on a machine without GPUs tell DeepSpeed its accelerator is the CPU,
+    which is what its detection concludes anyway, after a "Setting accelerator to CPU" warning in every process."""
     for category, message, _ in SILENCED:
         warnings.filterwarnings("ignore", message=message, category=category)
+    for name, message, _ in SILENCED_LOGS:
+        logging.getLogger(name).addFilter(lambda record, match=re.compile(message).search:
+                                          not match(record.getMessage()))
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")

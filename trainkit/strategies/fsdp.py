@@ -19,18 +19,17 @@ import torch
 from trainkit.config import TrainConfig
 from trainkit.errors import ConfigError, Problem
 from trainkit.estimate import OPTIMIZER_BYTES, Estimate, ModelShape
-from trainkit.launch import Launch, is_true
-from trainkit.strategies.base import Strategy, register
+from trainkit.launch import PARALLELISM_KEY, Launch, is_true
+from trainkit.strategies.base import Strategy
 
 
-@register
 class FSDP2(Strategy):
     """PyTorch FSDP2 over NCCL or gloo; optionally with the shards in CPU memory (CPUOffloadPolicy)."""
 
     name = "fsdp"
 
     @classmethod
-    def selects(cls, launch: Launch) -> bool:
+    def selects(cls, launch: Launch, cfg: TrainConfig) -> bool:
         return launch.distributed_type == "FSDP"
 
     @property
@@ -38,11 +37,12 @@ class FSDP2(Strategy):
         return is_true(self.launch.settings.get("fsdp_offload_params", False))
 
     def check(self) -> list[Problem]:
+        problems = parallelism_problems(self.launch)
         version = str(self.launch.settings.get("fsdp_version", 2))
         if version != "2":
-            return [Problem(f"fsdp_version {version}: this runner shards with FSDP2 only",
-                            f"fsdp_config in {self.launch.source}", "set fsdp_version: 2")]
-        return []
+            problems.append(Problem(f"fsdp_version {version}: this runner shards with FSDP2 only",
+                                    f"fsdp_config in {self.launch.source}", "set fsdp_version: 2"))
+        return problems
 
     @property
     def label(self) -> str:
@@ -53,15 +53,22 @@ class FSDP2(Strategy):
         return 6 if self.offload else 3
 
     def estimate(self, shape: ModelShape, world_size: int, activations: int) -> Estimate:
-        """What DDP holds per parameter, divided by the world size; FSDP2 pads each parameter's dim-0 shards."""
-        shard = sum(math.ceil(k / world_size) for k in shape.numels)
+        """What DDP holds per parameter, for the part of each parameter one rank holds."""
+        shard = self.held_numel(shape, world_size)
         opt = OPTIMIZER_BYTES[self.cfg.optimizer]
         host = (8 + opt) * shard if self.offload else 0
         return Estimate(self.label, 4 * shard, 4 * shard, opt * shard, host, activations)
 
+    def held_numel(self, shape: ModelShape, world_size: int) -> int:
+        """Parameter elements one rank holds: 1/world_size of each, as FSDP2 pads each parameter's dim-0 shards."""
+        return sum(math.ceil(k / world_size) for k in shape.numels)
+
     def build_accelerator(self, output_dir, report_to):
-        # Accelerate must see a plain MULTI_GPU/MULTI_CPU run: it would otherwise wrap the sharded model again.
+        # Accelerate must see a plain MULTI_GPU/MULTI_CPU run: it would otherwise wrap the sharded model again, and
+        # it refuses a parallelism_config on CPU ("ParallelismConfig is only compatible DistributedType.FSDP (version
+        # 2) or ... but got DistributedType.MULTI_CPU"); the runner builds the device mesh itself (strategies/mesh.py).
         os.environ["ACCELERATE_USE_FSDP"] = "false"
+        os.environ["ACCELERATE_USE_PARALLELISM_CONFIG"] = "false"
         return super().build_accelerator(output_dir, report_to)
 
     def prepare(self, model: torch.nn.Module, build_optimizer: Callable[..., torch.optim.Optimizer],
@@ -108,15 +115,24 @@ class FSDP2(Strategy):
                                            reduce_dtype=torch.float32),
             offload_policy=CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if self.offload else OffloadPolicy(),
             reshard_after_forward=is_true(self.launch.settings.get("fsdp_reshard_after_forward", True)),
+            mesh=self.fsdp_mesh(),
         )
         for block in self.blocks(model):
             fully_shard(block, **policy)
         fully_shard(model, **policy)
-        unsharded = [name for name, p in model.named_parameters() if not _is_sharded(p, self.launch.world_size)]
+        unsharded = [name for name, p in model.named_parameters() if not self.is_sharded(p)]
         if unsharded:
             raise ConfigError([Problem(f"FSDP left parameters unsharded: {', '.join(unsharded[:5])}", "fsdp",
                                        "report this with the recipe; use deepspeed_zero3.yaml meanwhile")])
         return model
+
+    def fsdp_mesh(self) -> Any:
+        """The DeviceMesh fully_shard shards over; None: every process, one shard each."""
+        return None
+
+    def is_sharded(self, param: torch.Tensor) -> bool:
+        """Whether fully_shard sharded this parameter as fsdp_mesh asks."""
+        return _is_sharded(param, self.launch.world_size)
 
     @contextlib.contextmanager
     def gradient_sync(self, last: bool) -> Iterator[None]:
@@ -131,6 +147,37 @@ class FSDP2(Strategy):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def parallelism_problems(launch: Launch) -> list[Problem]:
+    """What the runner refuses in a YAML's parallelism_config: sizes that do not multiply to the processes launched,
+    and the dimensions it does not apply (context and sequence parallelism)."""
+    if not launch.parallelism:
+        return []
+    where = f"parallelism_config in {launch.source}"
+    sizes = {name: launch.parallelism_size(name) for name in ("dp_replicate", "dp_shard", "tp")}
+    keys = " x ".join(PARALLELISM_KEY.format(name) for name in sizes)
+    problems = [Problem(f"{PARALLELISM_KEY.format(name)} is {size}: every size must be a positive integer", where,
+                        f"set {PARALLELISM_KEY.format(name)}: 1 or more")
+                for name, size in launch.parallelism.items() if size < 1]
+    product = math.prod(sizes.values())
+    if product != launch.world_size:
+        problems.append(Problem(
+            f"the parallelism sizes multiply to {product} ({' x '.join(f'{n} {s}' for n, s in sizes.items())}) but "
+            f"{launch.world_size} process(es) were launched", where,
+            f"make {keys} equal num_processes (accelerate launch --num_processes must match it too)"))
+    for name, what in (("cp", "context"), ("sp", "sequence")):
+        if launch.parallelism_size(name) > 1:
+            problems.append(Problem(f"{PARALLELISM_KEY.format(name)} is {launch.parallelism_size(name)}: {what} "
+                                    f"parallelism is not supported by this runner", where,
+                                    f"set {PARALLELISM_KEY.format(name)}: 1"))
+    if sizes["dp_replicate"] > 1 and sizes["dp_shard"] == 1:
+        # Accelerate's own rule: replicas without sharding are DDP (with tp as well, it asks for dp_shard instead)
+        problems.append(Problem(f"dp_replicate {sizes['dp_replicate']} with dp_shard 1: replicas without sharding "
+                                f"are data parallelism", where,
+                                "use accelerate_configs/ddp.yaml for replicas only, or move the replicas to "
+                                "parallelism_config_dp_shard_size (FSDP), or shard within them (hsdp.yaml)"))
+    return problems
 
 
 def _is_sharded(param: torch.Tensor, world_size: int) -> bool:
