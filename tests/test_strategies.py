@@ -2,8 +2,12 @@
 what the estimator predicts.
 
 The configs come from the registry (trainkit.strategies.shipped_strategies: every shipped YAML that runs several
-processes on one machine), so a new strategy's YAML gets every check here without a line of this file changing.
-Each launched run is shared by the tests that read it (module-scoped fixtures, one per config and recipe).
+processes on one machine, plus the strategies that flags select on a data-parallel YAML), so a new strategy's YAML
+gets every check here without a line of this file changing. Strategies that cut the model itself (pipeline stages,
+tensor parallelism) need a recipe that says where: they train the transformer here, and every other recipe is checked
+to be refused with the fix. Batch sizes follow each config's data-parallel size, so that every run has the global
+batch of its one-process reference. Each launched run is shared by the tests that read it (module-scoped fixtures,
+one per config and recipe).
 """
 
 from __future__ import annotations
@@ -17,20 +21,45 @@ from safetensors.torch import load_model
 
 from conftest import PARITY_BOUND, ROOT, TEST_ENV, assert_refused, launch, max_rel_diff, write_yaml, zero2_json
 from trainkit.compare import main as compare_main
+from trainkit.estimate import meta_model
 from trainkit.launch import shipped_configs
 from trainkit.recipes import load_recipe
 from trainkit.strategies import REGISTRY, for_launch, shipped_strategies
 
 pytestmark = pytest.mark.slow
 
-CONFIGS = sorted(shipped_strategies())
+ZOO_PATHS = [str(ROOT / "tests" / "zoo" / f"{name}.py") for name in ("vision_moe", "tied_rnn_lm")]
+# Strategies that flags select on a data-parallel YAML rather than a YAML of their own (docs/model-parallelism.md):
+# name -> (YAML, config fields).
+FLAG_STRATEGIES = {"pipeline": ("ddp", {"pipeline_stages": 2, "grad_accum": 2})}
+LAUNCHES = {**shipped_strategies(), **{name: shipped_configs()[yaml] for name, (yaml, _) in FLAG_STRATEGIES.items()}}
+
+
+def strategy_of(name: str, recipe: str = "tiny_transformer"):
+    """What a shipped config or a flag strategy runs (made at plan time, nothing built)."""
+    fields = FLAG_STRATEGIES[name][1] if name in FLAG_STRATEGIES else {}
+    launch = LAUNCHES[name] if name in LAUNCHES else shipped_configs()[name]
+    return for_launch(launch, load_recipe(recipe).Config(**fields), {}, load_recipe(recipe))
+
+
+def entry(name: str, global_batch: int, grad_accum: int = 1) -> tuple[str, list[str]]:
+    """(YAML, flags) that run a matrix entry with this global batch: the micro-batch shrinks as the data-parallel
+    size grows; a flag strategy brings its own flags (and accumulation)."""
+    yaml, fields = FLAG_STRATEGIES.get(name, (name, {}))
+    grad_accum = fields.get("grad_accum", grad_accum)
+    flags = [f"--{k}={v}" for k, v in fields.items() if k != "grad_accum"] + ["--grad_accum", str(grad_accum)]
+    return yaml, [*flags, "--batch_size", str(global_batch // (grad_accum * strategy_of(name).data_parallel_size))]
+
+
+CONFIGS = sorted(name for name in shipped_strategies() if not strategy_of(name).splits_model)  # train every model
+MODEL_SPLITTING = sorted(name for name in LAUNCHES if strategy_of(name).splits_model)  # the transformer only
 # The recipes' real defaults (AdamW, the MLP's weight decay 0, the transformer's 0.01), fewer and smaller steps.
 MLP = ["--recipe", "mlp", "--max_steps", "12", "--eval_every", "0", "--warmup_steps", "2"]
 LM = ["--recipe", "tiny_transformer", "--max_steps", "8", "--eval_every", "0", "--hidden", "64", "--layers", "2",
       "--seq_len", "64", "--warmup_steps", "2"]
 # GPT-2 style with dropout on: a resume must also restore every rank's RNG (no parity: each rank draws its own masks).
-LM_DROPOUT = ["--recipe", "tiny_transformer", "--max_steps", "10", "--eval_every", "0", "--batch_size", "4",
-              "--hidden", "64", "--layers", "2", "--seq_len", "64", "--arch", "gpt2", "--dropout", "0.1"]
+LM_DROPOUT = ["--recipe", "tiny_transformer", "--max_steps", "10", "--eval_every", "0", "--hidden", "64",
+              "--layers", "2", "--seq_len", "64", "--arch", "gpt2", "--dropout", "0.1"]
 
 
 def resumed_from_step_5(run, args: list[str], config: str, output_dir):
@@ -51,25 +80,35 @@ def lm_reference(tmp_path_factory):
 
 @pytest.fixture(scope="module", params=CONFIGS)
 def mlp_run(request, tmp_path_factory):
-    """2 processes x micro-batch 4 x accumulation 2, a checkpoint every 5 steps."""
+    """Global batch 16 as accumulation 2 (2 processes x micro-batch 4), a checkpoint every 5 steps."""
     out = tmp_path_factory.mktemp(f"mlp-{request.param}") / "out"
-    run = launch(out, *MLP, "--batch_size", "4", "--grad_accum", "2", "--save_every", "5", config=request.param)
-    return request.param, run.check()
+    yaml, flags = entry(request.param, 16, grad_accum=2)
+    return request.param, launch(out, *MLP, *flags, "--save_every", "5", config=yaml).check()
 
 
-@pytest.fixture(scope="module", params=CONFIGS)
+@pytest.fixture(scope="module", params=CONFIGS + MODEL_SPLITTING)
 def lm_run(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"lm-{request.param}") / "out"
-    return request.param, launch(out, *LM, "--batch_size", "4", config=request.param).check()
+    yaml, flags = entry(request.param, 8)
+    return request.param, launch(out, *LM, *flags, config=yaml).check()
 
 
 def most_demanding_of_each_strategy() -> list[str]:
-    """Per registered strategy class, its shipped config that shards and offloads the most (highest speed_rank)."""
-    cfg, best = load_recipe("mlp").Config(), {}
-    for name, shipped in shipped_strategies().items():
-        strategy = for_launch(shipped, cfg, {})
+    """Per registered strategy class, its config that shards and offloads the most (highest speed_rank)."""
+    best = {}
+    for name in LAUNCHES:
+        strategy = strategy_of(name)
         best[type(strategy)] = max(best.get(type(strategy), (-1, "")), (strategy.speed_rank, name))
     return sorted(name for _, name in best.values())
+
+
+def dropout_args(name: str) -> list[str]:
+    """LM_DROPOUT and the config's flags; Llama's attention dropout where the strategy cannot cut GPT-2 (tensor
+    parallelism: GPT-2 declares no plan)."""
+    recipe = load_recipe("tiny_transformer")
+    gpt2 = recipe.Config(arch="gpt2", hidden=64, layers=2, seq_len=64)
+    cuts_gpt2 = not strategy_of(name).check_model(meta_model(recipe, gpt2))
+    return [*LM_DROPOUT, *entry(name, 8)[1], *([] if cuts_gpt2 else ["--arch", "llama"])]
 
 
 @pytest.fixture(scope="module", params=most_demanding_of_each_strategy())
@@ -77,23 +116,37 @@ def lm_dropout_run(request, tmp_path_factory):
     """Restoring every rank's RNG is the checkpointer's work, the same under every strategy: one config per
     strategy class proves it (the others' exact resume is shown with the MLP and the zoo models)."""
     out = tmp_path_factory.mktemp(f"lmd-{request.param}") / "out"
-    return request.param, launch(out, *LM_DROPOUT, "--save_every", "5", config=request.param).check()
+    return request.param, launch(out, *dropout_args(request.param), "--save_every", "5",
+                                 config=entry(request.param, 8)[0]).check()
 
 
 def test_every_strategy_has_a_shipped_config_and_every_config_a_strategy():
     """The matrix below covers every registered strategy; every shipped YAML selects one."""
-    selected = {name: type(for_launch(launch, load_recipe("mlp").Config(), {})) for name, launch in
-                shipped_configs().items()}
+    selected = {name: type(strategy_of(name)) for name in [*shipped_configs(), *FLAG_STRATEGIES]}
     assert set(REGISTRY) == set(selected.values()), (REGISTRY, selected)
     assert {"ddp", "fsdp", "fsdp_offload", "deepspeed_zero1", "deepspeed_zero2", "deepspeed_zero2_offload",
             "deepspeed_zero3", "deepspeed_zero3_offload"} <= set(CONFIGS)
+    assert "pipeline" in MODEL_SPLITTING
+
+
+@pytest.mark.parametrize("name", MODEL_SPLITTING)
+@pytest.mark.parametrize("recipe", ["mlp", "image_classifier", *ZOO_PATHS], ids=lambda r: Path(r).stem)
+def test_a_model_the_strategy_cannot_split_is_refused_with_the_fix(check_only, tmp_path, name, recipe):
+    """Models that do not declare where they may be cut (every recipe here but the transformer): refused at plan
+    time, naming what to declare or which config to use instead, before anything is built."""
+    yaml, flags = entry(name, 16)
+    run = check_only(tmp_path / "out", "--recipe", recipe, *flags, "--dry_run", "--accelerate_config",
+                     str(ROOT / "accelerate_configs" / f"{yaml}.yaml"))
+    assert run.returncode == 2 and "error: " in run.stderr, run.stderr
+    assert "recipe" in run.stderr and ("fsdp.yaml" in run.stderr or "hsdp.yaml" in run.stderr), run.stderr
 
 
 def test_mlp_matches_one_process_with_accumulation(mlp_run, mlp_reference):
     config, run = mlp_run
     resolved = run.resolved
-    assert (resolved["world_size"], resolved["global_batch_size"], resolved["grad_accum"]) == (2, 16, 2)
-    assert resolved["strategy"] == config.split("_")[0]
+    assert (resolved["world_size"], resolved["global_batch_size"], resolved["grad_accum"]) == \
+        (LAUNCHES[config].world_size, 16, 2)
+    assert resolved["strategy"] == strategy_of(config).name
     assert resolved["zero_stage"] == (int(config[len("deepspeed_zero")]) if config.startswith("deepspeed") else None)
     assert len(run.losses) == 12 and len(set(mlp_reference.losses)) == 12  # a real curve, not a constant
     assert max_rel_diff(run.losses, mlp_reference.losses) <= PARITY_BOUND
@@ -120,7 +173,8 @@ def test_mlp_export_holds_the_trained_weights(mlp_run):
 def test_mlp_resumes_exactly(mlp_run, tmp_path):
     """Resumed mid-epoch from step 5 (with accumulation): the losses equal the uninterrupted run's, bit for bit."""
     config, run = mlp_run
-    resumed = resumed_from_step_5(run, [*MLP, "--batch_size", "4", "--grad_accum", "2"], config, tmp_path / "out")
+    yaml, flags = entry(config, 16, grad_accum=2)
+    resumed = resumed_from_step_5(run, [*MLP, *flags], yaml, tmp_path / "out")
     assert "resumed from" in resumed.stderr
     assert [m["step"] for m in resumed.metrics] == list(range(6, 13))
     assert resumed.losses == run.losses[5:]
@@ -152,7 +206,7 @@ def test_transformer_export_loads_with_transformers(lm_run):
 def test_transformer_with_dropout_resumes_exactly(lm_dropout_run, tmp_path):
     """Every rank's RNG comes back with the checkpoint: dropout masks after the resume are those of the full run."""
     config, run = lm_dropout_run
-    resumed = resumed_from_step_5(run, LM_DROPOUT, config, tmp_path / "out")
+    resumed = resumed_from_step_5(run, dropout_args(config), entry(config, 8)[0], tmp_path / "out")
     assert [m["step"] for m in resumed.metrics] == list(range(6, 11))
     assert resumed.losses == run.losses[5:]
 
@@ -160,8 +214,8 @@ def test_transformer_with_dropout_resumes_exactly(lm_dropout_run, tmp_path):
 @pytest.mark.parametrize("config", CONFIGS)
 def test_bf16_trains_within_tolerance(mlp_reference, run_dir, config):
     """bf16 rounds (8 mantissa bits): measured up to 7.4e-3 relative over 20 steps; the bound is 5e-2."""
-    run = launch(run_dir(config), *MLP, "--batch_size", "8", config=config,
-                 extra_launch=("--mixed_precision", "bf16")).check()
+    yaml, flags = entry(config, 16)
+    run = launch(run_dir(config), *MLP, *flags, config=yaml, extra_launch=("--mixed_precision", "bf16")).check()
     assert run.resolved["mixed_precision"] == "bf16"
     assert run.losses != mlp_reference.losses  # really ran in bf16
     assert max_rel_diff(run.losses, mlp_reference.losses) <= 5e-2
@@ -179,7 +233,8 @@ def image_reference(tmp_path_factory):
 def test_image_classifier_matches_one_process_and_its_accuracy(image_reference, run_dir, config):
     """The third shipped recipe under every config: the curve, and eval_accuracy summed over the ranks' held-out
     samples (a tie that rounding breaks the other way may move it by one sample of the 128)."""
-    run = launch(run_dir(config), *IMAGE, "--batch_size", "16", config=config).check()
+    yaml, flags = entry(config, 32)
+    run = launch(run_dir(config), *IMAGE, *flags, config=yaml).check()
     assert max_rel_diff(run.losses, image_reference.losses) <= PARITY_BOUND
     assert run.metrics[-1]["eval_accuracy"] == pytest.approx(image_reference.metrics[-1]["eval_accuracy"],
                                                              abs=1.01 / 128)
@@ -257,7 +312,7 @@ def test_compare_tool_reports_and_plots(tmp_path, capsys, test_env, monkeypatch)
 
 # --- what users bring: models of other kinds (tests/zoo/) and their own DeepSpeed configs -------------------------
 
-ZOO = {"vision_moe": ROOT / "tests" / "zoo" / "vision_moe.py", "tied_rnn_lm": ROOT / "tests" / "zoo" / "tied_rnn_lm.py"}
+ZOO = {Path(path).stem: Path(path) for path in ZOO_PATHS}
 
 
 @pytest.fixture(scope="module")
@@ -271,7 +326,8 @@ def zoo_references(tmp_path_factory):
 def zoo_run(request, tmp_path_factory):
     model, config = request.param
     out = tmp_path_factory.mktemp(f"zoo-{model}-{config}") / "out"
-    return model, config, launch(out, "--recipe", str(ZOO[model]), "--save_every", "3", config=config).check()
+    yaml, flags = entry(config, 16)
+    return model, config, launch(out, "--recipe", str(ZOO[model]), *flags, "--save_every", "3", config=yaml).check()
 
 
 def test_zoo_model_matches_one_process(zoo_run, zoo_references):
@@ -285,8 +341,9 @@ def test_zoo_model_matches_one_process(zoo_run, zoo_references):
 
 def test_zoo_model_resumes_exactly(zoo_run, tmp_path):
     model, config, run = zoo_run
-    resumed = launch(tmp_path / "out", "--recipe", str(ZOO[model]), "--resume",
-                     str(run.output_dir / "checkpoints" / "step_3"), config=config).check()
+    yaml, flags = entry(config, 16)
+    resumed = launch(tmp_path / "out", "--recipe", str(ZOO[model]), *flags, "--resume",
+                     str(run.output_dir / "checkpoints" / "step_3"), config=yaml).check()
     assert resumed.losses == run.losses[3:]
 
 
