@@ -66,6 +66,18 @@ def test_nccl_strategies_match_one_gpu(mlp_reference, run_dir, config):
     assert max_rel_diff(run.losses, mlp_reference.losses) <= 1e-5
 
 
+@pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs for NCCL between processes")
+@pytest.mark.parametrize(("config", "flags"), [
+    ("tp", ["--batch_size", "16"]),  # one tensor-parallel pair: both processes see the whole batch
+    ("ddp", ["--pipeline_stages", "2", "--grad_accum", "4", "--batch_size", "4"]),
+])
+def test_model_parallel_strategies_over_nccl_match_one_gpu(run_dir, config, flags):
+    """Tensor-parallel collectives and pipeline sends over NCCL: the curve of one GPU (the transformer, fp32)."""
+    reference = launch(run_dir("ref"), *LM, "--batch_size", "16", config="single").check()
+    run = launch(run_dir(config), *LM, *flags, config=config).check()
+    assert max_rel_diff(run.losses, reference.losses) <= 1e-5
+
+
 @pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs")
 def test_zero3_and_fsdp_shard_device_memory(run_dir):
     held = {c: launch(run_dir(c), *BIG_LM, config=c).check().metrics[-1] for c in ("ddp", "deepspeed_zero3", "fsdp")}
