@@ -11,9 +11,12 @@ import psutil
 import pytest
 
 from trainkit.compare import ROOT, Run, launch_command, max_rel_diff, run_config
+from trainkit.launch import shipped_configs
+from trainkit.recipes import load_recipe
+from trainkit.strategies import Strategy, for_launch, shipped_strategies
 
-__all__ = ["ROOT", "TEST_ENV", "Run", "assert_refused", "kill_tree", "launch", "launch_command", "max_rel_diff",
-           "PARITY_BOUND", "write_yaml", "zero2_json"]
+__all__ = ["FLAG_STRATEGIES", "LAUNCHES", "LM", "ROOT", "TEST_ENV", "Run", "assert_refused", "entry", "kill_tree",
+           "launch", "launch_command", "max_rel_diff", "PARITY_BOUND", "strategy_of", "write_yaml", "zero2_json"]
 
 # What every run in the tests gets: their own data cache, one thread per process, no network.
 TEST_ENV = {"TRAINKIT_CACHE": str(ROOT / ".cache" / "tests"), "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1",
@@ -26,6 +29,58 @@ TEST_ENV = {"TRAINKIT_CACHE": str(ROOT / ".cache" / "tests"), "OMP_NUM_THREADS":
 # runner keeps its own AdamW and cpu_adam's bias correction exact (trainkit/strategies/deepspeed.py). Float32
 # summation order is the only difference; 1e-5 leaves it a margin of 30 and catches any real mismatch.
 PARITY_BOUND = 1e-5
+
+
+# Strategies that flags select on a data-parallel YAML rather than a YAML of their own (docs/model-parallelism.md):
+# name -> (YAML, config fields).
+FLAG_STRATEGIES = {"pipeline": ("ddp", {"pipeline_stages": 2, "grad_accum": 2})}
+LAUNCHES = {**shipped_strategies(), **{name: shipped_configs()[yaml] for name, (yaml, _) in FLAG_STRATEGIES.items()}}
+
+
+def strategy_of(name: str, recipe: str = "tiny_transformer") -> Strategy:
+    """What a shipped config or a flag strategy runs (made at plan time, nothing built)."""
+    fields = FLAG_STRATEGIES[name][1] if name in FLAG_STRATEGIES else {}
+    launch = LAUNCHES[name] if name in LAUNCHES else shipped_configs()[name]
+    return for_launch(launch, load_recipe(recipe).Config(**fields), {}, load_recipe(recipe))
+
+
+def entry(name: str, global_batch: int, grad_accum: int = 1) -> tuple[str, list[str]]:
+    """(YAML, flags) that run a matrix entry with this global batch: the micro-batch shrinks as the data-parallel
+    size grows; a flag strategy brings its own flags (and accumulation)."""
+    yaml, fields = FLAG_STRATEGIES.get(name, (name, {}))
+    grad_accum = fields.get("grad_accum", grad_accum)
+    flags = [f"--{k}={v}" for k, v in fields.items() if k != "grad_accum"] + ["--grad_accum", str(grad_accum)]
+    return yaml, [*flags, "--batch_size", str(global_batch // (grad_accum * strategy_of(name).data_parallel_size))]
+
+
+
+# The transformer of the strategy matrix: the recipe's real defaults (Llama, tied embeddings, weight decay 0.01),
+# fewer and smaller steps.
+LM = ["--recipe", "tiny_transformer", "--max_steps", "8", "--eval_every", "0", "--hidden", "64", "--layers", "2",
+      "--seq_len", "64", "--warmup_steps", "2"]
+
+
+@pytest.fixture(scope="session")
+def lm_reference(tmp_path_factory):
+    """LM on one process, micro-batch 8: every config's global batch."""
+    return launch(tmp_path_factory.mktemp("lm") / "ref", *LM, "--batch_size", "8").check()
+
+
+@pytest.fixture(scope="session")
+def lm_runs(tmp_path_factory):
+    """lm_runs(config): LM under a shipped config or a flag strategy, global batch 8, a checkpoint at step 5;
+    launched on first use and shared by every module that reads it (tests/test_strategies.py,
+    tests/test_tensor_parallel.py)."""
+    done: dict[str, Run] = {}
+
+    def run(name: str) -> Run:
+        if name not in done:
+            yaml, flags = entry(name, 8)
+            done[name] = launch(tmp_path_factory.mktemp(f"lm-{name}") / "out", *LM, *flags, "--save_every", "5",
+                                config=yaml).check()
+        return done[name]
+
+    return run
 
 
 def write_yaml(tmp_path, base: str, json_text: str | None = None, **changes: str):

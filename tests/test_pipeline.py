@@ -2,8 +2,10 @@
 composes with data parallelism, resumes exactly, reports its bubble and what each stage holds, and a model or launch it
 cannot split is refused before anything is built.
 
-The tiny transformer with its real defaults (Llama, tied embeddings, weight decay 0.01), 4 layers so that the
-interleaved schedule has a layer per stage; global batch 8 everywhere, as in the one-process reference.
+The strategy matrix's transformer (conftest's LM: the recipe's real defaults, Llama, tied embeddings, weight decay
+0.01; global batch 8 as in its one-process reference); 1F1B is the matrix's own run (lm_runs("pipeline")). The
+interleaved schedule puts two stages on each process, so it runs the same model with 4 layers, against its own
+reference.
 """
 
 from __future__ import annotations
@@ -11,33 +13,43 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import PARITY_BOUND, ROOT, launch, max_rel_diff
+from conftest import LM, PARITY_BOUND, ROOT, entry, launch, max_rel_diff
 from trainkit.strategies.pipeline import balanced_cuts
 
-LM = ["--recipe", "tiny_transformer", "--max_steps", "8", "--eval_every", "0", "--hidden", "64", "--layers", "4",
-      "--seq_len", "64", "--warmup_steps", "2"]
 DDP = str(ROOT / "accelerate_configs" / "ddp.yaml")
+LM4 = [*LM, "--layers", "4"]  # interleaved: 4 stages on 2 processes, a layer each
 
-# name: (processes, flags); batch_size x grad_accum x replicas = 8
+# name: (processes, flags, 4 layers); batch_size x grad_accum x replicas = 8
 SCHEDULES = {
-    "1f1b": (2, ["--pipeline_stages", "2", "--batch_size", "4", "--grad_accum", "2", "--save_every", "5"]),
+    "1f1b": (2, entry("pipeline", 8)[1], False),
     "interleaved": (2, ["--pipeline_stages", "2", "--pipeline_schedule", "interleaved", "--batch_size", "2",
-                        "--grad_accum", "4"]),
-    "naive": (2, ["--pipeline_stages", "2", "--pipeline_schedule", "gpipe", "--batch_size", "8", "--grad_accum", "1"]),
-    "2x2_data_parallel": (4, ["--pipeline_stages", "2", "--batch_size", "2", "--grad_accum", "2"]),
+                        "--grad_accum", "4"], True),
+    "naive": (2, ["--pipeline_stages", "2", "--pipeline_schedule", "gpipe", "--batch_size", "8", "--grad_accum", "1"],
+              False),
+    "2x2_data_parallel": (4, ["--pipeline_stages", "2", "--batch_size", "2", "--grad_accum", "2"], False),
 }
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    return launch(tmp_path_factory.mktemp("pp") / "ref", *LM, "--batch_size", "8").check()
+def lm4_reference(tmp_path_factory):
+    return launch(tmp_path_factory.mktemp("pp") / "ref4", *LM4, "--batch_size", "8").check()
+
+
+@pytest.fixture
+def reference(request, lm_reference):
+    """The one-process run for this test's pipeline run (4 layers only for the interleaved schedule)."""
+    name = request.getfixturevalue("pipeline_run")[0]
+    return request.getfixturevalue("lm4_reference") if SCHEDULES[name][2] else lm_reference
 
 
 @pytest.fixture(scope="module", params=list(SCHEDULES))
-def pipeline_run(request, tmp_path_factory):
-    processes, flags = SCHEDULES[request.param]
+def pipeline_run(request, tmp_path_factory, lm_runs):
+    if request.param == "1f1b":  # the strategy matrix's run (tests/test_strategies.py), with its step-5 checkpoint
+        return request.param, lm_runs("pipeline")
+    processes, flags, four_layers = SCHEDULES[request.param]
     out = tmp_path_factory.mktemp(f"pp-{request.param}") / "out"
-    return request.param, launch(out, *LM, *flags, config=DDP, extra_launch=("--num_processes", str(processes)))
+    return request.param, launch(out, *(LM4 if four_layers else LM), *flags, config=DDP,
+                                 extra_launch=("--num_processes", str(processes)))
 
 
 
@@ -83,9 +95,8 @@ def test_resumes_exactly_and_exports_the_whole_model(pipeline_run, tmp_path):
     from transformers import AutoModelForCausalLM
 
     name, run = pipeline_run
-    processes, flags = SCHEDULES[name]
-    resumed = launch(tmp_path / "resumed", *LM, *flags, "--resume", str(run.output_dir / "checkpoints" / "step_5"),
-                     config=DDP, extra_launch=("--num_processes", str(processes))).check()
+    resumed = launch(tmp_path / "resumed", *LM, *SCHEDULES[name][1], "--resume",
+                     str(run.output_dir / "checkpoints" / "step_5"), config=DDP).check()
     assert [m["step"] for m in resumed.metrics] == [6, 7, 8] and resumed.losses == run.losses[5:]
     model = AutoModelForCausalLM.from_pretrained(run.output_dir / "final")
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()  # still tied

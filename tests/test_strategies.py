@@ -19,44 +19,34 @@ import pytest
 import torch
 from safetensors.torch import load_model
 
-from conftest import PARITY_BOUND, ROOT, TEST_ENV, assert_refused, launch, max_rel_diff, write_yaml, zero2_json
+from conftest import (
+    FLAG_STRATEGIES,
+    LAUNCHES,
+    LM,
+    PARITY_BOUND,
+    ROOT,
+    TEST_ENV,
+    assert_refused,
+    entry,
+    launch,
+    max_rel_diff,
+    strategy_of,
+    write_yaml,
+    zero2_json,
+)
 from trainkit.compare import main as compare_main
 from trainkit.estimate import meta_model
 from trainkit.launch import shipped_configs
 from trainkit.recipes import load_recipe
-from trainkit.strategies import REGISTRY, for_launch, shipped_strategies
+from trainkit.strategies import REGISTRY, shipped_strategies
 
 pytestmark = pytest.mark.slow
 
 ZOO_PATHS = [str(ROOT / "tests" / "zoo" / f"{name}.py") for name in ("vision_moe", "tied_rnn_lm")]
-# Strategies that flags select on a data-parallel YAML rather than a YAML of their own (docs/model-parallelism.md):
-# name -> (YAML, config fields).
-FLAG_STRATEGIES = {"pipeline": ("ddp", {"pipeline_stages": 2, "grad_accum": 2})}
-LAUNCHES = {**shipped_strategies(), **{name: shipped_configs()[yaml] for name, (yaml, _) in FLAG_STRATEGIES.items()}}
-
-
-def strategy_of(name: str, recipe: str = "tiny_transformer"):
-    """What a shipped config or a flag strategy runs (made at plan time, nothing built)."""
-    fields = FLAG_STRATEGIES[name][1] if name in FLAG_STRATEGIES else {}
-    launch = LAUNCHES[name] if name in LAUNCHES else shipped_configs()[name]
-    return for_launch(launch, load_recipe(recipe).Config(**fields), {}, load_recipe(recipe))
-
-
-def entry(name: str, global_batch: int, grad_accum: int = 1) -> tuple[str, list[str]]:
-    """(YAML, flags) that run a matrix entry with this global batch: the micro-batch shrinks as the data-parallel
-    size grows; a flag strategy brings its own flags (and accumulation)."""
-    yaml, fields = FLAG_STRATEGIES.get(name, (name, {}))
-    grad_accum = fields.get("grad_accum", grad_accum)
-    flags = [f"--{k}={v}" for k, v in fields.items() if k != "grad_accum"] + ["--grad_accum", str(grad_accum)]
-    return yaml, [*flags, "--batch_size", str(global_batch // (grad_accum * strategy_of(name).data_parallel_size))]
-
-
 CONFIGS = sorted(name for name in shipped_strategies() if not strategy_of(name).splits_model)  # train every model
 MODEL_SPLITTING = sorted(name for name in LAUNCHES if strategy_of(name).splits_model)  # the transformer only
 # The recipes' real defaults (AdamW, the MLP's weight decay 0, the transformer's 0.01), fewer and smaller steps.
 MLP = ["--recipe", "mlp", "--max_steps", "12", "--eval_every", "0", "--warmup_steps", "2"]
-LM = ["--recipe", "tiny_transformer", "--max_steps", "8", "--eval_every", "0", "--hidden", "64", "--layers", "2",
-      "--seq_len", "64", "--warmup_steps", "2"]
 # GPT-2 style with dropout on: a resume must also restore every rank's RNG (no parity: each rank draws its own masks).
 LM_DROPOUT = ["--recipe", "tiny_transformer", "--max_steps", "10", "--eval_every", "0", "--hidden", "64",
               "--layers", "2", "--seq_len", "64", "--arch", "gpt2", "--dropout", "0.1"]
@@ -73,11 +63,6 @@ def mlp_reference(tmp_path_factory):
     return launch(tmp_path_factory.mktemp("mlp") / "ref", *MLP, "--batch_size", "16").check()
 
 
-@pytest.fixture(scope="module")
-def lm_reference(tmp_path_factory):
-    return launch(tmp_path_factory.mktemp("lm") / "ref", *LM, "--batch_size", "8").check()
-
-
 @pytest.fixture(scope="module", params=CONFIGS)
 def mlp_run(request, tmp_path_factory):
     """Global batch 16 as accumulation 2 (2 processes x micro-batch 4), a checkpoint every 5 steps."""
@@ -86,20 +71,26 @@ def mlp_run(request, tmp_path_factory):
     return request.param, launch(out, *MLP, *flags, "--save_every", "5", config=yaml).check()
 
 
-@pytest.fixture(scope="module", params=CONFIGS + MODEL_SPLITTING)
-def lm_run(request, tmp_path_factory):
-    out = tmp_path_factory.mktemp(f"lm-{request.param}") / "out"
-    yaml, flags = entry(request.param, 8)
-    return request.param, launch(out, *LM, *flags, config=yaml).check()
+@pytest.fixture(params=CONFIGS + MODEL_SPLITTING)
+def lm_run(request, lm_runs):
+    return request.param, lm_runs(request.param)
 
 
-def most_demanding_of_each_strategy() -> list[str]:
-    """Per registered strategy class, its config that shards and offloads the most (highest speed_rank)."""
+def most_demanding_of_each(key, names: list[str]) -> list[str]:
+    """Per group of configs (by `key` of their strategy), the one that shards and offloads the most (speed_rank)."""
     best = {}
-    for name in LAUNCHES:
+    for name in names:
         strategy = strategy_of(name)
-        best[type(strategy)] = max(best.get(type(strategy), (-1, "")), (strategy.speed_rank, name))
+        best[key(strategy)] = max(best.get(key(strategy), (-1, "")), (strategy.speed_rank, name))
     return sorted(name for _, name in best.values())
+
+
+# Restoring every rank's RNG and data position is the checkpointer's work, the same for every strategy; what differs
+# is the checkpoint format each strategy writes. Exact resume is checked under every config with the MLP (and the
+# transformer for the model-splitting ones, tests/test_tensor_parallel.py, tests/test_pipeline.py); with dropout and
+# with the zoo's models, once per checkpoint format (its most demanding config) and per strategy class respectively.
+PER_FORMAT = most_demanding_of_each(lambda s: s.checkpoint_format, sorted(LAUNCHES))
+PER_CLASS = most_demanding_of_each(type, CONFIGS)
 
 
 def dropout_args(name: str) -> list[str]:
@@ -111,10 +102,9 @@ def dropout_args(name: str) -> list[str]:
     return [*LM_DROPOUT, *entry(name, 8)[1], *([] if cuts_gpt2 else ["--arch", "llama"])]
 
 
-@pytest.fixture(scope="module", params=most_demanding_of_each_strategy())
+@pytest.fixture(scope="module", params=PER_FORMAT)
 def lm_dropout_run(request, tmp_path_factory):
-    """Restoring every rank's RNG is the checkpointer's work, the same under every strategy: one config per
-    strategy class proves it (the others' exact resume is shown with the MLP and the zoo models)."""
+    """Every rank's RNG comes back with the checkpoint: once per checkpoint format."""
     out = tmp_path_factory.mktemp(f"lmd-{request.param}") / "out"
     return request.param, launch(out, *dropout_args(request.param), "--save_every", "5",
                                  config=entry(request.param, 8)[0]).check()
@@ -194,6 +184,7 @@ def test_transformer_export_loads_with_transformers(lm_run):
 
     _, run = lm_run
     model = AutoModelForCausalLM.from_pretrained(run.output_dir / "final")
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied, however the run cut the model
     recipe = load_recipe("tiny_transformer")
     cfg = recipe.Config(**{name: run.resolved[name] for name in ("hidden", "layers", "seq_len")})
     _, held_out = recipe.build_datasets(cfg, Path(TEST_ENV["TRAINKIT_CACHE"]))
@@ -211,16 +202,6 @@ def test_transformer_with_dropout_resumes_exactly(lm_dropout_run, tmp_path):
     assert resumed.losses == run.losses[5:]
 
 
-@pytest.mark.parametrize("config", CONFIGS)
-def test_bf16_trains_within_tolerance(mlp_reference, run_dir, config):
-    """bf16 rounds (8 mantissa bits): measured up to 7.4e-3 relative over 20 steps; the bound is 5e-2."""
-    yaml, flags = entry(config, 16)
-    run = launch(run_dir(config), *MLP, *flags, config=yaml, extra_launch=("--mixed_precision", "bf16")).check()
-    assert run.resolved["mixed_precision"] == "bf16"
-    assert run.losses != mlp_reference.losses  # really ran in bf16
-    assert max_rel_diff(run.losses, mlp_reference.losses) <= 5e-2
-
-
 IMAGE = ["--recipe", "image_classifier", "--max_steps", "12", "--eval_every", "0", "--warmup_steps", "2"]
 
 
@@ -230,14 +211,18 @@ def image_reference(tmp_path_factory):
 
 
 @pytest.mark.parametrize("config", CONFIGS)
-def test_image_classifier_matches_one_process_and_its_accuracy(image_reference, run_dir, config):
-    """The third shipped recipe under every config: the curve, and eval_accuracy summed over the ranks' held-out
-    samples (a tie that rounding breaks the other way may move it by one sample of the 128)."""
+def test_image_classifier_in_bf16_follows_one_process_and_its_accuracy(image_reference, run_dir, config):
+    """The third shipped recipe under every config, in bf16: 8 mantissa bits, so against the fp32 one-process curve
+    (measured up to 7.0e-3 relative over its 12 steps under DDP, ZeRO-2, ZeRO-3 offload and FSDP; the bound is
+    5e-2), and eval_accuracy summed over every rank's held-out samples (bf16 may flip a borderline prediction: one
+    of the 128 measured, three allowed). fp32 parity of convolutions is the zoo's vision_moe below."""
     yaml, flags = entry(config, 32)
-    run = launch(run_dir(config), *IMAGE, *flags, config=yaml).check()
-    assert max_rel_diff(run.losses, image_reference.losses) <= PARITY_BOUND
+    run = launch(run_dir(config), *IMAGE, *flags, config=yaml, extra_launch=("--mixed_precision", "bf16")).check()
+    assert run.resolved["mixed_precision"] == "bf16"
+    assert run.losses != image_reference.losses  # really ran in bf16
+    assert max_rel_diff(run.losses, image_reference.losses) <= 5e-2
     assert run.metrics[-1]["eval_accuracy"] == pytest.approx(image_reference.metrics[-1]["eval_accuracy"],
-                                                             abs=1.01 / 128)
+                                                             abs=3.01 / 128)
 
 
 def assert_estimate_within_10_percent(run) -> None:
@@ -255,20 +240,11 @@ def test_one_process_runs_a_sharded_config_like_single(mlp_reference, run_dir, c
     assert max_rel_diff(run.losses, mlp_reference.losses) <= PARITY_BOUND
 
 
-def test_sharded_strategies_hold_less_state(run_dir):
-    """ZeRO-3 and FSDP hold at most 0.6 of DDP's model-state bytes per rank, measured on 4 processes.
-
-    On 2 processes ZeRO-3 holds 0.63 of DDP in fp32 (its fp32 master partition comes on top of 16 bytes/param / 2),
-    which is why this is measured on 4: FSDP 0.25, ZeRO-3 0.31 there.
-    """
-    held = {}
-    for config in ("ddp", "fsdp", "deepspeed_zero3"):
-        run = launch(run_dir(config), *MLP, "--batch_size", "4", "--max_steps", "2", config=config,
-                     extra_launch=("--num_processes", "4")).check()
-        assert run.resolved["world_size"] == 4
-        held[config] = run.metrics[-1]["state_bytes"]
-        assert_estimate_within_10_percent(run)
-    assert held["fsdp"] <= 0.6 * held["ddp"] and held["deepspeed_zero3"] <= 0.6 * held["ddp"], held
+def test_sharded_strategies_hold_less_state(lm_runs):
+    """What rank 0 held, measured on the matrix's transformer runs (2 processes): FSDP2 half of DDP's model state,
+    ZeRO-3 0.625 of it (its fp32 master partition comes on top of 16 bytes/param / 2), each within 5 % of that."""
+    held = {config: lm_runs(config).metrics[-1]["state_bytes"] for config in ("ddp", "fsdp", "deepspeed_zero3")}
+    assert held["fsdp"] <= 0.525 * held["ddp"] and held["deepspeed_zero3"] <= 0.66 * held["ddp"], held
 
 
 def test_deepspeed_without_a_gradient_norm_trains(run_dir, tmp_path):
@@ -339,7 +315,11 @@ def test_zoo_model_matches_one_process(zoo_run, zoo_references):
     assert max_rel_diff(run.losses, reference.losses) <= PARITY_BOUND
 
 
+@pytest.mark.parametrize("zoo_run", [(model, config) for model in ZOO for config in PER_CLASS], indirect=True,
+                         ids="-".join)
 def test_zoo_model_resumes_exactly(zoo_run, tmp_path):
+    """Experts that sit out steps (optimizer state that starts late), tied and frozen parameters: once per strategy
+    class (PER_CLASS; every config's own exact resume is the MLP's)."""
     model, config, run = zoo_run
     yaml, flags = entry(config, 16)
     resumed = launch(tmp_path / "out", "--recipe", str(ZOO[model]), *flags, "--resume",

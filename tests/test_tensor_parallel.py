@@ -1,75 +1,45 @@
 """Tensor parallelism, FSDP2 + TP and HSDP from Accelerate's parallelism_config (trainkit/strategies/mesh.py).
 
-Launched (slow): each shipped mesh YAML trains the tiny transformer like one process at the same global batch,
-resumes exactly, exports a model transformers loads, and holds what the estimator predicts; a tensor-parallel
-checkpoint resumes under DDP; an MLP whose recipe declares a plan trains like one process. In process (quick): the
+Launched (slow): each shipped mesh YAML trains the tiny transformer like one process at the same global batch, with
+its gradient norms, resumes exactly, and holds its share of the model (final/ is checked with every other config's in
+tests/test_strategies.py, which launches the same runs: conftest's lm_runs); a tensor-parallel checkpoint resumes
+under DDP; an MLP whose recipe declares a plan trains like one process. In process (quick): the
 launch reads the sizes as `accelerate launch` passes them, the registry picks the strategy, the gradient clip and
 AdamW over parameters on different meshes equal torch's, and what cannot run is refused before start, naming the fix.
-One launched run per config, shared by the tests that read it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import PARITY_BOUND, ROOT, TEST_ENV, assert_refused, launch, max_rel_diff, write_yaml
+from conftest import LM, PARITY_BOUND, ROOT, assert_refused, entry, launch, max_rel_diff, write_yaml
 from trainkit.launch import Launch, shipped_configs
 from trainkit.recipes import load_recipe
 from trainkit.strategies import for_launch
 from trainkit.strategies.fsdp import FSDP2
 from trainkit.strategies.mesh import HybridShard, TensorParallel
 
-# The recipe's real defaults (Llama, weight decay 0.01, tied embeddings), fewer and smaller steps: as
-# tests/test_strategies.py runs every other strategy.
-LM = ["--recipe", "tiny_transformer", "--max_steps", "8", "--eval_every", "0", "--hidden", "64", "--layers", "2",
-      "--seq_len", "64", "--warmup_steps", "2"]
-GLOBAL_BATCH = 8
-# config -> (dp_replicate, dp_shard, tp); the micro-batch is the global batch over the data-parallel size
+# config -> (dp_replicate, dp_shard, tp). The runs are the strategy matrix's (conftest's lm_runs: the transformer with
+# its real defaults, global batch 8, a checkpoint at step 5), shared with tests/test_strategies.py.
 MESHES = {"tp": (1, 1, 2), "fsdp_tp": (1, 2, 2), "hsdp": (2, 2, 1)}
 # The share of one process's model state a rank holds (tiny transformer, hidden 64, 2 layers): tp cuts the layers'
 # two thirds of the parameters in half; fsdp_tp shards that over 2; hsdp halves everything.
 SHARES = {"tp": 0.67, "fsdp_tp": 0.34, "hsdp": 0.5}
 
 
-def micro_batch(config: str) -> int:
-    replicate, shard, _ = MESHES[config]
-    return GLOBAL_BATCH // (replicate * shard)
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    return launch(tmp_path_factory.mktemp("lm") / "ref", *LM, "--batch_size", str(GLOBAL_BATCH)).check()
-
-
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """runs(config): the config's run with a checkpoint at step 5, launched on first use."""
-    done = {}
-
-    def run(config: str):
-        if config not in done:
-            out = tmp_path_factory.mktemp(config) / "out"
-            done[config] = launch(out, *LM, "--batch_size", str(micro_batch(config)), "--save_every", "5",
-                                  config=config).check()
-        return done[config]
-
-    return run
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("config", sorted(MESHES))
-def test_trains_like_one_process_and_holds_its_share(runs, reference, config):
-    run = runs(config)
+def test_trains_like_one_process_and_holds_its_share(lm_runs, lm_reference, config):
+    run, reference = lm_runs(config), lm_reference
     resolved = run.resolved
     replicate, shard, tp = MESHES[config]
     assert (resolved["dp_replicate"], resolved["dp_shard"], resolved["tp"]) == MESHES[config]
     assert resolved["strategy"] == ("tp" if tp > 1 else "hsdp") and resolved["world_size"] == replicate * shard * tp
-    assert resolved["global_batch_size"] == GLOBAL_BATCH and resolved["data_parallel_size"] == replicate * shard
+    assert resolved["global_batch_size"] == 8 and resolved["data_parallel_size"] == replicate * shard
     assert resolved["weight_decay"] == 0.01 and resolved["arch"] == "llama" and resolved["tie_embeddings"]
     assert len(set(reference.losses)) == 8 and max_rel_diff(run.losses, reference.losses) <= PARITY_BOUND
     norms, reference_norms = [m["grad_norm"] for m in run.metrics], [m["grad_norm"] for m in reference.metrics]
@@ -80,40 +50,22 @@ def test_trains_like_one_process_and_holds_its_share(runs, reference, config):
     assert "redistributing" not in run.stderr  # trainkit/quiet.py: DTensor's two-step gather note
 
 
+# hsdp.yaml resumes in tests/test_strategies.py with every other data-parallel config (the MLP, the zoo).
 @pytest.mark.slow
-@pytest.mark.parametrize("config", sorted(MESHES))
-def test_resumes_exactly(runs, config, tmp_path):
-    run = runs(config)
-    resumed = launch(tmp_path / "out", *LM, "--batch_size", str(micro_batch(config)), "--resume",
+@pytest.mark.parametrize("config", ["tp", "fsdp_tp"])
+def test_resumes_exactly(lm_runs, config, tmp_path):
+    run = lm_runs(config)
+    resumed = launch(tmp_path / "out", *LM, *entry(config, 8)[1], "--resume",
                      str(run.output_dir / "checkpoints" / "step_5"), config=config).check()
     assert [m["step"] for m in resumed.metrics] == [6, 7, 8]
     assert resumed.losses == run.losses[5:]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config", sorted(MESHES))
-def test_export_loads_with_transformers(runs, config):
-    """final/ is the whole model (slices and shards gathered), with its tied embeddings, and its held-out loss is
-    the one the run measured at its last step."""
-    from transformers import AutoModelForCausalLM
-
-    run = runs(config)
-    model = AutoModelForCausalLM.from_pretrained(run.output_dir / "final")
-    assert model.lm_head.weight is model.model.embed_tokens.weight
-    recipe = load_recipe("tiny_transformer")
-    cfg = recipe.Config(**{name: run.resolved[name] for name in ("hidden", "layers", "seq_len")})
-    _, held_out = recipe.build_datasets(cfg, Path(TEST_ENV["TRAINKIT_CACHE"]))
-    ids = held_out[: run.resolved["eval_batches"] * run.resolved["global_batch_size"]]["input_ids"]
-    with torch.no_grad():
-        reloaded = model(input_ids=ids, labels=ids).loss.item()
-    assert reloaded == pytest.approx(run.metrics[-1]["eval_loss"], rel=1e-5)
-
-
-@pytest.mark.slow
-def test_a_tensor_parallel_checkpoint_resumes_under_ddp(runs, tmp_path):
+def test_a_tensor_parallel_checkpoint_resumes_under_ddp(lm_runs, tmp_path):
     """torch.distributed.checkpoint gathers the slices into DDP's whole parameters: model and optimizer state."""
-    run = runs("tp")
-    resumed = launch(tmp_path / "out", *LM, "--batch_size", str(GLOBAL_BATCH // 2), "--resume",
+    run = lm_runs("tp")
+    resumed = launch(tmp_path / "out", *LM, *entry("ddp", 8)[1], "--resume",
                      str(run.output_dir / "checkpoints" / "step_5"), config="ddp").check()
     assert resumed.resolved["strategy"] == "ddp" and "resumed from" in resumed.stderr
     assert "optimizer state starts fresh" not in resumed.stderr
