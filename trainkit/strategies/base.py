@@ -213,7 +213,8 @@ class Strategy:
                 loss = loss_fn(model, self.cast_batch(batch))
                 loss_sum += loss.detach().float()
                 accelerator.backward(loss)
-        loss_value, stop, grad_norm = self.agree(loss_sum / len(micro_batches), stop_requested, self.clip_grad_norm())
+        loss_value, stop, grad_norm, _ = self.agree(loss_sum / len(micro_batches), stop_requested,
+                                                    self.clip_grad_norm())
         finite.loss(step, loss_value)
         finite.grad_norm(step, grad_norm)
         return self.optimizer_step(loss_value, grad_norm, stop)
@@ -238,16 +239,23 @@ class Strategy:
         """Clip to max_grad_norm (0: no clipping) and return the total norm before clipping, on the device."""
         return self.accelerator.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm or float("inf"))
 
-    def agree(self, loss: torch.Tensor, stop_requested: bool,
-              grad_norm: torch.Tensor | None = None) -> tuple[float, bool, float | None]:
-        """The mean loss over all ranks and whether any rank asked to stop: one collective, then one transfer to the
-        host that also brings the gradient norm."""
-        local = torch.cat([loss.reshape(1), torch.tensor([float(stop_requested)], device=loss.device)])
-        summed = self.accelerator.reduce(local, "sum")
+    def agree(self, loss: torch.Tensor, stop_requested: bool, grad_norm: torch.Tensor | None = None,
+              extra: torch.Tensor | None = None) -> tuple[float, bool, float | None, list[float]]:
+        """The mean loss over the ranks that hold one, whether any rank asked to stop, and the sum over all ranks of
+        a strategy's own numbers (`extra`): one collective, then one transfer to the host that also brings the
+        gradient norm."""
+        parts = [loss.reshape(1), torch.tensor([float(stop_requested)], device=loss.device)]
+        summed = self.accelerator.reduce(torch.cat(parts if extra is None else [*parts, extra]), "sum")
         values = torch.cat([summed, grad_norm.detach().reshape(1).float()]) if grad_norm is not None else summed
         numbers = values.tolist()
-        return (numbers[0] / self.accelerator.num_processes, numbers[1] > 0,
-                numbers[2] if grad_norm is not None else None)
+        end = len(summed)
+        return (numbers[0] / self.loss_holders, numbers[1] > 0, numbers[end] if grad_norm is not None else None,
+                numbers[2:end])
+
+    @property
+    def loss_holders(self) -> int:
+        """How many ranks compute a loss each step (all of them, unless the strategy splits the model in depth)."""
+        return self.accelerator.num_processes
 
     def optimizer_step(self, loss: float, grad_norm: float | None, stop: bool) -> StepResult:
         lr = self.scheduler.get_last_lr()[0]

@@ -179,7 +179,7 @@ class DeepSpeed(Strategy):
                 loss = loss_fn(model, self.cast_batch(batch))
                 loss_sum += loss.detach().float()
                 if i == len(micro_batches) - 1:
-                    loss_value, stop, _ = self.agree(loss_sum / len(micro_batches), stop_requested)
+                    loss_value, stop, _, _ = self.agree(loss_sum / len(micro_batches), stop_requested)
                     finite.loss(step, loss_value)
                 accelerator.backward(loss)
         # None when the JSON turns the norm's computation off (compute_grad_norm: false, allowed without clipping).

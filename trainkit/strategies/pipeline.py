@@ -236,7 +236,8 @@ class Pipeline(Strategy):
         loss = torch.stack(losses).float().mean().reshape(1) if self.last else torch.zeros(1, device=inputs.device)
         idle = torch.zeros(self.stages, device=inputs.device)
         idle[self.pp_rank] = max(0.0, 1.0 - self.busy[0] / elapsed) if elapsed > 0 else 0.0
-        loss_value, stop, grad_norm, idle_per_stage = self._agree(loss, stop_requested, self.clip_grad_norm(), idle)
+        loss_value, stop, grad_norm, idle_sums = self.agree(loss, stop_requested, self.clip_grad_norm(), idle)
+        idle_per_stage = [x / self.data_parallel_size for x in idle_sums]  # the mean over the replicas
         finite.loss(step, loss_value)
         finite.grad_norm(step, grad_norm)
         result = self.optimizer_step(loss_value, grad_norm, stop)
@@ -301,15 +302,9 @@ class Pipeline(Strategy):
             torch.nn.utils.clip_grads_with_norm_(params, self.cfg.max_grad_norm, norm)
         return norm
 
-    def _agree(self, loss: torch.Tensor, stop_requested: bool, grad_norm: torch.Tensor,
-               idle: torch.Tensor) -> tuple[float, bool, float, list[float]]:
-        """The loss (held by the last stage of each replica), the stop signal and each stage's idle fraction, summed
-        over every process in one collective."""
-        local = torch.cat([loss, torch.tensor([float(stop_requested)], device=loss.device), idle])
-        dist.all_reduce(local)
-        numbers = torch.cat([local, grad_norm.detach().reshape(1).float()]).tolist()
-        dp = self.data_parallel_size
-        return numbers[0] / dp, numbers[1] > 0, numbers[-1], [x / dp for x in numbers[2:-1]]
+    @property
+    def loss_holders(self) -> int:
+        return self.data_parallel_size  # the last stage of each replica; the others agree with a loss of 0
 
     def evaluate(self, batches: Iterator, loss_fn: LossFn, metrics_fn: MetricsFn) -> dict[str, float]:
         """eval_loss through the pipeline, forward only, grad_accum micro-batches at a time (the recipe's other
