@@ -247,3 +247,12 @@ def test_gradient_clipping_and_adamw_over_parameters_on_different_meshes():
             assert torch.allclose(p.full_tensor(), q, rtol=1e-5, atol=1e-7), name
     finally:
         dist.destroy_process_group()
+
+
+def test_the_compare_tool_gives_each_mesh_the_reference_global_batch():
+    """python -m trainkit.compare: the micro-batch follows the data-parallel size, and a YAML whose parallelism
+    sizes fix its process count runs with that count (not --num_processes)."""
+    from trainkit.compare import split_for
+
+    assert {c: split_for(c, "tiny_transformer", 2, 16, 1) for c in ("ddp", "tp", "fsdp_tp", "hsdp")} == \
+        {"ddp": (2, 8), "tp": (2, 16), "fsdp_tp": (4, 8), "hsdp": (4, 4)}

@@ -4,13 +4,16 @@
     python -m trainkit.compare --recipe tiny_transformer --configs ddp,fsdp --mixed_precision bf16 -- --hidden 64
 
 The reference is one process without a launcher whose micro-batch is the whole global batch of the others
-(batch_size x grad_accum x num_processes), so every run sees the same global batches (the data-order invariant).
+(batch_size x grad_accum x num_processes), so every run sees the same global batches (the data-order invariant). A
+config whose processes split the model (tp.yaml: both see the same samples) gets the micro-batch that keeps that
+global batch, and one whose parallelism sizes fix its process count (fsdp_tp.yaml, hsdp.yaml) runs with that count.
 Prints each config's max relative loss difference per step and writes the curves to a PNG.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -20,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainkit.data import global_batch_size
-from trainkit.launch import config_path
+from trainkit.launch import Launch, config_path
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -106,6 +109,19 @@ def plot(curves: list[Run], path: Path, title: str):
     return fig
 
 
+def split_for(config: str, recipe: str, num_processes: int, global_batch: int, grad_accum: int) -> tuple[int, int]:
+    """(processes, micro-batch) that run `config` on the reference's global batch."""
+    from trainkit.recipes import load_recipe
+    from trainkit.strategies import for_launch
+
+    loaded = load_recipe(recipe)
+    launch = Launch.from_yaml(config_path(config))
+    strategy = for_launch(dataclasses.replace(launch, world_size=num_processes), loaded.Config(), {}, loaded)
+    if strategy.check():  # the YAML's parallelism sizes fix its process count
+        num_processes, strategy = launch.world_size, for_launch(launch, loaded.Config(), {}, loaded)
+    return num_processes, global_batch // (grad_accum * strategy.data_parallel_size)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipe", required=True)
@@ -134,9 +150,10 @@ def main(argv: list[str] | None = None) -> int:
         failed = False
         for i, config in enumerate(args.configs.split(",")):
             precision = ("--mixed_precision", args.mixed_precision) if args.mixed_precision else ()
+            processes, micro_batch = split_for(config, args.recipe, args.num_processes, global_batch, args.grad_accum)
             curve = run_config(config, Path(tmp) / f"{i}_{Path(config).stem}",
-                               ["--recipe", args.recipe, "--batch_size", str(args.batch_size), "--grad_accum",
-                                str(args.grad_accum), *common], args.num_processes, precision)
+                               ["--recipe", args.recipe, "--batch_size", str(micro_batch), "--grad_accum",
+                                str(args.grad_accum), *common], processes, precision)
             if curve.returncode != 0:
                 failed = True
                 errors = [line for line in curve.stderr.splitlines() if line.startswith("error:")]
