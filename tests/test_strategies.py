@@ -88,9 +88,9 @@ def most_demanding_of_each(key, names: list[str]) -> list[str]:
 # Restoring every rank's RNG and data position is the checkpointer's work, the same for every strategy; what differs
 # is the checkpoint format each strategy writes. Exact resume is checked under every config with the MLP (and the
 # transformer for the model-splitting ones, tests/test_tensor_parallel.py, tests/test_pipeline.py); with dropout and
-# with the zoo's models, once per checkpoint format (its most demanding config) and per strategy class respectively.
+# with the zoo's models, once per checkpoint format, under its most demanding config.
 PER_FORMAT = most_demanding_of_each(lambda s: s.checkpoint_format, sorted(LAUNCHES))
-PER_CLASS = most_demanding_of_each(type, CONFIGS)
+ZOO_PER_FORMAT = most_demanding_of_each(lambda s: s.checkpoint_format, CONFIGS)
 
 
 def dropout_args(name: str) -> list[str]:
@@ -315,11 +315,11 @@ def test_zoo_model_matches_one_process(zoo_run, zoo_references):
     assert max_rel_diff(run.losses, reference.losses) <= PARITY_BOUND
 
 
-@pytest.mark.parametrize("zoo_run", [(model, config) for model in ZOO for config in PER_CLASS], indirect=True,
+@pytest.mark.parametrize("zoo_run", [(model, config) for model in ZOO for config in ZOO_PER_FORMAT], indirect=True,
                          ids="-".join)
 def test_zoo_model_resumes_exactly(zoo_run, tmp_path):
-    """Experts that sit out steps (optimizer state that starts late), tied and frozen parameters: once per strategy
-    class (PER_CLASS; every config's own exact resume is the MLP's)."""
+    """Experts that sit out steps (optimizer state that starts late), tied and frozen parameters: once per checkpoint
+    format (ZOO_PER_FORMAT; every config's own exact resume is the MLP's)."""
     model, config, run = zoo_run
     yaml, flags = entry(config, 16)
     resumed = launch(tmp_path / "out", "--recipe", str(ZOO[model]), *flags, "--resume",
