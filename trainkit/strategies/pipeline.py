@@ -388,19 +388,18 @@ def timed_stage() -> type:
             super().__init__(*args, **kwargs)
             self.busy = busy
 
-        def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        def _timed(self, compute: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
             started = time.perf_counter()
             try:
-                return super().forward_one_chunk(*args, **kwargs)
+                return compute(*args, **kwargs)
             finally:
                 self.busy[0] += time.perf_counter() - started
 
+        def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+            return self._timed(super().forward_one_chunk, *args, **kwargs)
+
         def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-            started = time.perf_counter()
-            try:
-                return super().backward_one_chunk(*args, **kwargs)
-            finally:
-                self.busy[0] += time.perf_counter() - started
+            return self._timed(super().backward_one_chunk, *args, **kwargs)
 
     return TimedStage
 
