@@ -7,7 +7,8 @@ The reference is one process without a launcher whose micro-batch is the whole g
 (batch_size x grad_accum x num_processes), so every run sees the same global batches (the data-order invariant). A
 config whose processes split the model (tp.yaml: both see the same samples) gets the micro-batch that keeps that
 global batch, and one whose parallelism sizes fix its process count (fsdp_tp.yaml, hsdp.yaml) runs with that count.
-Prints each config's max relative loss difference per step and writes the curves to a PNG.
+Prints each config's max relative loss difference per step and writes the curves to a PNG (trainkit/plot.py's
+panels, with each config's relative difference from the reference on a log scale).
 """
 
 from __future__ import annotations
@@ -22,8 +23,12 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from matplotlib.figure import Figure
+
 from trainkit.data import global_batch_size
+from trainkit.errors import ConfigError
 from trainkit.launch import Launch, config_path
+from trainkit.plot import RunCurves, plot_runs, save
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -88,25 +93,13 @@ def max_rel_diff(curve: list[float], reference: list[float]) -> float:
     return max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(curve, reference, strict=True))
 
 
-def plot(curves: list[Run], path: Path, title: str):
-    """The curves, one line each (the reference first and thicker), saved to `path`; returns the figure."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for i, curve in enumerate(curves):
-        losses = curve.losses
-        ax.plot(range(1, len(losses) + 1), losses, label=curve.name,
-                linestyle="-" if i == 0 else "--", linewidth=2.5 if i == 0 else 1.2)
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("training loss (mean over the global batch)")
-    ax.set_title(title)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    return fig
+def plot(curves: list[Run], path: Path, title: str) -> Figure:
+    """The runs' panels (trainkit/plot.py: loss, throughput, MFU, memory, and each config's relative loss difference
+    from the first run, the one-process reference) saved to `path`; returns the figure. Call it while the runs'
+    folders exist: the curves are read from their metrics.jsonl."""
+    figure = plot_runs([RunCurves(curve.name, curve.metrics) for curve in curves], title)
+    save(figure, path)
+    return figure
 
 
 def split_for(config: str, recipe: str, num_processes: int, global_batch: int, grad_accum: int) -> tuple[int, int]:
@@ -162,7 +155,11 @@ def main(argv: list[str] | None = None) -> int:
             curves.append(curve)
             print(f"{config:<28} {max_rel_diff(curve.losses, reference.losses):.2e}")
         # Inside the block: the curves are read from the runs' metrics.jsonl, which go with the temporary folder.
-        plot(curves, args.png, f"{args.recipe}: loss per step by strategy")
+        try:
+            plot(curves, args.png, f"{args.recipe}: each config against one process (global batch {global_batch})")
+        except ConfigError as e:
+            print(*(f"error: {line}" for line in e.lines()), sep="\n", file=sys.stderr)
+            return e.exit_status
     print(f"loss curves: {args.png}")
     return 1 if failed else 0
 
