@@ -26,12 +26,12 @@ from trainkit.config import parse_command_line
 from trainkit.data import BatchLayout, TrainStream, eval_batches
 from trainkit.errors import ConfigError, Problem, TrainingError
 from trainkit.guards import FiniteCheck, StopSignal
+from trainkit.hardware import Compute
 from trainkit.metrics import (
     MetricsLog,
     Throughput,
-    model_flops_per_token,
-    peak_flops,
     peak_memory_bytes,
+    process_seconds,
     state_bytes,
     summary_line,
 )
@@ -86,6 +86,7 @@ class Run:
     stream: TrainStream
     eval_set: Any
     layout: BatchLayout
+    peak_flops: float | None  # of one process's device, for MFU
     step: int = 0  # the last optimizer step done (a resume starts past 0)
     skipped_steps: int = 0  # fp16's loss scaler, so far
     record: dict[str, Any] = field(default_factory=dict)  # the last step's metrics
@@ -96,6 +97,9 @@ class Run:
 def build(plan: Plan) -> Run:
     options, cfg, recipe, strategy = plan.options, plan.cfg, plan.recipe, plan.strategy
     accelerator = strategy.build_accelerator(options.output_dir, options.report_to)
+    compute = Compute.set_up(accelerator, plan.launch.mixed_precision, options.peak_flops, options.cache_dir)
+    compute.add_to(plan.resolved)  # the threads and peak of the machine it runs on
+    strategy.notes.extend(compute.notes())
     if accelerator.is_main_process:
         if options.overwrite:  # asked for explicitly: the earlier run's outputs go
             clear_outputs(options.output_dir)
@@ -117,7 +121,8 @@ def build(plan: Plan) -> Run:
     if plan.resume:
         checkpointer.before_prepare(plan.resume, model)
     strategy.prepare(model, build_optimizer, build_scheduler)
-    run = Run(strategy, checkpointer, TrainStream(train_set, layout, cfg.seed), eval_set, layout)
+    run = Run(strategy, checkpointer, TrainStream(train_set, layout, cfg.seed), eval_set, layout,
+              compute.peak.flops)
     if plan.resume:
         checkpointer.load(plan.resume)  # last: it restores this rank's RNG
         saved = plan.resume.state
@@ -134,9 +139,7 @@ def loop(plan: Plan, run: Run) -> str | None:
     cfg, options, strategy = plan.cfg, plan.options, run.strategy
     device = strategy.accelerator.device
     log = MetricsLog(strategy.accelerator, options.output_dir, cfg.max_steps, initial_step=run.step)
-    tokens = plan.recipe.tokens_per_sample(cfg)
-    flops_per_sample = model_flops_per_token(plan.shape.num_params) * (tokens or 1)
-    peak = peak_flops(device, options.peak_flops)
+    tokens, peak, processes = plan.recipe.tokens_per_sample(cfg), run.peak_flops, strategy.accelerator.num_processes
     throughput, finite, signal = Throughput(), FiniteCheck(fp16=plan.launch.mixed_precision == "fp16"), StopSignal()
     held = 0  # model-state bytes: every tensor walked once, after the first step made the optimizer states
     stopped_by, first, started = None, run.step, time.perf_counter()
@@ -148,9 +151,11 @@ def loop(plan: Plan, run: Run) -> str | None:
         held = held or state_bytes(strategy.state_tensors())
         run.record = {"step": step, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
                       "samples_per_s": samples_per_s,
-                      "mfu": samples_per_s * flops_per_sample / (peak * run.layout.world_size) if peak else None,
+                      # per process: the global batch's FLOPs over every process's peak (all processes, also those
+                      # that split the model rather than the data)
+                      "mfu": samples_per_s * plan.flops.per_sample / (peak * processes) if peak else None,
                       "state_bytes": held, "peak_mem_bytes": peak_memory_bytes(device),
-                      "skipped_steps": run.skipped_steps, **result.extra}
+                      "skipped_steps": run.skipped_steps, "elapsed_s": process_seconds(), **result.extra}
         if tokens:
             run.record["tokens_per_s"] = samples_per_s * tokens
         if step == cfg.max_steps or (cfg.eval_every and step % cfg.eval_every == 0):

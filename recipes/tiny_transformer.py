@@ -5,6 +5,8 @@ downloaded), with a byte-level BPE tokenizer trained on the corpus and saved wit
 Data: CPython's pydoc topics (about 465k characters of English reference text) by default; `--data` takes local
 .txt/.jsonl/.csv files (comma-separated; `--text_field` names the column) or a Hugging Face dataset name
 (`--data_config` its configuration).
+Sizes: `--size tiny` (the default, 1.2M parameters: the tests'), `--size cpu` (14.6M: keeps a CPU's cores busy),
+`--size gpt2-small` (124M, for GPUs); any flag after it sets its own field (`--size cpu --layers 2`).
 Output: `final/` loads with AutoModelForCausalLM / AutoTokenizer.from_pretrained.
 
 To make your own language model, copy this file and change `Config` (sizes, data) and `build_model`
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, ClassVar
 
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -28,6 +31,9 @@ from trainkit.errors import Problem
 
 @dataclass(kw_only=True, slots=True)
 class Config(TrainConfig):
+    # A named size (`--size NAME`) sets the fields below as PRESETS lists them; flags set after it win
+    # (`--size cpu --layers 2`). tiny is these defaults (the tests' size).
+    size: str = "tiny"
     # Model
     arch: str = "llama"  # llama | gpt2
     vocab_size: int = 1024  # the BPE is trained to this size
@@ -52,6 +58,19 @@ class Config(TrainConfig):
     max_steps: int = 300
     eval_every: int = 100
     eval_batches: int = 2
+
+    presets: ClassVar[dict[str, dict[str, Any]]] = {
+        "tiny": {},
+        # Wide enough that the matmuls, not the framework around them, take a CPU's time: measured MFU in
+        # BENCHMARKS.md (bench/mfu.py).
+        "cpu": {"hidden": 384, "layers": 6, "heads": 6},
+        # GPT-2 small (124M parameters; for GPUs). On the built-in corpus the BPE stops near 9.2k tokens: the other
+        # embedding rows are never used, as in nanoGPT's vocabulary padded to 50304. 1024-token blocks leave that
+        # corpus about 100 blocks; a fifth is held out, so that a global batch of 16 fits in it.
+        "gpt2-small": {"arch": "gpt2", "vocab_size": 50257, "seq_len": 1024, "hidden": 768, "layers": 12,
+                       "heads": 12, "tie_embeddings": True, "batch_size": 8, "eval_fraction": 0.2, "lr": 6e-4,
+                       "weight_decay": 0.1},
+    }
 
     # Recomputing activations changes memory, not the numbers: a resumed run may switch it.
     may_change_on_resume = TrainConfig.may_change_on_resume | {"gradient_checkpointing"}

@@ -18,8 +18,10 @@ from trainkit.strategies import Strategy, for_launch, shipped_strategies
 __all__ = ["FLAG_STRATEGIES", "LAUNCHES", "LM", "ROOT", "TEST_ENV", "Run", "assert_refused", "entry", "kill_tree",
            "launch", "launch_command", "max_rel_diff", "PARITY_BOUND", "strategy_of", "write_yaml", "zero2_json"]
 
-# What every run in the tests gets: their own data cache, one thread per process, no network.
-TEST_ENV = {"TRAINKIT_CACHE": str(ROOT / ".cache" / "tests"), "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1",
+# What every run in the tests gets: their own data cache, one thread per process (TRAINKIT_CPU_THREADS: under a
+# launcher OMP_NUM_THREADS=1 reads as the launcher's default, trainkit/hardware.py), no network.
+TEST_ENV = {"TRAINKIT_CACHE": str(ROOT / ".cache" / "tests"), "OMP_NUM_THREADS": "1", "TRAINKIT_CPU_THREADS": "1",
+            "HF_DATASETS_OFFLINE": "1",
             "PYTHONPATH": str(ROOT)}
 
 

@@ -31,7 +31,7 @@ def test_single_gpu_run_uses_the_device_and_reports_mfu(run_dir):
     run = launch(run_dir("out"), *LM, "--batch_size", "16", config="single",
                  extra_launch=("--mixed_precision", "bf16")).check()
     last = run.metrics[-1]
-    assert last["mfu"] is not None and 0 < last["mfu"] < 1  # a known GPU: its peak is in trainkit.metrics
+    assert last["mfu"] is not None and 0 < last["mfu"] < 1  # a known GPU: its peak is in trainkit.hardware
     assert last["peak_mem_bytes"] > 0 and run.losses[-1] < run.losses[0]
 
 

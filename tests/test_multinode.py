@@ -410,8 +410,8 @@ def test_deepspeed_launcher_over_ssh_matches_ddp(sshd, ddp_reference, tmp_path):
     hostfile = write_hostfile(tmp_path / "hostfile", f"{HOSTS[0]} slots=1", f"{HOSTS[1]} slots=1")
     env_file = tmp_path / "deepspeed_env"
     settings = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": "ds_configs/zero2.json",
-                "ACCELERATE_MIXED_PRECISION": "no", "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1",
-                "TRAINKIT_CACHE": ENV["TRAINKIT_CACHE"]}
+                "ACCELERATE_MIXED_PRECISION": "no", "OMP_NUM_THREADS": "1", "TRAINKIT_CPU_THREADS": "1",
+                "HF_DATASETS_OFFLINE": "1", "TRAINKIT_CACHE": ENV["TRAINKIT_CACHE"]}
     env_file.write_text("".join(f"{k}={v}\n" for k, v in settings.items()))  # KEY=VALUE lines only
     written = env_file.read_text()
     env = {**ENV, "PDSH_SSH_ARGS_APPEND": f"-F {sshd.config}", "DS_ENV_FILE": str(env_file)}

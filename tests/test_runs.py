@@ -65,7 +65,7 @@ def test_transformer_learns_and_exports_for_transformers(run_dir, config):
 def test_default_transformer_beats_unigram_entropy(run_dir):
     """The README's claim, on a shortened default run: eval loss falls well below the unigram entropy."""
     run = launch(run_dir("out"), "--recipe", "tiny_transformer", "--max_steps", "120", "--eval_every", "0",
-                 "--batch_size", "32", "--report_to", "tensorboard", env={"OMP_NUM_THREADS": "2"}).check()
+                 "--batch_size", "32", "--report_to", "tensorboard", env={"TRAINKIT_CPU_THREADS": "2"}).check()
     summary = run.stdout.split("unigram_entropy ")[1]
     entropy = float(summary.split()[0])
     eval_loss = run.metrics[-1]["eval_loss"]

@@ -51,14 +51,22 @@ class TrainConfig:
     pipeline_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved (two stages per process, a smaller bubble)
     # Where stages start, as layer indices ("2" or "1,3"); empty: cut where the stages' parameter counts balance.
     pipeline_split: str = ""
+    # torch.compile (inductor) on the model's repeated blocks, or the whole model where it declares none
+    # (trainkit/strategies/base.py, Strategy.compile_model); a strategy it does not work under refuses it at plan time.
+    compile: bool = False
 
     # What a resumed run may set anew (--resume restores every other field from the checkpoint and refuses a flag that
     # differs): the schedule's length, evaluation, how the global batch is split (its size is checked on its own) and
-    # how the model is (pipeline stages), DDP's search for unused parameters. A recipe adds its own, e.g. gradient
-    # checkpointing (memory, not math).
+    # how the model is (pipeline stages), DDP's search for unused parameters, torch.compile (speed, not math). A recipe
+    # adds its own, e.g. gradient checkpointing (memory, not math).
     may_change_on_resume: ClassVar[frozenset[str]] = frozenset({
         "max_steps", "eval_every", "eval_batches", "batch_size", "grad_accum", "find_unused_parameters",
-        "pipeline_stages", "pipeline_schedule", "pipeline_split"})
+        "pipeline_stages", "pipeline_schedule", "pipeline_split", "compile"})
+    # Named sizes a recipe offers, selected by its `size` field (`--size NAME`): {name: {field: value}}. build_config
+    # applies the chosen one over the recipe's defaults, under a resumed checkpoint's values and the flags
+    # (`--size cpu --layers 2`: the cpu preset with 2 layers). A recipe with presets declares `size: str` too,
+    # defaulting to the preset that its defaults are (one with no values).
+    presets: ClassVar[Mapping[str, Mapping[str, Any]]] = {}
 
     def __post_init__(self) -> None:
         problems = [Problem(f"{name} must be {rule}, got {getattr(self, name)!r}", f"config field {name}", fix)
@@ -147,9 +155,30 @@ def build_config(config_cls: type[TrainConfig], overrides: list[tuple[str, str, 
             values[name] = parse_value(text, hints[name], name)
         except ValueError as e:
             problems.append(Problem(str(e), where, f"pass a value of the field's type: {hints[name]}"))
+    if config_cls.presets and not problems:
+        preset, problems = _preset(config_cls, values, overrides, known)
+        values = {**preset, **values}
     if problems:
         raise ConfigError(problems)
     return config_cls(**values)
+
+
+def _preset(config_cls: type[TrainConfig], values: Mapping[str, Any], overrides: list[tuple[str, str, str]],
+            known: list[str]) -> tuple[Mapping[str, Any], list[Problem]]:
+    """The values of the preset that the `size` field names (set, restored, or the recipe's default), or the problem."""
+    if "size" not in known:
+        return {}, [Problem(f"{config_cls.__qualname__} declares presets but no size field to choose one", "the recipe",
+                            "add `size: str = \"<the preset its defaults are>\"` to its Config")]
+    size = values.get("size", next(f.default for f in dataclasses.fields(config_cls) if f.name == "size"))
+    chosen = config_cls.presets.get(size)
+    if chosen is None:
+        where = next((source for name, _, source in reversed(overrides) if name == "size"), "config field size")
+        return {}, [Problem(f"unknown size {size!r}", where, f"use one of {', '.join(config_cls.presets)}")]
+    unknown = sorted(set(chosen) - set(known))
+    if unknown:
+        return {}, [Problem(f"preset {size!r} sets unknown field(s) {', '.join(unknown)}", "the recipe's presets",
+                            "name fields of its Config")]
+    return chosen, []
 
 
 def config_dict(cfg: TrainConfig) -> dict[str, Any]:
@@ -282,10 +311,13 @@ def run_flags() -> list[str]:
 
 def field_sources(cfg: TrainConfig, overrides: list[tuple[str, str, str]],
                   restored: Mapping[str, Any] | None = None, restored_from: str = "") -> dict[str, str]:
-    """Where each recipe field's value came from: the flag that set it, the resumed checkpoint, or the recipe's
-    default."""
+    """Where each recipe field's value came from: the flag that set it, the resumed checkpoint, the size preset, or
+    the recipe's default."""
     where = {name: source for name, _, source in overrides}
-    return {name: where.get(name, restored_from if name in (restored or {}) else "recipe default")
+    size = getattr(cfg, "size", None)
+    preset = type(cfg).presets.get(size, {})
+    return {name: where.get(name, restored_from if name in (restored or {}) else
+                            f"size {size}" if name in preset else "recipe default")
             for name in field_names(type(cfg))}
 
 

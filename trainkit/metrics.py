@@ -8,31 +8,60 @@ import resource
 import sys
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 from tqdm.auto import tqdm
 
 from trainkit.errors import Problem, TrainingError, write_failure
 
-# Dense bf16/fp16 tensor-core peaks (FLOP/s) of GPUs we know; MFU is reported against these.
-PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "V100": 125e12}
+
+@dataclass(frozen=True, slots=True)
+class FlopCount:
+    """Training FLOPs of one sample, as nanoGPT's `estimate_mfu` and the PaLM paper (appendix B) count them: per
+    token 6 N (forward 2 N, backward 4 N: every parameter multiplies once per token) plus, for a transformer,
+    12 x layers x hidden x seq_len (attention's scores and weighted sum over the sequence, forward and backward).
+
+    N counts the parameters that multiply: all of them except input embedding tables (a lookup is not a matmul). As
+    in nanoGPT, a token embedding tied to the output layer counts (it is the output layer's matmul) and a position
+    embedding does not; an untied input embedding does not either."""
+
+    params: int  # N
+    per_token: float | None  # token recipes
+    per_sample: float
+
+    def resolved(self) -> dict[str, Any]:
+        """resolved_config.json's keys: flops_param_count, flops_per_token (token recipes), flops_per_sample."""
+        keys: dict[str, Any] = {"flops_param_count": self.params, "flops_per_sample": self.per_sample}
+        if self.per_token is not None:
+            keys["flops_per_token"] = self.per_token
+        return keys
 
 
-def peak_flops(device: torch.device, override: float | None) -> float | None:
-    """The device's peak FLOP/s for MFU; None on CPUs (no meaningful peak) unless given with --peak_flops."""
-    if override:
-        return override
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        return next((flops for key, flops in PEAK_FLOPS.items() if key in name), None)
-    return None
+def count_flops(model: torch.nn.Module, tokens_per_sample: int | None) -> FlopCount:
+    """The FLOP count of `model` (a meta-device build is enough). The attention term needs a transformer's
+    `config.num_hidden_layers` and `hidden_size` and a sequence (`tokens_per_sample`); other models get 6 N per sample,
+    or per token when they have tokens."""
+    linear_weights = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    lookups = {id(m.weight): m.weight.numel() for m in model.modules()
+               if isinstance(m, torch.nn.Embedding) and id(m.weight) not in linear_weights}
+    params = sum(p.numel() for p in model.parameters()) - sum(lookups.values())
+    config = getattr(model, "config", None)
+    layers, hidden = getattr(config, "num_hidden_layers", None), getattr(config, "hidden_size", None)
+    if tokens_per_sample is None:
+        return FlopCount(params, None, 6.0 * params)
+    attention = 12.0 * layers * hidden * tokens_per_sample if layers and hidden else 0.0
+    per_token = 6.0 * params + attention
+    return FlopCount(params, per_token, per_token * tokens_per_sample)
 
 
-def model_flops_per_token(num_params: int) -> float:
-    """Training FLOPs per token ~ 6 N (forward 2N, backward 4N; attention's share is ignored at these sizes)."""
-    return 6.0 * num_params
+def process_seconds() -> float:
+    """Seconds since this process started (its interpreter, imports included): the time a run takes to its first
+    step is the first metrics line's value."""
+    return time.time() - psutil.Process().create_time()
 
 
 def state_bytes(tensors: Iterable[torch.Tensor]) -> int:

@@ -20,7 +20,7 @@ from trainkit.errors import ConfigError, Problem
 from trainkit.estimate import Estimate, ModelShape, meta_model, model_shape, report, run_activations
 from trainkit.hosts import check_hosts, environment_note
 from trainkit.launch import Launch, check_machine, check_yaml
-from trainkit.metrics import check_trackers
+from trainkit.metrics import FlopCount, check_trackers, count_flops
 from trainkit.recipes import Recipe, load_recipe
 from trainkit.strategies import Strategy, for_launch, shipped_strategies
 
@@ -38,6 +38,7 @@ class Plan:
     estimate: Estimate  # this run's model-state bytes per rank
     resolved: dict[str, Any]  # what resolved_config.json holds
     resume: Found | None  # the checkpoint --resume names
+    flops: FlopCount  # training FLOPs per sample, for MFU
 
 
 def make_plan(options: RunOptions, overrides: list[tuple[str, str, str]]) -> Plan:
@@ -74,9 +75,13 @@ def make_plan(options: RunOptions, overrides: list[tuple[str, str, str]]) -> Pla
     activations = run_activations(shape, cfg, launch.mixed_precision)
     estimate = strategy.estimate(shape, options.num_processes or launch.world_size, activations)
     resolved = resolved_config(recipe, cfg, sources, launch, strategy, estimate)
+    flops = count_flops(model, recipe.tokens_per_sample(cfg))
+    where = resolved.pop("sources")  # stays the last key
+    resolved.update(flops.resolved())
+    resolved["sources"] = {**where, **dict.fromkeys(flops.resolved(), "trainkit.metrics.count_flops")}
     if resume and (problems := resume_problems(resume, cfg, resolved, overrides)):
         raise ConfigError(problems)
-    return Plan(options, recipe, cfg, launch, strategy, shape, estimate, resolved, resume)
+    return Plan(options, recipe, cfg, launch, strategy, shape, estimate, resolved, resume, flops)
 
 
 def resolved_config(recipe: Recipe, cfg: TrainConfig, sources: dict[str, str], launch: Launch, strategy: Strategy,

@@ -1,0 +1,143 @@
+"""MFU on every device: the FLOP count (nanoGPT's, attention included), the CPU peak measured once and cached, the
+CPU thread rule, size presets, and a real run's metrics lines."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import assert_refused, launch
+from trainkit import hardware
+from trainkit.config import build_config, config_dict, field_sources
+from trainkit.errors import ConfigError
+from trainkit.estimate import meta_model
+from trainkit.metrics import count_flops
+from trainkit.recipes import load_recipe
+
+TINY_LM = ["--recipe", "tiny_transformer", "--hidden", "64", "--layers", "2", "--seq_len", "64"]
+
+
+def config(*flags: str):
+    """The tiny transformer's config from `--field value` pairs, as the command line builds it."""
+    overrides = [(flags[i].removeprefix("--"), flags[i + 1], flags[i]) for i in range(0, len(flags), 2)]
+    return build_config(load_recipe("tiny_transformer").Config, overrides)
+
+
+def test_gpt2_small_flops_are_nanogpts():
+    """GPT-2 small (the gpt2-small preset): nanoGPT's 123.65M non-embedding parameters (all but the 1024 x 768
+    position table; the token table is tied to the output layer and counts), and its 6 N + 12 L h T per token."""
+    cfg = config("--size", "gpt2-small")
+    model = meta_model(load_recipe("tiny_transformer"), cfg)
+    assert sum(p.numel() for p in model.parameters()) == 124_439_808
+    flops = count_flops(model, 1024)
+    assert flops.params == 124_439_808 - 1024 * 768 == 123_653_376
+    assert flops.per_token == 6 * 123_653_376 + 12 * 12 * 768 * 1024
+    assert flops.per_sample == flops.per_token * 1024
+
+
+def test_an_untied_input_embedding_is_not_counted_and_a_model_without_a_sequence_gets_6n():
+    recipe = load_recipe("tiny_transformer")
+    tied = count_flops(meta_model(recipe, config()), 128)
+    untied = count_flops(meta_model(recipe, config("--tie_embeddings", "false")), 128)
+    assert untied.params == tied.params  # the new output matrix counts, the input table (a lookup) does not
+    mlp = load_recipe("mlp")
+    model = meta_model(mlp, mlp.Config())
+    flops = count_flops(model, None)
+    assert flops.per_token is None and flops.per_sample == 6 * sum(p.numel() for p in model.parameters())
+
+
+def test_cpu_peak_is_measured_once_per_dtype_and_thread_count(tmp_path, monkeypatch):
+    measured = []
+    monkeypatch.setattr(hardware, "measure_matmul_peak", lambda dtype: measured.append(dtype) or 1e11 * len(measured))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert hardware.cpu_peak_flops(torch.float32, tmp_path) == (1e11, True)
+        assert hardware.cpu_peak_flops(torch.float32, tmp_path) == (1e11, False)  # the cache, not a measurement
+        assert hardware.cpu_peak_flops(torch.bfloat16, tmp_path) == (2e11, True)
+        torch.set_num_threads(2)
+        assert hardware.cpu_peak_flops(torch.float32, tmp_path) == (3e11, True)
+    finally:
+        torch.set_num_threads(threads)
+    assert measured == [torch.float32, torch.bfloat16, torch.float32]
+    cache = json.loads((tmp_path / hardware.CACHE_FILE).read_text())
+    assert sorted(entry["flops"] for entry in cache.values()) == [1e11, 2e11, 3e11]
+    assert all(hardware.cpu_model() in key and f"torch {torch.__version__}" in key for key in cache)
+    assert not list(tmp_path.glob("*.tmp*"))  # written under a temporary name, then renamed
+
+
+def test_peak_flops_flag_overrides_and_bf16_selects_the_bf16_peak(tmp_path, monkeypatch):
+    measured = []
+    monkeypatch.setattr(hardware, "measure_matmul_peak", lambda dtype: measured.append(dtype) or 5e10)
+    cpu = torch.device("cpu")
+    assert hardware.device_peak_flops(cpu, "no", 1e12, tmp_path) == hardware.Peak(1e12, "--peak_flops")
+    assert measured == []
+    assert hardware.device_peak_flops(cpu, "bf16", None, tmp_path).flops == 5e10 and measured == [torch.bfloat16]
+
+
+def test_a_real_matmul_peak_is_positive_and_quick():
+    assert hardware.measure_matmul_peak(torch.float32) > 1e8
+
+
+@pytest.mark.parametrize("env, threads", [
+    ({}, 8),  # python train.py: the machine's cores
+    ({"OMP_NUM_THREADS": "1"}, 1),  # without a launcher: the user's
+    ({"OMP_NUM_THREADS": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}, 4),  # torchrun's default: a share
+    ({"OMP_NUM_THREADS": "1", "ACCELERATE_MIXED_PRECISION": "no"}, 8),  # accelerate launch of one process
+    ({"OMP_NUM_THREADS": "3", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}, 3),  # not a launcher's default
+    ({"OMP_NUM_THREADS": "1", "LOCAL_RANK": "0", "LOCAL_SIZE": "3"}, 2),  # DeepSpeed's launcher
+    ({"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "16"}, 1),  # at least one
+    ({"OMP_NUM_THREADS": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2", "TRAINKIT_CPU_THREADS": "1"}, 1),
+])
+def test_cpu_threads_rule(env, threads):
+    assert hardware.choose_cpu_threads(env, cores=8).count == threads
+
+
+def test_bad_thread_count_is_refused():
+    with pytest.raises(ConfigError, match=r"TRAINKIT_CPU_THREADS='0' is not a positive number of threads \(the "
+                                          r"environment variable TRAINKIT_CPU_THREADS\): set TRAINKIT_CPU_THREADS"):
+        hardware.choose_cpu_threads({"TRAINKIT_CPU_THREADS": "0"}, cores=2)
+
+
+def test_size_presets_under_explicit_flags():
+    cfg = config("--size", "cpu", "--layers", "2")
+    assert (cfg.size, cfg.hidden, cfg.heads, cfg.layers) == ("cpu", 384, 6, 2)
+    sources = field_sources(cfg, [("size", "cpu", "--size"), ("layers", "2", "--layers")])
+    assert (sources["hidden"], sources["layers"], sources["lr"]) == ("size cpu", "--layers", "recipe default")
+    default = config()
+    assert default.size == "tiny" and config_dict(default) == config_dict(load_recipe("tiny_transformer").Config())
+    # a resumed run's values sit above the preset: --size must not reset what the checkpoint restored
+    restored = build_config(type(cfg), [], restored={"size": "cpu", "layers": 2})
+    assert (restored.hidden, restored.layers) == (384, 2)
+
+
+def test_unknown_size_is_refused_with_the_names(check_only, tmp_path):
+    assert_refused(check_only(tmp_path / "out", *TINY_LM, "--size", "huge", "--dry_run"),
+                   "unknown size 'huge' (--size): use one of tiny, cpu, gpt2-small")
+
+
+def test_gpt2_small_passes_the_dry_run(check_only, tmp_path):
+    run = check_only(tmp_path / "out", "--recipe", "tiny_transformer", "--size", "gpt2-small", "--dry_run")
+    assert run.returncode == 0, run.stderr
+    resolved = json.loads(run.stdout)
+    assert (resolved["hidden"], resolved["vocab_size"], resolved["seq_len"], resolved["batch_size"]) == \
+        (768, 50257, 1024, 8)
+    assert resolved["flops_param_count"] == 123_653_376 and resolved["sources"]["arch"] == "size gpt2-small"
+
+
+def test_metrics_carry_mfu_and_elapsed_seconds_on_cpu(run_dir):
+    """A short one-process run: every metrics line has a float MFU (the CPU's measured peak, no --peak_flops) and the
+    seconds since the process started; resolved_config.json says what they were computed from."""
+    run = launch(run_dir("out"), *TINY_LM, "--max_steps", "3", "--eval_every", "0", "--report_to", "none").check()
+    for line in run.metrics:
+        assert isinstance(line["mfu"], float) and 0 < line["mfu"] < 1.5, line
+    elapsed = [line["elapsed_s"] for line in run.metrics]
+    assert 0 < elapsed[0] < elapsed[1] < elapsed[2]
+    resolved = run.resolved
+    assert resolved["cpu_threads"] == 1 and resolved["sources"]["cpu_threads"] == "TRAINKIT_CPU_THREADS"  # TEST_ENV
+    assert resolved["peak_flops"] > 0 and "float32 matmul, 1 thread(s)" in resolved["sources"]["peak_flops"]
+    tokens_per_s = run.metrics[-1]["tokens_per_s"]
+    assert run.metrics[-1]["mfu"] == pytest.approx(tokens_per_s * resolved["flops_per_token"] / resolved["peak_flops"])
+    assert "note: 1 CPU thread(s) per process (TRAINKIT_CPU_THREADS" in run.stderr

@@ -1,0 +1,221 @@
+"""The machine's compute: how many CPU threads each process uses, and the peak FLOP/s that MFU is measured against.
+
+Threads. `accelerate launch` sets OMP_NUM_THREADS in every process it starts (accelerate/utils/launch.py, from
+`--num_cpu_threads_per_process`, which accelerate/commands/launch.py defaults to the launcher's own OMP_NUM_THREADS
+or 1; only a YAML with `use_cpu: true` gets cores / processes instead), and torchrun sets it to 1 when it starts more
+than one process. Our YAMLs say `use_cpu: false` (right for GPUs), so on a machine without GPUs every launched
+process would compute on one core. The process cannot tell that 1 from a user's own `--num_cpu_threads_per_process 1`
+or `OMP_NUM_THREADS=1`: the environment is all it gets. So on a machine without GPUs: TRAINKIT_CPU_THREADS, if set,
+is the count; otherwise an OMP_NUM_THREADS other than 1 is the user's and kept, and so is 1 without a launcher
+(`python train.py`); otherwise (1 under a launcher, or unset) each process takes its share of the cores: cores /
+processes on this machine. GPU machines are left exactly as the launcher set them.
+
+Peak. GPUs: the dense bf16 tensor-core peak from a table of known models. CPUs: measured here, once per machine (CPU
+model), thread count, dtype and torch version: the best rate of square matmuls (a second or two), cached as JSON in
+the cache directory, so that every later run reads it. `--peak_flops` overrides both.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import torch
+
+from trainkit.errors import ConfigError, Problem
+
+THREADS_ENV = "TRAINKIT_CPU_THREADS"
+
+# Dense bf16/fp16 tensor-core peaks (FLOP/s) of GPUs we know; MFU is reported against these.
+PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "V100": 125e12}
+
+CACHE_FILE = "cpu_peak_flops.json"
+MATMUL_SIZES = (256, 512, 1024, 2048)  # square sizes tried, smallest first
+SECONDS_PER_SIZE = 0.25  # repetitions of one size, after a warm-up product
+
+
+@dataclass(frozen=True, slots=True)
+class CpuThreads:
+    """Intra-op threads for this process, and why that many (for the run's note and resolved_config.json)."""
+
+    count: int
+    source: str
+
+
+def cpu_cores() -> int:
+    """Physical cores this process may run on: the machine's (hyper-threads share a core's matmul units) within its
+    CPU affinity (a container's cpuset)."""
+    physical = psutil.cpu_count(logical=False) or os.cpu_count() or 1
+    allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else physical  # Linux only
+    return max(1, min(physical, allowed))
+
+
+def local_processes(env: Mapping[str, str]) -> int:
+    """Processes of this launch on this machine: torchrun's LOCAL_WORLD_SIZE, DeepSpeed launcher's LOCAL_SIZE."""
+    return max(1, int(env.get("LOCAL_WORLD_SIZE") or env.get("LOCAL_SIZE") or 1))
+
+
+def choose_cpu_threads(env: Mapping[str, str], cores: int) -> CpuThreads:
+    """The thread count on a machine without GPUs (the rule in this module's docstring)."""
+    if THREADS_ENV in env:
+        return CpuThreads(_positive(env[THREADS_ENV], THREADS_ENV), THREADS_ENV)
+    omp = env.get("OMP_NUM_THREADS", "").strip()
+    # torchrun and DeepSpeed's launcher set LOCAL_RANK; `accelerate launch` of one process (no torchrun) sets its
+    # ACCELERATE_* variables only; `python train.py` neither.
+    launched = "LOCAL_RANK" in env or "ACCELERATE_MIXED_PRECISION" in env
+    if omp and not (launched and omp == "1"):
+        return CpuThreads(_positive(omp, "OMP_NUM_THREADS"), "OMP_NUM_THREADS")
+    processes = local_processes(env)
+    return CpuThreads(max(1, cores // processes), f"{cores} cores / {processes} process(es) on this machine")
+
+
+def _positive(value: str, name: str) -> int:
+    try:
+        count = int(value)
+    except ValueError:
+        count = 0
+    if count < 1:
+        raise ConfigError([Problem(f"{name}={value!r} is not a positive number of threads",
+                                   f"the environment variable {name}",
+                                   f"set {name} to e.g. {cpu_cores()}, or unset it for one share of the cores per "
+                                   "process")])
+    return count
+
+
+def use_cpu_threads() -> CpuThreads | None:
+    """Set this process's torch threads by the rule above; None (nothing changed) on a machine with GPUs."""
+    if torch.cuda.is_available():
+        return None
+    threads = choose_cpu_threads(os.environ, cpu_cores())
+    torch.set_num_threads(threads.count)
+    return threads
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo on Linux), else what the platform says."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def measure_matmul_peak(dtype: torch.dtype) -> float:
+    """The best FLOP/s of square matmuls (2 n^3 FLOPs each) with torch's current threads: each size in turn, the best
+    of its repetitions (at least two, for a quarter second), up to the first size whose one product would take more
+    than a quarter second (small sizes leave many cores idle, large ones leave the caches). About a second."""
+    best = 0.0
+    for n in MATMUL_SIZES:
+        if best and 2 * n ** 3 / best > SECONDS_PER_SIZE:
+            break
+        a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+        torch.mm(a, b)  # warm-up: thread pool, packing buffers
+        times: list[float] = []
+        deadline = time.perf_counter() + SECONDS_PER_SIZE
+        while len(times) < 2 or time.perf_counter() < deadline:
+            start = time.perf_counter()
+            torch.mm(a, b)
+            times.append(time.perf_counter() - start)
+        best = max(best, 2 * n ** 3 / min(times))
+    return best
+
+
+def cpu_peak_flops(dtype: torch.dtype, cache_dir: Path) -> tuple[float, bool]:
+    """This CPU's matmul peak at torch's current thread count, and whether it was measured now (False: read from the
+    cache). The cache is keyed by CPU model, threads, dtype and torch version; it is rewritten under a temporary name
+    and renamed, so a reader never sees half a file (two machines sharing the cache at worst measure twice)."""
+    key = f"{cpu_model()} | {torch.get_num_threads()} threads | {str(dtype).removeprefix('torch.')} | " \
+          f"torch {torch.__version__}"
+    path = cache_dir / CACHE_FILE
+    entry = _read_cache(path).get(key)
+    if isinstance(entry, dict) and isinstance(entry.get("flops"), (int, float)) and entry["flops"] > 0:
+        return float(entry["flops"]), False
+    flops = measure_matmul_peak(dtype)
+    cache = _read_cache(path)  # again: another run may have added its keys meanwhile
+    cache[key] = {"flops": flops, "measured": time.strftime("%Y-%m-%d %H:%M:%S")}
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(cache, indent=2) + "\n")
+    tmp.replace(path)
+    return flops, True
+
+
+def _read_cache(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):  # absent, or damaged by hand: measure again
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+@dataclass(frozen=True, slots=True)
+class Peak:
+    """The peak FLOP/s of one process's device (None: unknown) and where it came from."""
+
+    flops: float | None
+    source: str
+
+
+def device_peak_flops(device: torch.device, mixed_precision: str, override: float | None, cache_dir: Path) -> Peak:
+    """The peak MFU is measured against: --peak_flops; a known GPU's dense bf16 peak; on CPU the measured matmul peak
+    in the dtype the matmuls run in (bf16 under bf16 autocast, else fp32) with this process's threads."""
+    if override:
+        return Peak(override, "--peak_flops")
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        flops = next((flops for key, flops in PEAK_FLOPS.items() if key in name), None)
+        return Peak(flops, f"the {name}'s dense bf16 peak (a table of known GPUs)" if flops else
+                    f"unknown for the {name}: pass --peak_flops for MFU")
+    if device.type == "cpu":
+        dtype = torch.bfloat16 if mixed_precision == "bf16" else torch.float32
+        flops, measured = cpu_peak_flops(dtype, cache_dir)
+        return Peak(flops, f"{'measured now' if measured else 'measured earlier'}: {cpu_model()}, "
+                           f"{str(dtype).removeprefix('torch.')} matmul, {torch.get_num_threads()} thread(s); "
+                           f"cached in {cache_dir / CACHE_FILE}")
+    return Peak(None, f"unknown for {device.type} devices: pass --peak_flops for MFU")
+
+
+@dataclass(frozen=True, slots=True)
+class Compute:
+    """This process's compute as the run uses it: its CPU threads (None on GPU machines: untouched) and its device's
+    peak."""
+
+    threads: CpuThreads | None
+    peak: Peak
+
+    @classmethod
+    def set_up(cls, accelerator, mixed_precision: str, override: float | None, cache_dir: Path) -> Compute:
+        """Set this process's CPU threads, then find its device's peak; on a CPU one process per machine measures
+        it (with its own threads: every process of a launch gets the same count) and the others read the cache."""
+        threads = use_cpu_threads()
+        with accelerator.local_main_process_first():
+            peak = device_peak_flops(accelerator.device, mixed_precision, override, cache_dir)
+        return cls(threads, peak)
+
+    def notes(self) -> list[str]:
+        lines = []
+        if self.threads:
+            other = "" if self.threads.source == THREADS_ENV else f"; {THREADS_ENV} sets another count"
+            lines.append(f"{self.threads.count} CPU thread(s) per process ({self.threads.source}{other})")
+        if self.peak.flops:
+            lines.append(f"MFU against a peak of {self.peak.flops / 1e9:,.1f} GFLOP/s per process ({self.peak.source})")
+        else:
+            lines.append(f"no MFU: peak FLOP/s {self.peak.source}")
+        return lines
+
+    def add_to(self, resolved: dict) -> None:
+        """resolved_config.json's `cpu_threads` (null on GPU machines) and `peak_flops` (per process), and their
+        sources; `sources` stays the last key."""
+        where = resolved.pop("sources", {})
+        resolved["cpu_threads"] = self.threads.count if self.threads else None
+        resolved["peak_flops"] = self.peak.flops
+        resolved["sources"] = {**where, "cpu_threads": self.threads.source if self.threads else
+                               "the launcher (a GPU machine: left as it is)", "peak_flops": self.peak.source}
