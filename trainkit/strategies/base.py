@@ -72,8 +72,20 @@ class Strategy:
     # --- plan: before anything is built ---------------------------------------------------------------------------
 
     def check(self) -> list[Problem]:
-        """What this strategy refuses in the launch and the config, every problem at once."""
-        return []
+        """What this strategy refuses in the launch and the config, every problem at once (a subclass adds its own
+        to these)."""
+        refusal = self.compile_refusal() if self.cfg.compile else None
+        if refusal is None:
+            return []
+        return [Problem(f"--compile does not work under {self.label}: {refusal}",
+                        f"--compile with {self.launch.source}",
+                        "drop --compile (it changes speed, not the numbers), or train under a config it works "
+                        "under: ddp.yaml, deepspeed_zero2.yaml, fsdp.yaml, ... (docs/strategies.md#torchcompile)")]
+
+    def compile_refusal(self) -> str | None:
+        """Why torch.compile does not work under this strategy (--compile is refused before anything is built), or
+        None where it does."""
+        return None
 
     def check_model(self, model: torch.nn.Module) -> list[Problem]:
         """What this strategy refuses in the recipe's model, built on the meta device (structure only)."""
@@ -177,6 +189,7 @@ class Strategy:
                 build_scheduler: Callable[[TrainConfig, torch.optim.Optimizer], Any]) -> None:
         """Shard or wrap the model, build the optimizer and schedule for it, and hand them to Accelerate."""
         model = self.prepare_model(model)
+        self.compile_model(model)
         optimizer = self.make_optimizer(model, build_optimizer)
         scheduler = build_scheduler(self.cfg, optimizer)
         self.model, self.optimizer, self.scheduler = self.accelerator.prepare(model, optimizer, scheduler)
@@ -194,6 +207,26 @@ class Strategy:
             return model
         self.notes.append("BatchNorm converted to SyncBatchNorm")
         return torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+
+    def compile_model(self, model: torch.nn.Module, units: list[torch.nn.Module] | None = None) -> None:
+        """--compile: torch.compile (inductor) on the `forward` of each of `units` (by default the whole model), before
+        any wrapper or engine sees the model.
+
+        The module itself stays as it is: its class, its parameter names (checkpoints and final/ hold the same names
+        compiled or not, so a run resumes across the flag; `torch.compile(model)` would return a wrapper that prefixes
+        every name with `_orig_mod.`), and its hooks, which run eagerly around the compiled forward: FSDP2's gathers
+        and DeepSpeed's ZeRO-3 fetches stay out of the graph. (`Module.compile()` compiles the hooks as well, and
+        compiles nothing where the forward is torch's own: dynamo skips torch.nn's files, so an nn.Sequential ran
+        eagerly under it.) Under DDP the compiled module runs inside DDP's forward, where dynamo's DDPOptimizer cuts
+        the graph at DDP's gradient buckets so that their all-reduce can start during backward. The first step pays
+        the compilation (about a minute on 2 CPU cores for the tiny transformer)."""
+        if not self.cfg.compile:
+            return
+        units = units or [model]
+        for unit in units:
+            unit.forward = torch.compile(unit.forward)
+        what = "the whole model" if units == [model] else f"each {type(units[0]).__name__} ({len(units)})"
+        self.notes.append(f"torch.compile (inductor) on {what}: the first step compiles")
 
     def make_optimizer(self, model: torch.nn.Module,
                        build_optimizer: Callable[..., torch.optim.Optimizer]) -> torch.optim.Optimizer:

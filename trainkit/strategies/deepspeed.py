@@ -91,7 +91,15 @@ class DeepSpeed(Strategy):
         return {0: 1, 1: 1, 2: 2, 3: 4}.get(self.stage, 4)
 
     def check(self) -> list[Problem]:
-        return self.resolved.problems
+        return super().check() + self.resolved.problems
+
+    def compile_refusal(self) -> str | None:
+        if self.stage != 3:
+            return None
+        # Measured (torch 2.13, deepspeed 0.19.8): every rank warns "torch._dynamo hit config.recompile_limit (8)"
+        # in the first step and the loss curve is bit for bit the eager one, because the compiled code is never used.
+        return ("ZeRO-3 frees each layer's gathered parameters after its forward, so torch.compile recompiles at every "
+                "call until its recompile limit, then runs the model eagerly: the compilation buys nothing")
 
     def estimate(self, shape: ModelShape, world_size: int, activations: int) -> Estimate:
         """ZeRO-1/2: full weights in the training dtype, plus an fp32 master copy of this rank's partition (even in
@@ -171,7 +179,13 @@ class DeepSpeed(Strategy):
     def train_step(self, step: int, micro_batches: list, loss_fn: LossFn, finite: FiniteCheck,
                    stop_requested: bool) -> StepResult:
         """The engine clips and steps inside the last micro-batch's backward: the loss is agreed on and checked
-        before it, the gradient norm (computed by the engine) only after."""
+        before it, the gradient norm (computed by the engine) only after.
+
+        Accumulation costs ZeRO-2/3 communication on every micro-batch, by design of their gradient partitioning:
+        a rank keeps only its own partition of the gradients, so each micro-batch's gradients are reduce-scattered
+        (in buckets, during backward) into the partitions' owners and added there, instead of being held whole
+        until the last micro-batch as DDP and FSDP2 do (strategies/fsdp.py). ZeRO-3 also gathers every layer's
+        parameters again in each micro-batch's forward and backward."""
         accelerator, model = self.accelerator, self.model
         loss_sum = torch.zeros(1, device=accelerator.device)
         for i, batch in enumerate(micro_batches):

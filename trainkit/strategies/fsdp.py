@@ -37,7 +37,7 @@ class FSDP2(Strategy):
         return is_true(self.launch.settings.get("fsdp_offload_params", False))
 
     def check(self) -> list[Problem]:
-        problems = parallelism_problems(self.launch)
+        problems = super().check() + parallelism_problems(self.launch)
         version = str(self.launch.settings.get("fsdp_version", 2))
         if version != "2":
             problems.append(Problem(f"fsdp_version {version}: this runner shards with FSDP2 only",
@@ -73,6 +73,11 @@ class FSDP2(Strategy):
 
     def prepare(self, model: torch.nn.Module, build_optimizer: Callable[..., torch.optim.Optimizer],
                 build_scheduler: Callable[[TrainConfig, torch.optim.Optimizer], Any]) -> None:
+        # Compiled before sharding, block by block as torchtitan does (its parallelize step: tensor parallelism,
+        # then compile, then fully_shard): each block's graph holds its own computation, and FSDP2's gathers and
+        # reduce-scatters run in its hooks around the graph. A model that declares no blocks is compiled whole.
+        blocks = self.blocks(model) if self.block_classes(model) else []
+        self.compile_model(model, blocks)
         self.model = self._fully_shard(model)
         optimizer = build_optimizer(self.cfg, self.model)
         self.optimizer, self.scheduler = self.accelerator.prepare(optimizer, build_scheduler(self.cfg, optimizer))
@@ -85,10 +90,7 @@ class FSDP2(Strategy):
         Linear layer. A block whose parameters are shared with a module outside it (tied input and output embeddings)
         stays in the root's group: FSDP2 refuses a parameter managed by two groups.
         """
-        named = self.launch.settings.get("fsdp_transformer_layer_cls_to_wrap") or []
-        named = named.split(",") if isinstance(named, str) else named  # the environment's text, or a YAML list
-        classes = {str(c).strip() for c in named if str(c).strip()} or set(getattr(model, "_no_split_modules",
-                                                                                   None) or [])
+        classes = self.block_classes(model)
         owners: dict[int, list[torch.nn.Module]] = {}
         for module in model.modules():
             for param in module.parameters(recurse=False):
@@ -101,6 +103,13 @@ class FSDP2(Strategy):
         candidates = [m for m in reversed(list(model.modules())) if m is not model and
                       (type(m).__name__ in classes if classes else isinstance(m, torch.nn.Linear))]
         return [m for m in candidates if any(True for _ in m.parameters()) and not shares_outside(m)]
+
+    def block_classes(self, model: torch.nn.Module) -> set[str]:
+        """The class names of the model's blocks: those the YAML names, else those the model declares."""
+        named = self.launch.settings.get("fsdp_transformer_layer_cls_to_wrap") or []
+        named = named.split(",") if isinstance(named, str) else named  # the environment's text, or a YAML list
+        return {str(c).strip() for c in named if str(c).strip()} or set(getattr(model, "_no_split_modules",
+                                                                                None) or [])
 
     def _fully_shard(self, model: torch.nn.Module) -> torch.nn.Module:
         """Shard each block, then the root (which takes every parameter no block holds)."""
@@ -136,7 +145,14 @@ class FSDP2(Strategy):
 
     @contextlib.contextmanager
     def gradient_sync(self, last: bool) -> Iterator[None]:
+        """One reduce-scatter per step, not one per micro-batch: on all but the last micro-batch FSDP2 keeps each
+        block's unsharded gradient and adds the next one to it (`set_requires_gradient_sync(False)`), and keeps the
+        gathered parameters after backward (`set_reshard_after_backward(False)`), so that the next micro-batch's
+        forward needs no all-gather of the blocks last seen in backward. The cost, during accumulation only: the
+        unsharded gradients of every block and the gathered parameters stay in memory until the last micro-batch,
+        whose backward reduce-scatters and reshards as without accumulation (HSDP: its all-reduce too)."""
         self.model.set_requires_gradient_sync(last)
+        self.model.set_reshard_after_backward(last)
         yield
 
     def clip_grad_norm(self) -> torch.Tensor:

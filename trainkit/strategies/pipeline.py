@@ -80,7 +80,7 @@ class Pipeline(Strategy):
 
     def check(self) -> list[Problem]:
         cfg, launch, where = self.cfg, self.launch, "--pipeline_stages"
-        problems = []
+        problems = super().check()
         if launch.distributed_type not in ("MULTI_GPU", "MULTI_CPU", "NO"):
             problems.append(Problem(f"pipeline stages compose with data parallelism only, not with "
                                     f"{launch.distributed_type}", f"{where} with {launch.source}",
@@ -185,6 +185,7 @@ class Pipeline(Strategy):
         self.full_model = model
         _release_others(model, self.model)  # this process holds only its stages' weights from here on
         self.model.to(device)
+        self.compile_model(self.model, list(self.model))  # each of its stages, before PipelineStage holds it
         self.busy = [0.0]  # seconds this process computed during the current step
         stages = [timed_stage()(every[i], i, self.total_stages, device, group=self.pp_group, busy=self.busy)
                   for i in mine]
