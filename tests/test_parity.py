@@ -17,14 +17,16 @@ def mlp_reference(tmp_path_factory):
     return launch(tmp_path_factory.mktemp("ref") / "out", "--recipe", "mlp", "--batch_size", "32", *STEPS).check()
 
 
-@pytest.mark.parametrize("config, batch_size, grad_accum", [
-    (None, 8, 4),  # 1 process, 4 micro-batches of 8 (2 processes, no accumulation: every config, test_strategies.py)
-    ("ddp", 4, 4),  # 2 processes x 4 micro-batches of 4
+@pytest.mark.parametrize("config, processes, batch_size, grad_accum", [
+    # 1 process, 4 micro-batches of 8 (2 processes, no accumulation: every config, test_strategies.py), launched as
+    # ddp.yaml with --num_processes 1: torchrun's world of one
+    ("ddp", 1, 8, 4),
+    ("ddp", 2, 4, 4),  # 2 processes x 4 micro-batches of 4
 ])
-def test_mlp_matches_one_process(mlp_reference, run_dir, config, batch_size, grad_accum):
+def test_mlp_matches_one_process(mlp_reference, run_dir, config, processes, batch_size, grad_accum):
     run = launch(run_dir("run"), "--recipe", "mlp", "--batch_size", str(batch_size), "--grad_accum",
-                 str(grad_accum), *STEPS, config=config).check()
-    assert run.resolved["global_batch_size"] == 32
+                 str(grad_accum), *STEPS, config=config, extra_launch=("--num_processes", str(processes))).check()
+    assert run.resolved["global_batch_size"] == 32 and run.resolved["world_size"] == processes
     assert max_rel_diff(run.losses, mlp_reference.losses) <= 1e-5
     # the curve is a real training curve, not a constant both sides share
     assert mlp_reference.losses[-1] < 0.5 * mlp_reference.losses[0]

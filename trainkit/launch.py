@@ -99,7 +99,8 @@ class Launch:
         elif is_true(env.get("ACCELERATE_USE_FSDP")):
             distributed_type, names = "FSDP", FSDP_ENV
         else:
-            distributed_type, names = ("MULTI_GPU" if world_size > 1 else "NO"), {}
+            # torchrun (LOCAL_RANK) of a single process too: Accelerate then makes a process group of one
+            distributed_type, names = ("MULTI_GPU" if world_size > 1 or "LOCAL_RANK" in env else "NO"), {}
         settings = {key: env[name] for key, name in names.items() if name in env}
         written = [k for k in env.get("ACCELERATE_CONFIG_DS_FIELDS", "").split(",") if k and k != "mixed_precision"]
         parallelism = {name: int(env[var]) for name, var in PARALLELISM_ENV.items()

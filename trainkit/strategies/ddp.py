@@ -59,4 +59,6 @@ class Single(DDP):
                                                    and launch.world_size == 1)
 
     def expected_distributed_type(self) -> str:
-        return "NO"
+        # A data-parallel YAML launched with --num_processes 1 still goes through torchrun, and Accelerate then makes
+        # a process group of one (DDP around the model, the same numbers); only a launch without one is NO.
+        return super().expected_distributed_type() if self.launch.distributed_type != "NO" else "NO"
