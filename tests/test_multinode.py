@@ -394,6 +394,7 @@ def test_hosts_launcher_sends_the_hosts_no_secret(sshd, ddp_reference, tmp_path)
 
 def test_dry_run_of_a_hostfile_launch_warns_of_secrets_in_the_shell(check_only, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_TOKEN", "hf_fake_secret_123")
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")  # a setting, not a secret (datasets' map sets it)
     yaml_file = tmp_path / "cluster.yaml"
     yaml_file.write_text((ROOT / "accelerate_configs" / "deepspeed_hostfile.yaml").read_text()
                          .replace("deepspeed_hostfile: hostfile", f"deepspeed_hostfile: {tmp_path / 'missing'}"))

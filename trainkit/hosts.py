@@ -199,7 +199,7 @@ ALLOWED_NAMES = {"PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "TERM", "TZ
                  "PDSH_RCMD_TYPE", "PDSH_SSH_ARGS_APPEND", "SSH_AUTH_SOCK", "DS_ENV_FILE"}
 ALLOWED_PREFIXES = ("LC_", "TRAINKIT_", "ACCELERATE_", "NCCL_", "GLOO_", "TORCH_", "MASTER_", "DS_", "UCX_")
 # Never sent, allowed name or not: what tokens, keys and passwords are called.
-SECRET = re.compile(r"TOKEN|SECRET|PASSW|CREDENTIAL|API_?KEY|ACCESS_KEY|PRIVATE|(?<!SSH_)AUTH", re.IGNORECASE)
+SECRET = re.compile(r"TOKEN(?!IZERS)|SECRET|PASSW|CREDENTIAL|API_?KEY|ACCESS_KEY|PRIVATE|(?<!SSH_)AUTH", re.IGNORECASE)
 
 
 def allowed_environment(environ: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:
