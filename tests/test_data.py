@@ -1,11 +1,21 @@
-"""The data-order invariant: global batches depend only on the seed and the global batch size."""
+"""The data-order invariant: global batches depend only on the seed and the global batch size. And text preparation:
+the token blocks are the concatenated corpus cut into pieces, whatever the slicing and the number of processes."""
 
 from __future__ import annotations
 
+import json
+import math
+import pydoc_data.topics
+from collections import Counter
+from pathlib import Path
+
+import datasets
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import TensorDataset
 
+from trainkit import text
 from trainkit.data import BatchLayout, GlobalBatchSampler, TrainStream
 
 NUM_SAMPLES, GLOBAL = 100, 8
@@ -67,3 +77,70 @@ def test_iterating_does_not_consume_the_global_rng():
     for _ in range(30):  # crosses an epoch boundary: a new iterator
         stream.next_global_batch()
     assert torch.equal(before, torch.get_rng_state())
+
+
+# ---- text preparation (trainkit/text.py) ----
+SEQ_LEN = 32
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """40 pydoc topics as a .jsonl file (about 60k tokens), and a small BPE trained on them."""
+    folder = tmp_path_factory.mktemp("text")
+    path = folder / "docs.jsonl"
+    topics = pydoc_data.topics.topics
+    path.write_text("".join(json.dumps({"text": topics[name]}) + "\n" for name in sorted(topics)[:40]))
+    docs = text.load_documents(str(path), "", "text", folder)
+    return docs, text.train_tokenizer(docs, 300, folder / "tokenizer")
+
+
+def stream(docs, tokenizer) -> list[int]:
+    """The corpus as one token stream: each document's tokens, then EOS."""
+    return [t for ids in tokenizer(list(docs["text"]))["input_ids"] for t in [*ids, tokenizer.eos_token_id]]
+
+
+def test_blocks_cut_the_concatenated_corpus(corpus):
+    """Below TOKENS_PER_SLICE tokens (the built-in corpus too) one slice holds everything: nothing is lost but the
+    corpus's last partial block, as when the whole corpus was grouped in one batch."""
+    docs, tokenizer = corpus
+    flat = stream(docs, tokenizer)
+    blocks = text.token_blocks(docs, tokenizer, SEQ_LEN, num_proc=1)
+    assert len(flat) < text.TOKENS_PER_SLICE
+    assert blocks.features["input_ids"] == datasets.List(datasets.Value("int32"))
+    assert np.array_equal(np.array(blocks["input_ids"]).ravel(), flat[:len(flat) // SEQ_LEN * SEQ_LEN])
+
+
+def test_slices_drop_at_most_a_block_each_and_processes_change_nothing(corpus, monkeypatch):
+    docs, tokenizer = corpus
+    flat = stream(docs, tokenizer)
+    monkeypatch.setattr(text, "TOKENS_PER_SLICE", 5000)  # several slices of the 60k tokens
+    monkeypatch.setattr(text, "TEXT_BYTES_PER_SLICE", 20_000)
+    blocks = text.token_blocks(docs, tokenizer, SEQ_LEN, num_proc=1)
+    got = np.array(blocks["input_ids"])
+    rows = text.rows_per_slice(len(docs), len(flat), 5000)
+    expected, start = [], 0  # each slice of `rows` documents packed alone, its remainder dropped
+    for first in range(0, len(docs), rows):
+        end = start + sum(len(ids) + 1 for ids in tokenizer(docs[first:first + rows]["text"])["input_ids"])
+        expected += flat[start:start + (end - start) // SEQ_LEN * SEQ_LEN]
+        start = end
+    slices = -(-len(docs) // rows)
+    assert slices > 3 and len(flat) // SEQ_LEN - slices < len(got) <= len(flat) // SEQ_LEN
+    assert np.array_equal(got.ravel(), expected)
+    in_two = text.token_blocks(docs, tokenizer, SEQ_LEN, num_proc=2)  # tokenised by 2 worker processes
+    assert np.array_equal(np.array(in_two["input_ids"]), got)
+
+
+def test_second_preparation_reads_the_cache(corpus):
+    docs, tokenizer = corpus
+    first = text.token_blocks(docs, tokenizer, SEQ_LEN)
+    mtimes = [(f["filename"], Path(f["filename"]).stat().st_mtime_ns) for f in first.cache_files]
+    again = text.token_blocks(docs, tokenizer, SEQ_LEN)
+    assert mtimes and [(f["filename"], Path(f["filename"]).stat().st_mtime_ns) for f in again.cache_files] == mtimes
+
+
+def test_unigram_entropy_counts_every_token():
+    blocks = datasets.Dataset.from_dict({"input_ids": [[0, 1, 1, 2], [2, 2, 3, 0], [5, 5, 5, 5]] * 700})
+    counts = Counter(t for row in blocks["input_ids"] for t in row)  # 2100 rows: more than one batch of 1000
+    total = sum(counts.values())
+    expected = -sum(c / total * math.log(c / total) for c in counts.values())
+    assert text.unigram_entropy(blocks) == pytest.approx(expected, rel=1e-12)

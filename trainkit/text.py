@@ -1,5 +1,6 @@
 """Text data for language-model recipes: a corpus that needs no download, a BPE tokenizer trained on it, and
-fixed-length token blocks made with `datasets.map` (cached, so the second run starts at once).
+fixed-length token blocks made with `datasets.map` in bounded slices, so that memory stays flat whatever the corpus's
+size (cached, so the second run starts at once; measured in bench/data_prep.py).
 
 The default corpus is the English reference text that CPython ships in `pydoc_data` (the help() topics): it
 exists on every machine with Python. `--data` takes local .txt/.jsonl/.json/.csv files or a Hugging Face dataset
@@ -10,12 +11,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
-from collections import Counter
 from pathlib import Path
 
+import numpy as np
+
 from trainkit.errors import ConfigError, Problem
+from trainkit.hardware import cpu_cores
 
 EOS = "<|endoftext|>"
 EOS_ID = 0  # BpeTrainer gives the special tokens the first ids; the model configs need it before any tokenizer exists
@@ -117,27 +119,71 @@ def train_tokenizer(docs, vocab_size: int, out_dir: Path):
     return wrapped
 
 
-def token_blocks(docs, tokenizer, seq_len: int):
-    """Every document tokenised and followed by EOS, concatenated, and cut into blocks of seq_len tokens."""
+# Preparation works in slices of about these sizes, so that its memory stays flat whatever the corpus's size: text is
+# tokenised 1 MiB at a time (datasets' default of 1000 rows held 0.3 GiB of Python lists on pydoc's long documents)
+# and packed 2^20 tokens (8 MiB) at a time.
+TEXT_BYTES_PER_SLICE = 1 << 20
+TOKENS_PER_SLICE = 1 << 20
+# Text per tokenising process, at least: below it the start-up of a process costs more than it saves.
+BYTES_PER_PROCESS = 16 << 20
+
+
+def default_num_proc(docs) -> int:
+    """Processes for tokenising: one per core, but 1 for a small corpus (pydoc is 0.5 MB). Under a launcher the other
+    processes of the machine wait meanwhile (`local_main_process_first` in train.py), so all cores are free."""
+    return max(1, min(cpu_cores(), docs.data.nbytes // BYTES_PER_PROCESS))
+
+
+def rows_per_slice(rows: int, total: int, per_slice: int) -> int:
+    """How many rows hold about per_slice of a total (bytes or tokens) spread over rows."""
+    return max(1, rows * per_slice // max(total, 1))
+
+
+def token_blocks(docs, tokenizer, seq_len: int, num_proc: int | None = None):
+    """Every document tokenised and followed by EOS, concatenated, and cut into blocks of seq_len tokens.
+
+    Both steps are `datasets.map` passes over bounded slices, written to Arrow files (cached: the second run reads
+    them at once). Tokenising runs in `num_proc` processes (default: `default_num_proc`); each slice of documents is
+    independent. Packing concatenates about TOKENS_PER_SLICE tokens at a time with numpy and cuts them into blocks; a
+    slice's last seq_len - 1 tokens at most cannot fill a block and are dropped, as the corpus's last ones always
+    were: at most seq_len - 1 tokens per TOKENS_PER_SLICE (0.012% at seq_len 128), and none on a corpus of fewer than
+    TOKENS_PER_SLICE tokens, whose blocks are exactly those of one concatenation. Packing runs in one process: it
+    only moves memory, and with a shard per process the slices' edges, so the blocks, would depend on the number of
+    processes.
+    """
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    eos = tokenizer.eos_token_id
 
     def tokenize(batch):
-        return {"input_ids": [ids + [tokenizer.eos_token_id] for ids in tokenizer(batch["text"])["input_ids"]]}
+        return {"input_ids": [ids + [eos] for ids in tokenizer(batch["text"])["input_ids"]]}
 
-    def group(batch):
-        flat = [t for ids in batch["input_ids"] for t in ids]
+    def pack(batch: pa.Table) -> pa.Table:
+        flat = pc.list_flatten(batch["input_ids"]).to_numpy()
         usable = len(flat) // seq_len * seq_len
-        return {"input_ids": [flat[i:i + seq_len] for i in range(0, usable, seq_len)]}
+        blocks = pa.ListArray.from_arrays(pa.array(np.arange(0, usable + 1, seq_len, dtype=np.int32)), flat[:usable])
+        return pa.table({"input_ids": blocks})
 
-    tokens = docs.map(tokenize, batched=True, remove_columns=["text"])
-    # One batch holds the whole corpus so that no tokens are lost between blocks; fine at this scale.
-    return tokens.map(group, batched=True, batch_size=len(tokens))
+    num_proc = num_proc or default_num_proc(docs)
+    rows = rows_per_slice(len(docs), docs.data.nbytes, TEXT_BYTES_PER_SLICE)
+    # num_proc=1 would still start a pool of one worker (datasets 5.2): None keeps the work in this process.
+    tokens = docs.map(tokenize, batched=True, batch_size=rows, writer_batch_size=rows, remove_columns=["text"],
+                      num_proc=num_proc if num_proc > 1 else None)
+    total = sum(len(chunk.flatten()) for chunk in tokens.data.column("input_ids").chunks)
+    rows = rows_per_slice(len(tokens), total, TOKENS_PER_SLICE)
+    return tokens.with_format("arrow").map(pack, batched=True, batch_size=rows).with_format(None)
 
 
 def unigram_entropy(blocks) -> float:
     """Entropy (nats per token) of the corpus's token frequencies: the loss of a model that ignores context."""
-    counts = Counter(t for row in blocks["input_ids"] for t in row)
-    total = sum(counts.values())
-    return -sum(c / total * math.log(c / total) for c in counts.values())
+    counts = np.zeros(0, dtype=np.int64)
+    for batch in blocks.with_format("numpy").iter(batch_size=1000):  # a 2-D array of 1000 blocks at a time
+        found = np.bincount(batch["input_ids"].ravel())
+        counts = np.pad(counts, (0, max(0, len(found) - len(counts))))
+        counts[:len(found)] += found
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * np.log(p)).sum())
 
 
 def data_key(data: str, data_config: str, text_field: str, vocab_size: int) -> str:
