@@ -54,6 +54,7 @@ class Settings:
     steps: int  # optimizer steps per run
     first: int  # the first step of the timed window (steps first..steps)
     quick: bool
+    repeats: int  # peers: runs of each tool, alternating; the median run counts
     markdown: Path
     images: Path
 
@@ -177,6 +178,7 @@ def peer(settings: Settings, tmp: Path, tool: str, strategy: str, processes: int
     report = tmp / f"{tool}-{strategy}-{processes}-{grad_accum}{''.join(flags)}.json"
     args = ["--batch_size", str(micro_batch), "--grad_accum", str(grad_accum), "--max_steps", str(settings.steps),
             *flags]
+    report.unlink(missing_ok=True)  # a repeat's report, not an earlier one
     started = time.perf_counter()
     proc = subprocess.run(peer_command(tool, strategy, processes, report, args), cwd=ROOT, capture_output=True,
                           text=True, env={**os.environ, "OMP_NUM_THREADS": str(threads_for(processes))})
@@ -259,6 +261,12 @@ def window_note(settings: Settings) -> str:
     return f"median of {settings.window}"
 
 
+def median_run(results: list[Result]) -> Result:
+    """The run of median throughput (the lower middle one of an even count); a failed run if none has a rate."""
+    timed = sorted((r for r in results if r.rate is not None), key=lambda r: r.rate)
+    return timed[(len(timed) - 1) // 2] if timed else results[0]
+
+
 PEER_STRATEGIES = ("single", "ddp", "deepspeed_zero2", "deepspeed_zero3", "fsdp")
 TOOLS = {"trainkit": "trainkit", "hf_trainer": "HF Trainer", "accelerate_loop": "Accelerate loop"}
 
@@ -270,12 +278,14 @@ def section_peers(settings: Settings, tmp: Path) -> tuple[str, Callable]:
     results: dict[str, dict[str, Result]] = {}
     for strategy in strategies:
         processes = 1 if strategy == "single" else 2
-        results[strategy] = {"trainkit": trainkit(settings, tmp, f"peers-{strategy}",
-                                                  None if strategy == "single" else strategy, base, processes)}
-        for tool in ("hf_trainer", "accelerate_loop"):
-            results[strategy][tool] = peer(settings, tmp, tool, strategy, processes, micro)
-        if strategy == "single":
-            results[strategy]["torch_loop"] = peer(settings, tmp, "torch_loop", strategy, 1, micro)
+        tools = [*TOOLS, *(["torch_loop"] if strategy == "single" else [])]
+        runs: dict[str, list[Result]] = {tool: [] for tool in tools}
+        for i in range(settings.repeats):  # in turn, so that a slow spell of the machine hits every tool alike
+            for tool in tools:
+                runs[tool].append(trainkit(settings, tmp, f"peers-{strategy}-{i}",
+                                           None if strategy == "single" else strategy, base, processes)
+                                  if tool == "trainkit" else peer(settings, tmp, tool, strategy, processes, micro))
+        results[strategy] = {tool: median_run(r) for tool, r in runs.items()}
         print(f"peers: {strategy}: " + ", ".join(f"{k} {v.cell()}" for k, v in results[strategy].items()), flush=True)
 
     def ratio(strategy: str, tool: str) -> str:
@@ -299,7 +309,9 @@ def section_peers(settings: Settings, tmp: Path) -> tuple[str, Callable]:
             f"| {single['trainkit'].cell()} | {single['torch_loop'].cell()} | {ratio('single', 'torch_loop')} |"]
     text = (f"Tiny transformer (recipes/tiny_transformer.py's build_model), 128-token blocks of the same data, "
             f"micro-batch {micro} per process, fp32, AdamW (lr 3e-3, weight decay 0.01 on matrices, betas (0.9, "
-            "0.999), eps 1e-8), warm-up + cosine schedule, clipping at 1.0; all three in one run of this script. "
+            "0.999), eps 1e-8), warm-up + cosine schedule, clipping at 1.0; all three in one run of this script, "
+            f"each run {settings.repeats} time(s) in turn and the run of median throughput shown (on this machine the "
+            "same command varies by up to 30% from run to run). "
             "The Trainer (bench/peers/hf_trainer.py) is started with torchrun (`python` for one process) and gets "
             "the same ds_configs/ JSON, with the bucket sizes filled as trainkit fills them (the Trainer leaves "
             "allgather_bucket_size \"auto\" and raises) and its FSDP settings (`fsdp=\"full_shard\"`, version 2); "
@@ -517,11 +529,15 @@ def write_section(settings: Settings, name: str, body: str, png: Path, seconds: 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--section", choices=[*SECTIONS, "all"], default="all")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="peers: runs of each tool, taken in turn (this machine varies by up to 30%% from run to "
+                        "run); the median counts")
     parser.add_argument("--quick", action="store_true", help="a few configs, 8 steps: a check, not a measurement")
     parser.add_argument("--markdown", type=Path, default=ROOT / "BENCHMARKS.md", help="the file the sections go to")
     parser.add_argument("--images", type=Path, default=ROOT / "docs" / "images", help="where the charts go")
     args = parser.parse_args()
-    settings = Settings(8 if args.quick else 24, 4 if args.quick else 7, args.quick, args.markdown.resolve(),
+    settings = Settings(8 if args.quick else 24, 4 if args.quick else 7, args.quick,
+                        1 if args.quick else args.repeats, args.markdown.resolve(),
                         args.images.resolve())
     import matplotlib
 
