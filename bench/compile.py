@@ -33,6 +33,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from sections import BENCHMARKS, replace_section  # noqa: E402
+
 from trainkit.compare import max_rel_diff, run_config  # noqa: E402
 from trainkit.recipes import load_recipe  # noqa: E402
 from trainkit.strategies import for_launch, shipped_strategies  # noqa: E402
@@ -98,14 +100,8 @@ def main() -> None:
                "each graph read it from the run's shared inductor cache (bench/compile.py says which). Compiled per "
                "transformer block under the FSDP2 configs (fsdp, fsdp_offload, tp, fsdp_tp, hsdp), the whole model "
                "otherwise (docs/strategies.md).\n" + END)
-    path = ROOT / "BENCHMARKS.md"
-    text = path.read_text() if path.exists() else "# Benchmarks\n\nEach section says the command that produced it.\n"
-    if START in text:
-        text = text[:text.index(START)] + section + text[text.index(END) + len(END):]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    path.write_text(text)
-    print(f"wrote {path}")
+    replace_section(section, START, END)
+    print(f"wrote {BENCHMARKS}")
 
 
 if __name__ == "__main__":

@@ -39,6 +39,8 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from sections import BENCHMARKS, replace_section  # noqa: E402
+
 from trainkit import text  # noqa: E402
 from trainkit.hardware import cpu_cores  # noqa: E402
 
@@ -251,14 +253,8 @@ def write_section(rows: list[dict], command: str) -> None:
                "tokens at a time with numpy, so its memory stays nearly flat; it drops at most 127 of each 2^20 "
                "tokens, so its block count can be a few below the baseline's. `again`: the second run reads the "
                f"cached blocks.\n{END}")
-    path = ROOT / "BENCHMARKS.md"
-    doc = path.read_text() if path.exists() else "# Benchmarks\n\nEach section says the command that produced it.\n"
-    if START in doc:
-        doc = doc[:doc.index(START)] + section + doc[doc.index(END) + len(END):]
-    else:
-        doc = doc.rstrip("\n") + "\n\n" + section + "\n"
-    path.write_text(doc)
-    print(f"wrote {path} and {PNG}")
+    replace_section(section, START, END)
+    print(f"wrote {BENCHMARKS} and {PNG}")
 
 
 def main() -> None:

@@ -30,6 +30,8 @@ from accelerate.test_utils import path_in_accelerate_package
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from sections import BENCHMARKS, replace_section  # noqa: E402
+
 from trainkit.compare import run_config  # noqa: E402
 from trainkit.launch import shipped_configs  # noqa: E402
 
@@ -125,12 +127,8 @@ def section(results: dict) -> str:
 
 
 def record(results_file: Path) -> None:
-    bench = ROOT / "BENCHMARKS.md"
-    text = bench.read_text()
-    new = section(json.loads(results_file.read_text()))
-    start, end = text.find(START), text.find(END)
-    bench.write_text(text[:start] + new + text[end + len(END):] if start >= 0 else text.rstrip() + "\n\n" + new + "\n")
-    print(f"wrote the GPU section of {bench}")
+    replace_section(section(json.loads(results_file.read_text())), START, END)
+    print(f"wrote the GPU section of {BENCHMARKS}")
 
 
 def main() -> None:

@@ -18,6 +18,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from sections import BENCHMARKS, replace_section  # noqa: E402
+
 from trainkit.compare import run_config  # noqa: E402
 from trainkit.recipes import load_recipe  # noqa: E402
 from trainkit.strategies import for_launch, shipped_strategies  # noqa: E402
@@ -61,14 +63,8 @@ def main() -> None:
                "the step, so between steps they hold weights + (master + Adam) / N. ZeRO-2 offload holds more in "
                "all: host copies of the partition and of its fp32 gradients, and two staging buffers the size of "
                f"the largest parameter.\n{END}")
-    path = ROOT / "BENCHMARKS.md"
-    text = path.read_text() if path.exists() else "# Benchmarks\n\nEach section says the command that produced it.\n"
-    if START in text:
-        text = text[:text.index(START)] + section + text[text.index(END) + len(END):]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    path.write_text(text)
-    print(f"wrote {path}")
+    replace_section(section, START, END)
+    print(f"wrote {BENCHMARKS}")
 
 
 if __name__ == "__main__":

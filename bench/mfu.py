@@ -24,6 +24,7 @@ sys.path.insert(0, str(ROOT))
 import accelerate  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
+from sections import BENCHMARKS, replace_section  # noqa: E402
 
 from trainkit.compare import run_config  # noqa: E402
 from trainkit.hardware import cpu_cores, cpu_model, cpu_peak_flops  # noqa: E402
@@ -75,14 +76,8 @@ def main() -> None:
                "that the matmuls, not the framework between them, take the time: the goal is at least 80% MFU on a "
                "2-core machine.\n"
                f"{END}")
-    path = ROOT / "BENCHMARKS.md"
-    text = path.read_text() if path.exists() else "# Benchmarks\n\nEach section says the command that produced it.\n"
-    if START in text:
-        text = text[:text.index(START)] + section + text[text.index(END) + len(END):]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    path.write_text(text)
-    print(f"wrote {path}")
+    replace_section(section, START, END)
+    print(f"wrote {BENCHMARKS}")
 
 
 if __name__ == "__main__":

@@ -20,6 +20,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from sections import replace_section  # noqa: E402
+
 from trainkit.compare import run_config  # noqa: E402
 
 MODEL = ["--recipe", "tiny_transformer", "--hidden", "256", "--layers", "4", "--seq_len", "128", "--batch_size", "4",
@@ -81,13 +83,7 @@ def main() -> None:
                "Idle is measured per process: the share of the step outside its stages' forward and backward "
                "computations. It sits above the theory by the cost of the sends and by the stages' unequal work (the "
                f"last stage also computes the output layer and the loss).\n{END}")
-    path = ROOT / "BENCHMARKS.md"
-    text = path.read_text()
-    if START in text:
-        text = text[:text.index(START)] + section + text[text.index(END) + len(END):]
-    else:
-        text = text.rstrip() + "\n\n" + section + "\n"
-    path.write_text(text)
+    replace_section(section, START, END)
     print("\n".join(table))
 
 

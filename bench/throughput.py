@@ -39,6 +39,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from sections import replace_section  # noqa: E402
+
 from trainkit.compare import run_config, split_for  # noqa: E402
 from trainkit.recipes import load_recipe  # noqa: E402
 from trainkit.strategies import for_launch, shipped_strategies  # noqa: E402
@@ -517,13 +519,7 @@ def write_section(settings: Settings, name: str, body: str, png: Path, seconds: 
                f"Machine: {machine()}, CPU only. {versions()}. Measured {date.today().isoformat()}."
                + (" **Quick run: few configs and steps, a check that it works, not a measurement.**"
                   if settings.quick else "") + f"\n\n{body}\n\n![{name}]({image})\n{end}")
-    path = settings.markdown
-    text = path.read_text() if path.exists() else "# Benchmarks\n\nEach section says the command that produced it.\n"
-    if start in text:
-        text = text[:text.index(start)] + section + text[text.index(end) + len(end):]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    path.write_text(text)
+    replace_section(section, start, end, settings.markdown)
 
 
 def main() -> None:
