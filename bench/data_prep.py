@@ -233,7 +233,7 @@ def write_section(rows: list[dict], command: str) -> None:
     import datasets
     import tokenizers
 
-    cores = len(psutil.Process().cpu_affinity() or []) or psutil.cpu_count()
+    cores = cpu_cores()
     section = (f"{START}\n## Text preparation: time and memory against corpus size\n\n"
                f"Command: `{command}` ({platform.processor() or platform.machine()}, {cores} cores, "
                f"{psutil.virtual_memory().total / GIB:.0f} GiB; Python {platform.python_version()}, datasets "
