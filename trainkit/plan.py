@@ -74,18 +74,15 @@ def make_plan(options: RunOptions, overrides: list[tuple[str, str, str]]) -> Pla
     shape = model_shape(recipe, cfg, model)
     activations = run_activations(shape, cfg, launch.mixed_precision)
     estimate = strategy.estimate(shape, options.num_processes or launch.world_size, activations)
-    resolved = resolved_config(recipe, cfg, sources, launch, strategy, estimate)
     flops = count_flops(model, recipe.tokens_per_sample(cfg))
-    where = resolved.pop("sources")  # stays the last key
-    resolved.update(flops.resolved())
-    resolved["sources"] = {**where, **dict.fromkeys(flops.resolved(), "trainkit.metrics.count_flops")}
+    resolved = resolved_config(recipe, cfg, sources, launch, strategy, estimate, flops)
     if resume and (problems := resume_problems(resume, cfg, resolved, overrides)):
         raise ConfigError(problems)
     return Plan(options, recipe, cfg, launch, strategy, shape, estimate, resolved, resume, flops)
 
 
 def resolved_config(recipe: Recipe, cfg: TrainConfig, sources: dict[str, str], launch: Launch, strategy: Strategy,
-                    estimate: Estimate) -> dict[str, Any]:
+                    estimate: Estimate, flops: FlopCount) -> dict[str, Any]:
     """Every effective value (flat), and under "sources" where each came from."""
     resolved: dict[str, Any] = {
         "recipe": str(recipe.path), **strategy.resolved_fields(), "world_size": launch.world_size,
@@ -98,12 +95,14 @@ def resolved_config(recipe: Recipe, cfg: TrainConfig, sources: dict[str, str], l
     seq_len = recipe.tokens_per_sample(cfg)
     if seq_len is not None:
         resolved["seq_len"] = seq_len
+    resolved.update(flops.resolved())
     sources = dict(sources)
     sources.update({name: launch.source for name in (*strategy.resolved_fields(), "world_size", "num_machines",
                                                      "mixed_precision")})
     sources["global_batch_size"] = "batch_size x grad_accum x data_parallel_size"
     sources["data_parallel_size"] = "world_size / the ranks that split one model (pipeline stages, tensor parallel)"
     sources["estimated_state_bytes"] = "trainkit.estimate"
+    sources.update(dict.fromkeys(flops.resolved(), "trainkit.metrics.count_flops"))
     resolved["sources"] = sources
     return resolved
 
