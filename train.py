@@ -37,7 +37,7 @@ from trainkit.metrics import (
 )
 from trainkit.optim import build_optimizer, build_scheduler
 from trainkit.plan import Plan, estimate_report, make_plan
-from trainkit.process import end_process, lost_contact
+from trainkit.process import end_process, keep_until_exit, lost_contact
 from trainkit.quiet import silence_library_noise
 from trainkit.strategies import Strategy
 
@@ -97,6 +97,7 @@ class Run:
 def build(plan: Plan) -> Run:
     options, cfg, recipe, strategy = plan.options, plan.cfg, plan.recipe, plan.strategy
     accelerator = strategy.build_accelerator(options.output_dir, options.report_to)
+    keep_until_exit(strategy)  # freeing its process groups can hang a launched rank (trainkit/process.py)
     compute = Compute.set_up(accelerator, plan.launch.mixed_precision, options.peak_flops, options.cache_dir)
     compute.add_to(plan.resolved)  # the threads and peak of the machine it runs on
     strategy.notes.extend(compute.notes())

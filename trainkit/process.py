@@ -16,6 +16,8 @@ from trainkit.errors import TrainingError
 _LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out waiting",
               "NCCL communicator was aborted", "Socket Timeout")
 
+_KEPT: list[object] = []  # what keep_until_exit holds: never released
+
 
 def lost_contact(error: BaseException) -> TrainingError | None:
     """The error to report when a collective failed because another rank died, froze or lost its network, else None.
@@ -30,6 +32,19 @@ def lost_contact(error: BaseException) -> TrainingError | None:
     return TrainingError(f"rank {os.environ.get('RANK', '0')} lost contact with the other processes ({reason})",
                          "a machine or process died, froze or lost its network. Check the other machines' logs, then "
                          "continue with --resume latest (the last complete checkpoint is intact)")
+
+
+def keep_until_exit(strategy: object) -> None:
+    """A launched rank never frees its strategy (the prepared model, optimizer and their process groups).
+
+    After Accelerate's end_training has destroyed the process group, the DDP model's Reducer holds its last reference:
+    freeing the model (when main() returns) runs ~ProcessGroupGloo from pybind11's dealloc, which keeps the GIL while it
+    joins the group's worker threads, and a worker still dropping its last finished work (tensors with Python objects)
+    waits for that GIL. Both wait forever: seen here as a DDP rank that wrote final/ and never exited (the kind of
+    destructor pytorch/pytorch#56297 lists). end_process skips finalization, so what is kept here is never freed.
+    """
+    if "LOCAL_RANK" in os.environ:
+        _KEPT.append(strategy)
 
 
 def end_process(code: int) -> NoReturn:
