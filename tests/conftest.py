@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import json
-import signal
-import subprocess
 from pathlib import Path
 
-import psutil
 import pytest
 
-from trainkit.compare import ROOT, Run, launch_command, max_rel_diff, run_config
+from trainkit.compare import ROOT, Run, kill_tree, launch_command, max_rel_diff, run_config
 from trainkit.launch import shipped_configs
 from trainkit.recipes import load_recipe
 from trainkit.strategies import Strategy, for_launch, shipped_strategies
@@ -24,6 +21,11 @@ TEST_ENV = {"TRAINKIT_CACHE": str(ROOT / ".cache" / "tests"), "OMP_NUM_THREADS":
             "HF_DATASETS_OFFLINE": "1",
             "PYTHONPATH": str(ROOT)}
 
+
+
+# The longest launch of the suite takes under a minute on 2 cores; a hung rank fails its test after this many seconds
+# instead of holding the suite until pytest's own timeout (pytest.ini), which would leave its processes running.
+LAUNCH_TIMEOUT = 300
 
 
 # The max relative loss difference any config may show against the one-process run of the same global batch.
@@ -108,24 +110,9 @@ def zero2_json(**changes) -> str:
 def launch(output_dir: Path, *args: str, config: str | None = None, extra_launch: tuple[str, ...] = (),
            script: str = "train.py", env: dict | None = None) -> Run:
     """`python train.py ARGS` (config None) or `accelerate launch --config_file <config>.yaml train.py ARGS`,
-    with TEST_ENV."""
+    with TEST_ENV; a launch that has not ended after LAUNCH_TIMEOUT seconds is killed and fails its test."""
     return run_config(config, output_dir, list(args), launch_args=extra_launch, script=script,
-                      env={**TEST_ENV, **(env or {})})
-
-
-def kill_tree(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
-    """Signal a launch and every process under it, workers first (torchrun starts its workers in their own
-    sessions, so a process group would miss them)."""
-    try:
-        parent = psutil.Process(proc.pid)
-        tree = parent.children(recursive=True) + [parent]
-    except psutil.NoSuchProcess:
-        return
-    for p in tree:
-        try:
-            p.send_signal(sig)
-        except psutil.NoSuchProcess:
-            pass
+                      env={**TEST_ENV, **(env or {})}, timeout=LAUNCH_TIMEOUT)
 
 
 def assert_refused(run: Run, message: str, code: int = 2) -> None:

@@ -192,3 +192,21 @@ def test_metrics_lines_are_strict_json(tmp_path):
     assert [line["grad_norm"] for line in lines] == [None, None]
     assert [line["loss"] for line in lines] == [2.5, 2.0] and lines[1]["skipped_steps"] == 2
     assert logged[0]["grad_norm"] == float("inf")  # trackers take floats as they are
+
+
+def test_a_launch_that_does_not_end_is_killed_with_its_children(tmp_path):
+    """The harness's guard against a hung rank (tests/conftest.py LAUNCH_TIMEOUT): the launch and the processes it
+    started are killed, and the run reads as failed with the reason."""
+    import psutil
+
+    from trainkit.compare import run_config
+
+    script = tmp_path / "hang.py"
+    script.write_text("import subprocess, sys, time\n"
+                      "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+                      "print(child.pid, flush=True)\n"
+                      "time.sleep(600)\n")
+    run = run_config(None, tmp_path, [], script=str(script), timeout=3)
+    assert run.returncode != 0 and "killed after 3 s: the launch had not ended" in run.stderr, run.stderr
+    child = int(run.stdout.split()[0])
+    assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE

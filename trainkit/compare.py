@@ -17,12 +17,14 @@ import argparse
 import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 from matplotlib.figure import Figure
 
 from trainkit.data import global_batch_size
@@ -80,11 +82,35 @@ def launch_command(config: str | None, output_dir: Path, args: list[str], num_pr
 
 
 def run_config(config: str | None, output_dir: Path, args: list[str], num_processes: int | None = None,
-               launch_args: tuple[str, ...] = (), script: str = "train.py", env: dict | None = None) -> Run:
-    """Run launch_command(...) from the repository root to its end."""
+               launch_args: tuple[str, ...] = (), script: str = "train.py", env: dict | None = None,
+               timeout: float | None = None) -> Run:
+    """Run launch_command(...) from the repository root to its end, or for at most `timeout` seconds: a launch still
+    running then (a rank that hung) is killed with every process under it and reads as failed."""
     cmd = launch_command(config, output_dir, args, num_processes, launch_args, script)
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, **(env or {})})
-    return Run(config or "one process", proc.returncode, proc.stdout, proc.stderr, output_dir)
+    with subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env={**os.environ, **(env or {})}) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            kill_tree(proc)
+            stdout, stderr = proc.communicate()
+            stderr += f"\nkilled after {timeout:.0f} s: the launch had not ended\n"
+    return Run(config or "one process", proc.returncode, stdout, stderr, output_dir)
+
+
+def kill_tree(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
+    """Signal a launch and every process under it, workers first (torchrun starts its workers in their own
+    sessions, so a process group would miss them)."""
+    try:
+        parent = psutil.Process(proc.pid)
+        tree = parent.children(recursive=True) + [parent]
+    except psutil.NoSuchProcess:
+        return
+    for p in tree:
+        try:
+            p.send_signal(sig)
+        except psutil.NoSuchProcess:
+            pass
 
 
 def max_rel_diff(curve: list[float], reference: list[float]) -> float:
