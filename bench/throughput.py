@@ -280,6 +280,7 @@ def section_peers(settings: Settings, tmp: Path) -> tuple[str, Callable]:
     strategies = ("single", "deepspeed_zero2", "fsdp") if settings.quick else PEER_STRATEGIES
     base = ["--recipe", "tiny_transformer", "--batch_size", str(micro)]
     results: dict[str, dict[str, Result]] = {}
+    median: dict[str, dict[str, float | None]] = {}  # the median run's throughput of each tool
     best: dict[str, dict[str, float | None]] = {}  # each tool's fastest step over all its runs
     for strategy in strategies:
         processes = 1 if strategy == "single" else 2
@@ -291,16 +292,13 @@ def section_peers(settings: Settings, tmp: Path) -> tuple[str, Callable]:
                                            None if strategy == "single" else strategy, base, processes)
                                   if tool == "trainkit" else peer(settings, tmp, tool, strategy, processes, micro))
         results[strategy] = {tool: median_run(r) for tool, r in runs.items()}
+        median[strategy] = {tool: r.rate for tool, r in results[strategy].items()}
         best[strategy] = {tool: max((x.best for x in r if x.best), default=None) for tool, r in runs.items()}
         print(f"peers: {strategy}: " + ", ".join(f"{k} {v.cell()}" for k, v in results[strategy].items()), flush=True)
 
-    def ratio(strategy: str, tool: str) -> str:
-        ours, theirs = results[strategy]["trainkit"].rate, results[strategy][tool].rate
+    def ratio(strategy: str, tool: str, rates: dict[str, dict[str, float | None]]) -> str:
+        ours, theirs = rates[strategy]["trainkit"], rates[strategy][tool]
         return f"{ours / theirs:.2f}x" if ours and theirs else "-"
-
-    def best_ratio(strategy: str, tool: str) -> str:
-        ours, theirs = best[strategy]["trainkit"], best[strategy][tool]
-        return f"{ours / theirs:.2f}x" if ours and theirs and results[strategy][tool].rate else "-"
 
     def first(r: Result) -> str:
         return f"{r.first_step_s:.1f}" if r.first_step_s is not None else "-"
@@ -312,14 +310,15 @@ def section_peers(settings: Settings, tmp: Path) -> tuple[str, Callable]:
     for strategy, r in results.items():
         processes = 1 if strategy == "single" else 2
         table.append(f"| {strategy} | {processes} x {threads_for(processes)} | "
-                     + " | ".join(r[t].cell() for t in TOOLS) + f" | {ratio(strategy, 'hf_trainer')} | "
-                     f"{ratio(strategy, 'accelerate_loop')} | {best_ratio(strategy, 'hf_trainer')} | "
-                     f"{best_ratio(strategy, 'accelerate_loop')} | " + " / ".join(first(r[t]) for t in TOOLS) + " |")
+                     + " | ".join(r[t].cell() for t in TOOLS) + " | "
+                     + " | ".join(ratio(strategy, tool, rates) for rates in (median, best)
+                                  for tool in ("hf_trainer", "accelerate_loop"))
+                     + " | " + " / ".join(first(r[t]) for t in TOOLS) + " |")
     single = results["single"]
     bare = ["| `python train.py` tokens/s | bare PyTorch loop tokens/s | ratio | fastest step ratio |",
             "|---:|---:|---:|---:|",
-            f"| {single['trainkit'].cell()} | {single['torch_loop'].cell()} | {ratio('single', 'torch_loop')} | "
-            f"{best_ratio('single', 'torch_loop')} |"]
+            f"| {single['trainkit'].cell()} | {single['torch_loop'].cell()} | "
+            f"{ratio('single', 'torch_loop', median)} | {ratio('single', 'torch_loop', best)} |"]
     text = (f"Tiny transformer (recipes/tiny_transformer.py's build_model), 128-token blocks of the same data, "
             f"micro-batch {micro} per process, fp32, AdamW (lr 3e-3, weight decay 0.01 on matrices, betas (0.9, "
             "0.999), eps 1e-8), warm-up + cosine schedule, clipping at 1.0; all three in one run of this script, "
