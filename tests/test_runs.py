@@ -7,11 +7,13 @@ import os
 import subprocess
 import sys
 
+import psutil
 import pytest
 import torch
 from safetensors.torch import load_model
 
 from conftest import ROOT, assert_refused, launch, max_rel_diff
+from trainkit.compare import run_config
 from trainkit.recipes import load_recipe
 
 SMALL_LM = ["--hidden", "64", "--layers", "2", "--seq_len", "64"]
@@ -197,10 +199,6 @@ def test_metrics_lines_are_strict_json(tmp_path):
 def test_a_launch_that_does_not_end_is_killed_with_its_children(tmp_path):
     """The harness's guard against a hung rank (tests/conftest.py LAUNCH_TIMEOUT): the launch and the processes it
     started are killed, and the run reads as failed with the reason."""
-    import psutil
-
-    from trainkit.compare import run_config
-
     script = tmp_path / "hang.py"
     script.write_text("import subprocess, sys, time\n"
                       "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"

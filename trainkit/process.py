@@ -34,6 +34,11 @@ def lost_contact(error: BaseException) -> TrainingError | None:
                          "continue with --resume latest (the last complete checkpoint is intact)")
 
 
+def _launched() -> bool:
+    """Whether a launcher (accelerate launch, torchrun, DeepSpeed's) started this process as one of its ranks."""
+    return "LOCAL_RANK" in os.environ
+
+
 def keep_until_exit(strategy: object) -> None:
     """A launched rank never frees its strategy (the prepared model, optimizer and their process groups).
 
@@ -43,7 +48,7 @@ def keep_until_exit(strategy: object) -> None:
     waits for that GIL. Both wait forever: seen here as a DDP rank that wrote final/ and never exited (the kind of
     destructor pytorch/pytorch#56297 lists). end_process skips finalization, so what is kept here is never freed.
     """
-    if "LOCAL_RANK" in os.environ:
+    if _launched():
         _KEPT.append(strategy)
 
 
@@ -56,7 +61,7 @@ def end_process(code: int) -> NoReturn:
     and the launcher reports the run failed (1 of 68 ZeRO-3 runs here, and in CI; pytorch/pytorch#190489, open).
     Everything else that a normal exit does still happens: the atexit handlers run, the streams are flushed.
     """
-    if "LOCAL_RANK" not in os.environ:
+    if not _launched():
         sys.exit(code)
     atexit._run_exitfuncs()  # logging.shutdown and every library's own handlers, while the interpreter is whole
     sys.stdout.flush()
