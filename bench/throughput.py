@@ -50,6 +50,7 @@ CORES = cpu_cores()  # what trainkit divides among its processes (trainkit/hardw
 SEQ_LEN = 128  # the tiny transformer's default, stated in every section
 MICRO_BATCH = {"tiny_transformer": 16, "mlp": 32}  # per process, at 2 processes
 PEERS = Path("bench") / "peers"
+REPEATS = 3  # peers: runs of each tool, by default
 
 
 @dataclass(frozen=True)
@@ -523,7 +524,8 @@ def versions() -> str:
 def write_section(settings: Settings, name: str, body: str, png: Path, seconds: float) -> None:
     title = SECTIONS[name][0]
     start, end = f"<!-- throughput {name}: written by bench/throughput.py -->", f"<!-- end of throughput {name} -->"
-    command = f"python bench/throughput.py --section {name}" + (" --quick" if settings.quick else "")
+    command = (f"python bench/throughput.py --section {name}" + (" --quick" if settings.quick else "")
+               + (f" --repeats {settings.repeats}" if name == "peers" and settings.repeats != REPEATS else ""))
     image = os.path.relpath(png, settings.markdown.parent)
     section = (f"{start}\n## {title}\n\n"
                f"Command: `{command}` ({settings.steps} optimizer steps per run, evaluation only at the end, "
@@ -537,7 +539,7 @@ def write_section(settings: Settings, name: str, body: str, png: Path, seconds: 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--section", choices=[*SECTIONS, "all"], default="all")
-    parser.add_argument("--repeats", type=int, default=3,
+    parser.add_argument("--repeats", type=int, default=REPEATS,
                         help="peers: runs of each tool, taken in turn (this machine varies by up to 30%% from run to "
                         "run); the median counts")
     parser.add_argument("--quick", action="store_true", help="a few configs, 8 steps: a check, not a measurement")
