@@ -1,0 +1,137 @@
+"""What trainkit adds to a training step, measured inside the processes that take the step; writes BENCHMARKS.md.
+
+    python bench/step_overhead.py        # one process, DDP, ZeRO-2, ZeRO-3; about 4 minutes on 2 CPU cores
+
+The peers section of bench/throughput.py times trainkit and the loops users would write instead in separate runs, and
+on a shared machine such runs differ by 10-15% from one to the next: more than a runner adds to a step. Here every
+rank builds trainkit's run (train.py's plan and build: the same Accelerator, model, optimizer and batches) and then
+alternates, step by step, trainkit's step (the batches from its stream, Strategy.train_step with its loss agreement,
+finite checks, clipping and optimizer step, then the metrics line) with the step of a plain Accelerate loop on the
+same prepared objects (bench/peers/accelerate_loop.py's body: forward, `accelerator.backward`, `clip_grad_norm_`,
+`optimizer.step`, `scheduler.step`, `zero_grad`). A busy spell of the machine slows both alike; the difference of
+their medians is what trainkit costs per step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from sections import replace_section  # noqa: E402
+
+CONFIGS = ("single", "ddp", "deepspeed_zero2", "deepspeed_zero3")  # those both peers run (bench/throughput.py)
+WARMUP, ROUNDS = 3, 40  # rounds of one trainkit step and one loop step
+ARGS = ["--recipe", "tiny_transformer", "--batch_size", "16", "--eval_every", "0", "--warmup_steps", "2",
+        "--max_steps", str(2 * (WARMUP + ROUNDS))]  # the schedule and the data run over both kinds of step
+START, END = "<!-- step overhead: written by bench/step_overhead.py -->", "<!-- end of step overhead -->"
+
+
+def measure(argv: list[str], report: Path) -> None:
+    """In each rank of a launch: build trainkit's run, alternate the two steps, rank 0 writes the timings."""
+    import torch
+
+    import train
+    from trainkit.config import parse_command_line
+    from trainkit.guards import FiniteCheck
+    from trainkit.metrics import MetricsLog, peak_memory_bytes, process_seconds
+    from trainkit.plan import make_plan
+    from trainkit.quiet import silence_library_noise
+
+    silence_library_noise()
+    plan = make_plan(*parse_command_line(argv))
+    run = train.build(plan)
+    strategy, cfg = run.strategy, plan.cfg
+    accelerator, model, loss_fn = strategy.accelerator, strategy.model, plan.recipe.compute_loss
+    log = MetricsLog(accelerator, plan.options.output_dir, cfg.max_steps, initial_step=0)
+    finite = FiniteCheck(fp16=False)
+
+    def trainkit_step(step: int) -> None:  # train.py's loop body, less its evaluation and checkpoint branches
+        result = strategy.train_step(step, run.stream.next_global_batch(), loss_fn, finite, False)
+        log.step({"step": step, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
+                  "peak_mem_bytes": peak_memory_bytes(accelerator.device), "elapsed_s": process_seconds()})
+
+    def loop_step() -> None:  # bench/peers/accelerate_loop.py's body, on trainkit's next batch
+        batch = strategy.cast_batch(run.stream.next_global_batch()[0])
+        with accelerator.accumulate(model):
+            accelerator.backward(loss_fn(model, batch))
+            if accelerator.sync_gradients:
+                accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+            strategy.optimizer.step()
+            strategy.scheduler.step()
+            strategy.optimizer.zero_grad(set_to_none=False)  # as trainkit: the gradient buffers stay allocated
+
+    times: dict[str, list[float]] = {"trainkit": [], "loop": []}
+    for i in range(WARMUP + ROUNDS):
+        for name in ("trainkit", "loop")[:: 1 if i % 2 else -1]:  # in turn first, so that order favours neither
+            started = time.perf_counter()
+            trainkit_step(i + 1) if name == "trainkit" else loop_step()
+            if i >= WARMUP:
+                times[name].append(time.perf_counter() - started)
+    log.close()
+    if accelerator.is_main_process:
+        report.write_text(json.dumps({**times, "world_size": accelerator.num_processes,
+                                      "threads": torch.get_num_threads(), "strategy": plan.resolved["strategy"]}))
+
+
+def main() -> None:
+    from trainkit.compare import run_config
+    from trainkit.hardware import cpu_cores, cpu_model
+
+    rows = ["| config | processes x threads | trainkit step ms | Accelerate loop step ms | trainkit adds per step "
+            "(quartiles) | trainkit adds / loop step |", "|---|---|---:|---:|---:|---:|"]
+    load, started = os.getloadavg()[0], time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        for config in CONFIGS:
+            out, report = Path(tmp) / config, Path(tmp) / f"{config}.json"
+            processes = 1 if config == "single" else 2
+            run = run_config(None if config == "single" else config, out,
+                             ["--worker", str(report), *ARGS, "--output_dir", str(out), "--report_to", "none"],
+                             script="bench/step_overhead.py",
+                             env={"OMP_NUM_THREADS": str(max(1, cpu_cores() // processes))})
+            if run.returncode != 0 or not report.exists():
+                raise SystemExit(f"{config}: the launch failed:\n{run.stderr[-3000:]}")
+            data = json.loads(report.read_text())
+            ours, loop = (statistics.median(data[k]) * 1000 for k in ("trainkit", "loop"))
+            # each round's two steps are neighbours in time: their difference is what the machine's drift hides least
+            paired = statistics.quantiles([(a - b) * 1000 for a, b in zip(data["trainkit"], data["loop"],
+                                                                          strict=True)], n=4)
+            rows.append(f"| {config} | {data['world_size']} x {data['threads']} | {ours:.1f} | {loop:.1f} | "
+                        f"{paired[1]:+.1f} ms ({paired[0]:+.1f} to {paired[2]:+.1f}) | {paired[1] / loop:+.1%} |")
+            print(rows[-1], flush=True)
+    section = (f"{START}\n## What trainkit adds to a step, measured in the same processes\n\n"
+               f"Command: `python bench/step_overhead.py` ({(time.perf_counter() - started) / 60:.1f} min). Machine: "
+               f"{cpu_model()}, {cpu_cores()} cores; Python {platform.python_version()}. Measured "
+               f"{time.strftime('%Y-%m-%d')}, load average (1 min) {load:.1f} when it started.\n\n"
+               "Separate runs of trainkit and of the peers (the section above) differ by 10-15% from one to the next "
+               "on this machine, more than a runner adds to a step. Here each rank of one launch builds trainkit's "
+               "run and then alternates, step by step on the same prepared model, optimizer and data, trainkit's "
+               "step (its batches, Strategy.train_step with the loss agreement, finite checks, clipping and optimizer "
+               "step, then the metrics line) with bench/peers/accelerate_loop.py's step body (forward, "
+               "`accelerator.backward`, `clip_grad_norm_`, `optimizer.step`, `scheduler.step`, `zero_grad`). "
+               f"Tiny transformer, micro-batch 16 x 128 tokens per process, fp32; the median of {ROUNDS} steps of "
+               f"each kind after {WARMUP} of warm-up, rank 0's clock; each kind goes first in every other round. "
+               "Both keep the gradient buffers between steps (`zero_grad(set_to_none=False)`, trainkit's choice), so "
+               "that neither pays for the other's. The batches of both come from trainkit's stream. What trainkit adds "
+               "is the median of each round's difference (its step minus the loop's, neighbours in time), with the "
+               "quartiles of those differences: the resolution of the measurement.\n\n"
+               + "\n".join(rows) + f"\n{END}")
+    replace_section(section, START, END)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 2 and sys.argv[1] == "--worker":
+        from trainkit.process import end_process
+
+        measure(sys.argv[3:], Path(sys.argv[2]))
+        end_process(0)  # as train.py: a launched rank skips the teardown that can hang (trainkit/process.py)
+    else:
+        main()
