@@ -69,11 +69,22 @@ def measure(argv: list[str], report: Path) -> None:
             strategy.scheduler.step()
             strategy.optimizer.zero_grad(set_to_none=False)  # as trainkit: the gradient buffers stay allocated
 
-    times: dict[str, list[float]] = {"trainkit": [], "loop": []}
+    def bare_step() -> None:  # bench/peers/torch_loop.py's body, without Accelerate's wrappers (one process only)
+        raw_model, raw_optimizer = strategy.unwrapped_model, strategy.optimizer.optimizer
+        loss_fn(raw_model, run.stream.next_global_batch()[0]).backward()
+        torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.max_grad_norm)
+        raw_optimizer.step()
+        strategy.scheduler.scheduler.step()
+        raw_optimizer.zero_grad(set_to_none=False)
+
+    steps = {"trainkit": trainkit_step, "loop": loop_step, **({"bare": bare_step} if accelerator.num_processes == 1
+                                                              else {})}
+    times: dict[str, list[float]] = {name: [] for name in steps}
     for i in range(WARMUP + ROUNDS):
-        for name in ("trainkit", "loop")[:: 1 if i % 2 else -1]:  # in turn first, so that order favours neither
+        names = list(steps)[i % len(steps):] + list(steps)[:i % len(steps)]  # each goes first in turn
+        for name in names:
             started = time.perf_counter()
-            trainkit_step(i + 1) if name == "trainkit" else loop_step()
+            steps[name](i + 1) if name == "trainkit" else steps[name]()
             if i >= WARMUP:
                 times[name].append(time.perf_counter() - started)
     log.close()
@@ -82,13 +93,21 @@ def measure(argv: list[str], report: Path) -> None:
                                       "threads": torch.get_num_threads(), "strategy": plan.resolved["strategy"]}))
 
 
+def compared(data: dict, other: str) -> tuple[str, str, str]:
+    """`other`'s median step in ms, what trainkit adds to it (the median and quartiles of each round's difference: the
+    two steps of a round are neighbours in time, which the machine's drift disturbs least), and that as a share."""
+    median = statistics.median(data[other]) * 1000
+    paired = statistics.quantiles([(a - b) * 1000 for a, b in zip(data["trainkit"], data[other], strict=True)], n=4)
+    return f"{median:.1f}", f"{paired[1]:+.1f} ms ({paired[0]:+.1f} to {paired[2]:+.1f})", f"{paired[1] / median:+.1%}"
+
+
 def main() -> None:
     from trainkit.compare import run_config
     from trainkit.hardware import cpu_cores, cpu_model
 
     rows = ["| config | processes x threads | trainkit step ms | Accelerate loop step ms | trainkit adds per step "
             "(quartiles) | trainkit adds / loop step |", "|---|---|---:|---:|---:|---:|"]
-    load, started = os.getloadavg()[0], time.perf_counter()
+    load, started, bare = os.getloadavg()[0], time.perf_counter(), "not measured"
     with tempfile.TemporaryDirectory() as tmp:
         for config in CONFIGS:
             out, report = Path(tmp) / config, Path(tmp) / f"{config}.json"
@@ -100,13 +119,11 @@ def main() -> None:
             if run.returncode != 0 or not report.exists():
                 raise SystemExit(f"{config}: the launch failed:\n{run.stderr[-3000:]}")
             data = json.loads(report.read_text())
-            ours, loop = (statistics.median(data[k]) * 1000 for k in ("trainkit", "loop"))
-            # each round's two steps are neighbours in time: their difference is what the machine's drift hides least
-            paired = statistics.quantiles([(a - b) * 1000 for a, b in zip(data["trainkit"], data["loop"],
-                                                                          strict=True)], n=4)
-            rows.append(f"| {config} | {data['world_size']} x {data['threads']} | {ours:.1f} | {loop:.1f} | "
-                        f"{paired[1]:+.1f} ms ({paired[0]:+.1f} to {paired[2]:+.1f}) | {paired[1] / loop:+.1%} |")
+            rows.append(f"| {config} | {data['world_size']} x {data['threads']} | "
+                        f"{statistics.median(data['trainkit']) * 1000:.1f} | {' | '.join(compared(data, 'loop'))} |")
             print(rows[-1], flush=True)
+            if "bare" in data:
+                bare = "{} ms, trainkit adds {} per step, {}".format(*compared(data, "bare"))
     section = (f"{START}\n## What trainkit adds to a step, measured in the same processes\n\n"
                f"Command: `python bench/step_overhead.py` ({(time.perf_counter() - started) / 60:.1f} min). Machine: "
                f"{cpu_model()}, {cpu_cores()} cores; Python {platform.python_version()}. Measured "
@@ -123,7 +140,10 @@ def main() -> None:
                "that neither pays for the other's. The batches of both come from trainkit's stream. What trainkit adds "
                "is the median of each round's difference (its step minus the loop's, neighbours in time), with the "
                "quartiles of those differences: the resolution of the measurement.\n\n"
-               + "\n".join(rows) + f"\n{END}")
+               + "\n".join(rows) + "\n\nOne process against a bare PyTorch step as well (bench/peers/torch_loop.py's "
+               "body on the unwrapped model, optimizer and schedule: forward, `loss.backward`, "
+               "`torch.nn.utils.clip_grad_norm_`, the optimizer's and schedule's `step`, `zero_grad`; the three kinds "
+               f"in turn): bare step {bare}.\n{END}")
     replace_section(section, START, END)
 
 
