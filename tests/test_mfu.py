@@ -101,6 +101,29 @@ def test_bad_thread_count_is_refused():
         hardware.choose_cpu_threads({"TRAINKIT_CPU_THREADS": "0"}, cores=2)
 
 
+@pytest.mark.parametrize("allowed, env, says", [
+    ({0, 1}, {"OMP_PROC_BIND": "close", "LOCAL_RANK": "0"}, None),  # every CPU: nothing to say
+    ({0}, {"OMP_PROC_BIND": "close"}, None),  # python train.py: the binding is the user's, one thread per core
+    ({0}, {"OMP_PROC_BIND": "close", "LOCAL_RANK": "1"}, "this process may run only on CPU(s) 0 of this machine's 2: "
+     "OMP_PROC_BIND=close bound the launcher to one core and every process it starts inherited it; unset "
+     "OMP_PROC_BIND before `accelerate launch`"),
+    ({1}, {}, "this process may run only on CPU(s) 1 of this machine's 2 (its CPU affinity: taskset, numactl or a "
+     "container's cpuset)"),
+])
+def test_a_narrowed_cpu_affinity_is_named_with_its_cause(allowed, env, says):
+    assert hardware.narrowed_affinity(allowed, 2, env) == says
+
+
+@pytest.mark.slow
+def test_omp_proc_bind_under_a_launcher_is_named_with_the_fix(run_dir):
+    """The real trap: `accelerate launch` imports torch, its OpenMP binds the launcher to core 0, both ranks inherit
+    that one core. The run still trains (a user's cpuset may mean it), and says why it is slow and what to unset."""
+    run = launch(run_dir("out"), "--recipe", "mlp", "--max_steps", "2", config="ddp",
+                 env={"OMP_PROC_BIND": "close"}).check()
+    assert "note: this process may run only on CPU(s) 0 of this machine's" in run.stderr
+    assert "unset OMP_PROC_BIND before `accelerate launch`" in run.stderr
+
+
 def test_size_presets_under_explicit_flags():
     cfg = config("--size", "cpu", "--layers", "2")
     assert (cfg.size, cfg.hidden, cfg.heads, cfg.layers) == ("cpu", 384, 6, 2)

@@ -66,13 +66,32 @@ def choose_cpu_threads(env: Mapping[str, str], cores: int) -> CpuThreads:
     if THREADS_ENV in env:
         return CpuThreads(_positive(env[THREADS_ENV], THREADS_ENV), THREADS_ENV)
     omp = env.get("OMP_NUM_THREADS", "").strip()
-    # torchrun and DeepSpeed's launcher set LOCAL_RANK; `accelerate launch` of one process (no torchrun) sets its
-    # ACCELERATE_* variables only; `python train.py` neither.
-    launched = "LOCAL_RANK" in env or "ACCELERATE_MIXED_PRECISION" in env
-    if omp and not (launched and omp == "1"):
+    if omp and not (_under_launcher(env) and omp == "1"):
         return CpuThreads(_positive(omp, "OMP_NUM_THREADS"), "OMP_NUM_THREADS")
     processes = local_processes(env)
     return CpuThreads(max(1, cores // processes), f"{cores} cores / {processes} process(es) on this machine")
+
+
+def _under_launcher(env: Mapping[str, str]) -> bool:
+    """Started by a launcher: torchrun and DeepSpeed's launcher set LOCAL_RANK; `accelerate launch` of one process (no
+    torchrun) sets its ACCELERATE_* variables only; `python train.py` neither."""
+    return "LOCAL_RANK" in env or "ACCELERATE_MIXED_PRECISION" in env
+
+
+def narrowed_affinity(allowed: set[int], machine_cpus: int, env: Mapping[str, str]) -> str | None:
+    """The run's note when this process may run on fewer CPUs than the machine has, with the likely cause.
+
+    OMP_PROC_BIND set for a launch is a trap: the launcher imports torch too, so its OpenMP binds the launcher's own
+    thread to the first core, and every process it starts inherits that one core. Measured here: DDP on 2 cores with
+    OMP_PROC_BIND=close, both ranks on core 0, 4.9k tokens/s against 13k. Without a launcher the binding is the
+    user's (one thread per core, the main thread's own mask is its one core): no note."""
+    if len(allowed) >= machine_cpus or ("OMP_PROC_BIND" in env and not _under_launcher(env)):
+        return None
+    cpus = ",".join(map(str, sorted(allowed)))
+    why = (f": OMP_PROC_BIND={env['OMP_PROC_BIND']} bound the launcher to one core and every process it starts "
+           "inherited it; unset OMP_PROC_BIND before `accelerate launch`" if "OMP_PROC_BIND" in env
+           else " (its CPU affinity: taskset, numactl or a container's cpuset)")
+    return f"this process may run only on CPU(s) {cpus} of this machine's {machine_cpus}{why}"
 
 
 def _positive(value: str, name: str) -> int:
@@ -190,6 +209,7 @@ class Compute:
 
     threads: CpuThreads | None
     peak: Peak
+    affinity: str | None = None  # narrowed_affinity's note
 
     @classmethod
     def set_up(cls, accelerator, mixed_precision: str, override: float | None, cache_dir: Path) -> Compute:
@@ -198,13 +218,17 @@ class Compute:
         threads = use_cpu_threads()
         with accelerator.local_main_process_first():
             peak = device_peak_flops(accelerator.device, mixed_precision, override, cache_dir)
-        return cls(threads, peak)
+        affinity = narrowed_affinity(os.sched_getaffinity(0), os.cpu_count() or 1, os.environ) \
+            if threads and hasattr(os, "sched_getaffinity") else None  # Linux; GPU machines are left alone
+        return cls(threads, peak, affinity)
 
     def notes(self) -> list[str]:
         lines = []
         if self.threads:
             other = "" if self.threads.source == THREADS_ENV else f"; {THREADS_ENV} sets another count"
             lines.append(f"{self.threads.count} CPU thread(s) per process ({self.threads.source}{other})")
+        if self.affinity:
+            lines.append(self.affinity)
         if self.peak.flops:
             lines.append(f"MFU against a peak of {self.peak.flops / 1e9:,.1f} GFLOP/s per process ({self.peak.source})")
         else:
