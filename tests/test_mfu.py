@@ -4,11 +4,14 @@ CPU thread rule, size presets, and a real run's metrics lines."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from conftest import assert_refused, launch
+from conftest import ROOT, TEST_ENV, assert_refused, launch
 from trainkit import hardware
 from trainkit.config import build_config, config_dict, field_sources
 from trainkit.errors import ConfigError
@@ -103,7 +106,10 @@ def test_bad_thread_count_is_refused():
 
 @pytest.mark.parametrize("allowed, env, says", [
     ({0, 1}, {"OMP_PROC_BIND": "close", "LOCAL_RANK": "0"}, None),  # every CPU: nothing to say
-    ({0}, {"OMP_PROC_BIND": "close"}, None),  # python train.py: the binding is the user's, one thread per core
+    ({0}, {"OMP_PROC_BIND": "close", "OMP_NUM_THREADS": "2"}, None),  # python train.py, the count given: one
+    # thread per core
+    ({0}, {"OMP_PROC_BIND": "close"}, "OMP_PROC_BIND=close bound this process's first thread to CPU(s) 0 as torch was "
+     "imported, so 1 of the machine's 2 CPUs were counted for its threads: set OMP_NUM_THREADS to the count you want"),
     ({0}, {"OMP_PROC_BIND": "close", "LOCAL_RANK": "1"}, "this process may run only on CPU(s) 0 of this machine's 2: "
      "OMP_PROC_BIND=close bound the launcher to one core and every process it starts inherited it; unset "
      "OMP_PROC_BIND before `accelerate launch`"),
@@ -115,13 +121,22 @@ def test_a_narrowed_cpu_affinity_is_named_with_its_cause(allowed, env, says):
 
 
 @pytest.mark.slow
-def test_omp_proc_bind_under_a_launcher_is_named_with_the_fix(run_dir):
-    """The real trap: `accelerate launch` imports torch, its OpenMP binds the launcher to core 0, both ranks inherit
-    that one core. The run still trains (a user's cpuset may mean it), and says why it is slow and what to unset."""
-    run = launch(run_dir("out"), "--recipe", "mlp", "--max_steps", "2", config="ddp",
+def test_omp_proc_bind_is_named_with_the_fix(run_dir):
+    """The real traps. `accelerate launch` imports torch, its OpenMP binds the launcher to core 0, both ranks inherit
+    that one core: the run still trains (a user's cpuset may mean it) and says why it is slow and what to unset.
+    `python train.py`: OpenMP binds the main thread to one core, whose cores the runner counts for its threads."""
+    run = launch(run_dir("launched"), "--recipe", "mlp", "--max_steps", "2", config="ddp",
                  env={"OMP_PROC_BIND": "close"}).check()
     assert "note: this process may run only on CPU(s) 0 of this machine's" in run.stderr
     assert "unset OMP_PROC_BIND before `accelerate launch`" in run.stderr
+    unset = ("OMP_NUM_THREADS", "TRAINKIT_CPU_THREADS")  # TEST_ENV's: here the runner must count the cores
+    env = {k: v for k, v in {**os.environ, **TEST_ENV, "OMP_PROC_BIND": "close"}.items() if k not in unset}
+    alone = subprocess.run([sys.executable, "train.py", "--recipe", "mlp", "--max_steps", "2", "--output_dir",
+                            str(run_dir("alone")), "--report_to", "none"], cwd=ROOT, env=env, capture_output=True,
+                           text=True, timeout=300)
+    assert alone.returncode == 0, alone.stderr
+    assert "note: OMP_PROC_BIND=close bound this process's first thread to CPU(s) 0 as torch was imported" \
+        in alone.stderr
 
 
 def test_size_presets_under_explicit_flags():

@@ -81,17 +81,27 @@ def _under_launcher(env: Mapping[str, str]) -> bool:
 def narrowed_affinity(allowed: set[int], machine_cpus: int, env: Mapping[str, str]) -> str | None:
     """The run's note when this process may run on fewer CPUs than the machine has, with the likely cause.
 
-    OMP_PROC_BIND set for a launch is a trap: the launcher imports torch too, so its OpenMP binds the launcher's own
-    thread to the first core, and every process it starts inherits that one core. Measured here: DDP on 2 cores with
-    OMP_PROC_BIND=close, both ranks on core 0, 4.9k tokens/s against 13k. Without a launcher the binding is the
-    user's (one thread per core, the main thread's own mask is its one core): no note."""
-    if len(allowed) >= machine_cpus or ("OMP_PROC_BIND" in env and not _under_launcher(env)):
+    OMP_PROC_BIND is the usual one: OpenMP binds the importing thread to the first core when torch is imported. Under
+    a launch the launcher imports torch too, so every process it starts inherits that one core (measured here: DDP
+    on 2 cores with OMP_PROC_BIND=close, both ranks on core 0, 4.9k tokens/s against 13k). Without a launcher only
+    this process's main thread is bound: OpenMP binds its other threads to the other cores, but the cores counted
+    for the thread count (cpu_cores) are the main thread's one, unless OMP_NUM_THREADS or TRAINKIT_CPU_THREADS
+    gives the count."""
+    if len(allowed) >= machine_cpus:
         return None
     cpus = ",".join(map(str, sorted(allowed)))
-    why = (f": OMP_PROC_BIND={env['OMP_PROC_BIND']} bound the launcher to one core and every process it starts "
-           "inherited it; unset OMP_PROC_BIND before `accelerate launch`" if "OMP_PROC_BIND" in env
-           else " (its CPU affinity: taskset, numactl or a container's cpuset)")
-    return f"this process may run only on CPU(s) {cpus} of this machine's {machine_cpus}{why}"
+    where = f"this process may run only on CPU(s) {cpus} of this machine's {machine_cpus}"
+    if "OMP_PROC_BIND" not in env:
+        return f"{where} (its CPU affinity: taskset, numactl or a container's cpuset)"
+    bind = f"OMP_PROC_BIND={env['OMP_PROC_BIND']}"
+    if _under_launcher(env):
+        return f"{where}: {bind} bound the launcher to one core and every process it starts inherited it; unset " \
+               "OMP_PROC_BIND before `accelerate launch`"
+    if env.get("OMP_NUM_THREADS", "").strip() or THREADS_ENV in env:
+        return None  # the count is the user's; OpenMP puts one thread on each core
+    return f"{bind} bound this process's first thread to CPU(s) {cpus} as torch was imported, so {len(allowed)} " \
+           f"of the machine's {machine_cpus} CPUs were counted for its threads: set OMP_NUM_THREADS to the count " \
+           "you want"
 
 
 def _positive(value: str, name: str) -> int:
