@@ -8,8 +8,8 @@ rank builds trainkit's run (train.py's plan and build: the same Accelerator, mod
 alternates, step by step, trainkit's step (the batches from its stream, Strategy.train_step with its loss agreement,
 finite checks, clipping and optimizer step, then the metrics line) with the step of a plain Accelerate loop on the
 same prepared objects (bench/peers/accelerate_loop.py's body: forward, `accelerator.backward`, `clip_grad_norm_`,
-`optimizer.step`, `scheduler.step`, `zero_grad`). A busy spell of the machine slows both alike; the difference of
-their medians is what trainkit costs per step.
+`optimizer.step`, `scheduler.step`, `zero_grad`), and in one process with a bare PyTorch step as well. A busy spell
+of the machine slows every kind alike; the median of each round's difference is what trainkit costs per step.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from sections import replace_section  # noqa: E402
+from throughput import threads_for  # noqa: E402
 
 CONFIGS = ("single", "ddp", "deepspeed_zero2", "deepspeed_zero3")  # those both peers run (bench/throughput.py)
 WARMUP, ROUNDS = 3, 40  # rounds of one trainkit step and one loop step
@@ -115,7 +116,7 @@ def main() -> None:
             run = run_config(None if config == "single" else config, out,
                              ["--worker", str(report), *ARGS, "--output_dir", str(out), "--report_to", "none"],
                              script="bench/step_overhead.py",
-                             env={"OMP_NUM_THREADS": str(max(1, cpu_cores() // processes))})
+                             env={"OMP_NUM_THREADS": str(threads_for(processes))})
             if run.returncode != 0 or not report.exists():
                 raise SystemExit(f"{config}: the launch failed:\n{run.stderr[-3000:]}")
             data = json.loads(report.read_text())
@@ -135,7 +136,7 @@ def main() -> None:
                "step, then the metrics line) with bench/peers/accelerate_loop.py's step body (forward, "
                "`accelerator.backward`, `clip_grad_norm_`, `optimizer.step`, `scheduler.step`, `zero_grad`). "
                f"Tiny transformer, micro-batch 16 x 128 tokens per process, fp32; the median of {ROUNDS} steps of "
-               f"each kind after {WARMUP} of warm-up, rank 0's clock; each kind goes first in every other round. "
+               f"each kind after {WARMUP} of warm-up, rank 0's clock; the kinds take turns going first. "
                "Both keep the gradient buffers between steps (`zero_grad(set_to_none=False)`, trainkit's choice), so "
                "that neither pays for the other's. The batches of both come from trainkit's stream. What trainkit adds "
                "is the median of each round's difference (its step minus the loop's, neighbours in time), with the "
