@@ -117,7 +117,8 @@ def test_bad_thread_count_is_refused():
      "container's cpuset)"),
 ])
 def test_a_narrowed_cpu_affinity_is_named_with_its_cause(allowed, env, says):
-    assert hardware.narrowed_affinity(allowed, 2, env) == says
+    threads = hardware.choose_cpu_threads(env, cores=len(allowed))  # as the runner counts them: the allowed cores
+    assert hardware.narrowed_affinity(allowed, 2, env, threads) == says
 
 
 @pytest.mark.slow

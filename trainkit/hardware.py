@@ -46,6 +46,7 @@ class CpuThreads:
 
     count: int
     source: str
+    shares_cores: bool = False  # the runner's share of the cores, not a count the user gave
 
 
 def cpu_cores() -> int:
@@ -69,7 +70,7 @@ def choose_cpu_threads(env: Mapping[str, str], cores: int) -> CpuThreads:
     if omp and not (_under_launcher(env) and omp == "1"):
         return CpuThreads(_positive(omp, "OMP_NUM_THREADS"), "OMP_NUM_THREADS")
     processes = local_processes(env)
-    return CpuThreads(max(1, cores // processes), f"{cores} cores / {processes} process(es) on this machine")
+    return CpuThreads(max(1, cores // processes), f"{cores} cores / {processes} process(es) on this machine", True)
 
 
 def _under_launcher(env: Mapping[str, str]) -> bool:
@@ -78,15 +79,14 @@ def _under_launcher(env: Mapping[str, str]) -> bool:
     return "LOCAL_RANK" in env or "ACCELERATE_MIXED_PRECISION" in env
 
 
-def narrowed_affinity(allowed: set[int], machine_cpus: int, env: Mapping[str, str]) -> str | None:
+def narrowed_affinity(allowed: set[int], machine_cpus: int, env: Mapping[str, str], threads: CpuThreads) -> str | None:
     """The run's note when this process may run on fewer CPUs than the machine has, with the likely cause.
 
     OMP_PROC_BIND is the usual one: OpenMP binds the importing thread to the first core when torch is imported. Under
     a launch the launcher imports torch too, so every process it starts inherits that one core (measured here: DDP
     on 2 cores with OMP_PROC_BIND=close, both ranks on core 0, 4.9k tokens/s against 13k). Without a launcher only
     this process's main thread is bound: OpenMP binds its other threads to the other cores, but the cores counted
-    for the thread count (cpu_cores) are the main thread's one, unless OMP_NUM_THREADS or TRAINKIT_CPU_THREADS
-    gives the count."""
+    for the thread count (cpu_cores) are the main thread's one, unless the user gave the count (`threads`)."""
     if len(allowed) >= machine_cpus:
         return None
     cpus = ",".join(map(str, sorted(allowed)))
@@ -97,7 +97,7 @@ def narrowed_affinity(allowed: set[int], machine_cpus: int, env: Mapping[str, st
     if _under_launcher(env):
         return f"{where}: {bind} bound the launcher to one core and every process it starts inherited it; unset " \
                "OMP_PROC_BIND before `accelerate launch`"
-    if env.get("OMP_NUM_THREADS", "").strip() or THREADS_ENV in env:
+    if not threads.shares_cores:
         return None  # the count is the user's; OpenMP puts one thread on each core
     return f"{bind} bound this process's first thread to CPU(s) {cpus} as torch was imported, so {len(allowed)} " \
            f"of the machine's {machine_cpus} CPUs were counted for its threads: set OMP_NUM_THREADS to the count " \
@@ -228,7 +228,7 @@ class Compute:
         threads = use_cpu_threads()
         with accelerator.local_main_process_first():
             peak = device_peak_flops(accelerator.device, mixed_precision, override, cache_dir)
-        affinity = narrowed_affinity(os.sched_getaffinity(0), os.cpu_count() or 1, os.environ) \
+        affinity = narrowed_affinity(os.sched_getaffinity(0), os.cpu_count() or 1, os.environ, threads) \
             if threads and hasattr(os, "sched_getaffinity") else None  # Linux; GPU machines are left alone
         return cls(threads, peak, affinity)
 
