@@ -1,4 +1,4 @@
-"""--compile against eager under every shipped config: loss parity, throughput and compile time; writes BENCHMARKS.md.
+"""--compile against eager under every shipped config: loss parity, speed and compile time; BENCHMARKS.md + a chart.
 
     python bench/compile.py                        # 12-15 minutes on 2 quiet CPU cores
     python bench/compile.py --configs ddp,fsdp     # some configs only (the table then holds only those)
@@ -33,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from sections import BENCHMARKS, replace_section  # noqa: E402
+from sections import BENCHMARKS, bar_chart, replace_section  # noqa: E402
 
 from trainkit.compare import max_rel_diff, run_config  # noqa: E402
 from trainkit.recipes import load_recipe  # noqa: E402
@@ -62,7 +62,9 @@ def first_step_s(run) -> float:
     return run.resolved["global_batch_size"] / run.metrics[0]["samples_per_s"]
 
 
-def measure(names: list[str], tmp: Path) -> list[str]:
+def measure(names: list[str], tmp: Path) -> tuple[list[str], dict[str, dict[str, float]]]:
+    """The table's rows, and the tokens/s of each config that compiles, eager and compiled."""
+    speeds: dict[str, dict[str, float]] = {"eager": {}, "--compile": {}}
     rows = ["| config | processes | max rel. loss diff | eager tokens/s | compiled tokens/s | speedup | "
             "first step eager (s) | first step compiled (s) |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for name in names:
@@ -73,11 +75,12 @@ def measure(names: list[str], tmp: Path) -> list[str]:
             eager = run_config(name, tmp / f"{name}-eager", ARGS).check()
             compiled = run_config(name, tmp / f"{name}-compiled", [*ARGS, "--compile"]).check()
             speed = tokens_per_s(eager), tokens_per_s(compiled)
+            speeds["eager"][name], speeds["--compile"][name] = speed
             rows.append(f"| {name} | {processes} | {max_rel_diff(compiled.losses, eager.losses):.1e} | "
                         f"{speed[0]:,.0f} | {speed[1]:,.0f} | {speed[1] / speed[0]:.2f}x | "
                         f"{first_step_s(eager):.1f} | {first_step_s(compiled):.1f} |")
         print(rows[-1], flush=True)
-    return rows
+    return rows, speeds
 
 
 def main() -> None:
@@ -87,7 +90,9 @@ def main() -> None:
     names = args.configs.split(",") if args.configs else [n for n in shipped_strategies() if n not in SKIPPED]
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(tmp) / "inductor")  # fresh: see the module's docstring
-        rows = measure(names, Path(tmp))
+        rows, speeds = measure(names, Path(tmp))
+    chart = bar_chart("compile", f"Tiny transformer, eager against --compile (median of steps {WARMUP + 1}-{STEPS})",
+                      "tokens/s (all processes)", speeds)
     command = "python bench/compile.py" + (f" --configs {args.configs}" if args.configs else "")
     skipped = "" if args.configs else f"Not run (the same graphs as their plain configs): {', '.join(SKIPPED)}. "
     section = (f"{START}\n## torch.compile (`--compile`) against eager\n\n"
@@ -95,7 +100,7 @@ def main() -> None:
                f"process, fp32, AdamW, {STEPS} steps; tokens/s: median of steps {WARMUP + 1}-{STEPS}; "
                f"{os.cpu_count()} CPU cores, {platform.processor() or platform.machine()}, torch {version('torch')}, "
                f"accelerate {version('accelerate')}, deepspeed {version('deepspeed')}).\n\n" + "\n".join(rows) +
-               "\n\n" + skipped +
+               "\n\n" + chart + "\n\n" + skipped +
                "The first step holds the compilation (inductor, C++ on the CPU); the configs after the first of "
                "each graph read it from the run's shared inductor cache (bench/compile.py says which). Compiled per "
                "transformer block under the FSDP2 configs (fsdp, fsdp_offload, tp, fsdp_tp, hsdp), the whole model "

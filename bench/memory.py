@@ -1,4 +1,4 @@
-"""Estimated vs measured model-state bytes per rank, for both recipes under every strategy; writes BENCHMARKS.md.
+"""Estimated vs measured model-state bytes per rank, for both recipes under every strategy; BENCHMARKS.md + a chart.
 
     python bench/memory.py            # about 5 minutes on 2 CPU cores
 
@@ -18,7 +18,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from sections import BENCHMARKS, replace_section  # noqa: E402
+from sections import BENCHMARKS, bar_chart, replace_section  # noqa: E402
 
 from trainkit.compare import run_config  # noqa: E402
 from trainkit.recipes import load_recipe  # noqa: E402
@@ -31,7 +31,9 @@ RECIPES = {
 START, END = "<!-- memory table: written by bench/memory.py -->", "<!-- end of memory table -->"
 
 
-def measure() -> str:
+def measure() -> tuple[str, str]:
+    """The table, and the chart of both columns against DDP's measured bytes (the recipes' sizes differ 200-fold)."""
+    vs_ddp: dict[str, dict[str, float]] = {"estimated": {}, "measured": {}}
     rows = ["| recipe | strategy | estimated bytes/rank | measured bytes/rank | estimate / measured | vs DDP |",
             "|---|---|---:|---:|---:|---:|"]
     with tempfile.TemporaryDirectory() as tmp:
@@ -47,16 +49,20 @@ def measure() -> str:
                 ddp = ddp or measured
                 rows.append(f"| {recipe} | {strategy} | {estimated:,} | {measured:,} | {estimated / measured:.3f} | "
                             f"{measured / ddp:.3f} |")
+                vs_ddp["estimated"][f"{recipe} {strategy}"] = estimated / ddp
+                vs_ddp["measured"][f"{recipe} {strategy}"] = measured / ddp
                 print(rows[-1], flush=True)
-    return "\n".join(rows)
+    chart = bar_chart("memory", "Model-state bytes per rank against DDP's, fp32 + AdamW",
+                      "bytes / DDP's measured bytes", vs_ddp, value="{:.3f}")
+    return "\n".join(rows), chart
 
 
 def main() -> None:
-    table = measure()
+    table, chart = measure()
     section = (f"{START}\n## Model-state memory per rank: estimate vs measurement\n\n"
                "Command: `python bench/memory.py` (2 processes, 4 for fsdp_tp and hsdp; fp32, AdamW, 3 steps; CPU, "
                "torch 2.13.0, "
-               "accelerate 1.15.0, deepspeed 0.19.8).\n\n" + table + "\n\n"
+               "accelerate 1.15.0, deepspeed 0.19.8).\n\n" + table + "\n\n" + chart + "\n\n"
                "`vs DDP` is the measured bytes over DDP's. On 2 processes ZeRO-3 holds ~0.63 of DDP, not 0.5: "
                "DeepSpeed keeps an fp32 master partition (4 bytes/param / N) on top of the 16 bytes/param / N of "
                "weights, gradients and Adam states, even in fp32 training. ZeRO-1/2 free their gradients after "

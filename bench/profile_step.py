@@ -1,4 +1,4 @@
-"""Where the `cpu` preset's training time goes on this machine, by operator (torch.profiler); writes BENCHMARKS.md.
+"""Where the `cpu` preset's training time goes on this machine, by operator (torch.profiler); BENCHMARKS.md + a chart.
 
     python bench/profile_step.py        # about a minute on 2 CPU cores
 
@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
-from sections import replace_section  # noqa: E402
+from sections import bar_chart, replace_section  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 import train  # noqa: E402
@@ -60,6 +60,8 @@ def main() -> None:
     ceiling = (1 + attention) * efficiency * matmul / (efficiency * matmul + 1 - matmul)
     rows = ["| operator | share of operator time | calls |", "|---|---:|---:|"]
     rows += [f"| `{e.key}` | {share[e.key]:.1%} | {e.count} |" for e in ops[:TOP]]
+    chart = bar_chart("profile", f"The cpu preset's operators: share of operator time (top {TOP})",
+                      "share of operator time", {"share": {e.key: share[e.key] for e in ops[:TOP]}}, value="{:.1%}")
     print("\n".join(rows), f"\nmatrix products {matmul:.1%}, AdamW steps {optimizer:.1%}; MFU {mfu:.1%}, products at "
           f"{efficiency:.1%} of the peak, ceiling {ceiling:.1%}", sep="")
     section = (f"{START}\n## Where the cpu preset's time goes\n\n"
@@ -69,7 +71,7 @@ def main() -> None:
                "export included), each operator's self CPU time as a share of all operators'. Measured "
                f"{time.strftime('%Y-%m-%d')}, load average (1 min) {load:.1f} when it started.\n\n"
                f"Matrix products (`{'`, `'.join(MATMULS)}`): **{matmul:.1%}**; AdamW's steps (all their operators): "
-               f"{optimizer:.1%}. The top {TOP} operators:\n\n" + "\n".join(rows) + "\n\n"
+               f"{optimizer:.1%}. The top {TOP} operators:\n\n" + "\n".join(rows) + "\n\n" + chart + "\n\n"
                "The rest of the time is memory-bound work between the products (the Llama "
                "block's RMSNorm, rotary embedding and SiLU-gated MLP multiply and add whole activations in separate "
                "passes, and their backward does it again) and attention's per-head softmax products. Their share "

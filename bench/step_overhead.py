@@ -1,4 +1,4 @@
-"""What trainkit adds to a training step, measured inside the processes that take the step; writes BENCHMARKS.md.
+"""What trainkit adds to a training step, measured inside the processes that take the step; BENCHMARKS.md + a chart.
 
     python bench/step_overhead.py        # one process, DDP, ZeRO-2, ZeRO-3; about 4 minutes on 2 CPU cores
 
@@ -14,6 +14,7 @@ of the machine slows every kind alike; the median of each round's difference is 
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import platform
@@ -26,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from sections import replace_section  # noqa: E402
+from sections import bar_chart, replace_section  # noqa: E402
 from throughput import threads_for  # noqa: E402
 
 CONFIGS = ("single", "ddp", "deepspeed_zero2", "deepspeed_zero3")  # those both peers run (bench/throughput.py)
@@ -55,7 +56,10 @@ def measure(argv: list[str], report: Path) -> None:
     log = MetricsLog(accelerator, plan.options.output_dir, cfg.max_steps, initial_step=0)
     finite = FiniteCheck(fp16=False)
 
-    def trainkit_step(step: int) -> None:  # train.py's loop body, less its evaluation and checkpoint branches
+    trainkit_steps = itertools.count(1)
+
+    def trainkit_step() -> None:  # train.py's loop body, less its evaluation and checkpoint branches
+        step = next(trainkit_steps)
         result = strategy.train_step(step, run.stream.next_global_batch(), loss_fn, finite, False)
         log.step({"step": step, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
                   "peak_mem_bytes": peak_memory_bytes(accelerator.device), "elapsed_s": process_seconds()})
@@ -85,7 +89,7 @@ def measure(argv: list[str], report: Path) -> None:
         names = list(steps)[i % len(steps):] + list(steps)[:i % len(steps)]  # each goes first in turn
         for name in names:
             started = time.perf_counter()
-            steps[name](i + 1) if name == "trainkit" else steps[name]()
+            steps[name]()
             if i >= WARMUP:
                 times[name].append(time.perf_counter() - started)
     log.close()
@@ -109,6 +113,7 @@ def main() -> None:
     rows = ["| config | processes x threads | trainkit step ms | Accelerate loop step ms | trainkit adds per step "
             "(quartiles) | trainkit adds / loop step |", "|---|---|---:|---:|---:|---:|"]
     load, started, bare = os.getloadavg()[0], time.perf_counter(), "not measured"
+    steps: dict[str, dict[str, float]] = {"trainkit": {}, "Accelerate loop": {}, "bare PyTorch": {}}  # median ms
     with tempfile.TemporaryDirectory() as tmp:
         for config in CONFIGS:
             out, report = Path(tmp) / config, Path(tmp) / f"{config}.json"
@@ -123,8 +128,13 @@ def main() -> None:
             rows.append(f"| {config} | {data['world_size']} x {data['threads']} | "
                         f"{statistics.median(data['trainkit']) * 1000:.1f} | {' | '.join(compared(data, 'loop'))} |")
             print(rows[-1], flush=True)
+            for kind, label in (("trainkit", "trainkit"), ("loop", "Accelerate loop"), ("bare", "bare PyTorch")):
+                if kind in data:
+                    steps[label][config] = statistics.median(data[kind]) * 1000
             if "bare" in data:
                 bare = "{} ms, trainkit adds {} per step, {}".format(*compared(data, "bare"))
+    chart = bar_chart("step_overhead", f"Step time, the kinds alternating in the same processes (median of {ROUNDS})",
+                      "ms per optimizer step (rank 0)", steps)
     section = (f"{START}\n## What trainkit adds to a step, measured in the same processes\n\n"
                f"Command: `python bench/step_overhead.py` ({(time.perf_counter() - started) / 60:.1f} min). Machine: "
                f"{cpu_model()}, {cpu_cores()} cores; Python {platform.python_version()}. Measured "
@@ -144,7 +154,7 @@ def main() -> None:
                + "\n".join(rows) + "\n\nOne process against a bare PyTorch step as well (bench/peers/torch_loop.py's "
                "body on the unwrapped model, optimizer and schedule: forward, `loss.backward`, "
                "`torch.nn.utils.clip_grad_norm_`, the optimizer's and schedule's `step`, `zero_grad`; the three kinds "
-               f"in turn): bare step {bare}.\n{END}")
+               f"in turn): bare step {bare}.\n\n{chart}\n{END}")
     replace_section(section, START, END)
 
 
