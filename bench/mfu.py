@@ -3,8 +3,8 @@
     python bench/mfu.py               # about 11 minutes on 2 quiet CPU cores
     python bench/mfu.py --rounds 1    # the presets and the tries once each: about 4 minutes
 
-Measures the fp32 matmul peak with every core (trainkit/hardware.py, the measurement every CPU run makes once per
-machine), then runs `python train.py --recipe tiny_transformer --size <preset> --max_steps 20` for the presets
+Measures the fp32 matmul peak with every core (trainkit/hardware.py, the measurement that the first CPU runs on a
+machine make), then runs `python train.py --recipe tiny_transformer --size <preset> --max_steps 20` for the presets
 `tiny` and `cpu`, one process with every core, and reports the median tokens/s of steps 6-19 (the first steps warm
 up; the last one evaluates) and the MFU of that rate against the best of the peaks measured before each round and at
 the end. Beside the presets, TRIES: what else was tried for the `cpu` preset's 80% goal (a wider shape, and process

@@ -10,9 +10,11 @@ is the count; otherwise an OMP_NUM_THREADS other than 1 is the user's and kept, 
 (`python train.py`); otherwise (1 under a launcher, or unset) each process takes its share of the cores: cores /
 processes on this machine. GPU machines are left exactly as the launcher set them.
 
-Peak. GPUs: the dense bf16 tensor-core peak from a table of known models. CPUs: measured here, once per machine (CPU
+Peak. GPUs: the dense bf16 tensor-core peak from a table of known models. CPUs: measured here, per machine (CPU
 model), thread count, dtype and torch version: the best rate of square matmuls (a second or two), cached as JSON in
-the cache directory, so that every later run reads it. `--peak_flops` overrides both.
+the cache directory. A busy second lowers a measurement (114 to 206 GFLOP/s within minutes on a shared 2-core
+machine), and a low peak would raise every MFU read against it, so the first PEAK_MEASUREMENTS runs each measure once
+and the cache keeps the best; every later run reads it. `--peak_flops` overrides both.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A
 CACHE_FILE = "cpu_peak_flops.json"
 MATMUL_SIZES = (256, 512, 1024, 2048)  # square sizes tried, smallest first
 SECONDS_PER_SIZE = 0.25  # repetitions of one size, after a warm-up product
+PEAK_MEASUREMENTS = 3  # runs that measure a CPU's peak, at different times; the best counts
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,24 +160,38 @@ def measure_matmul_peak(dtype: torch.dtype) -> float:
     return best
 
 
-def cpu_peak_flops(dtype: torch.dtype, cache_dir: Path) -> tuple[float, bool]:
+def cpu_peak_flops(dtype: torch.dtype, cache_dir: Path, may_measure: bool = True) -> tuple[float, bool]:
     """This CPU's matmul peak at torch's current thread count, and whether it was measured now (False: read from the
-    cache). The cache is keyed by CPU model, threads, dtype and torch version; it is rewritten under a temporary name
-    and renamed, so a reader never sees half a file (two machines sharing the cache at worst measure twice)."""
+    cache). The cache is keyed by CPU model, threads, dtype and torch version, and keeps the best of the first
+    PEAK_MEASUREMENTS measurements (`may_measure=False`: read it as it is, as a launch's other processes do once its
+    first one has measured); it is rewritten under a temporary name and renamed, so a reader never sees half a file
+    (two machines sharing the cache at worst measure once more)."""
     key = f"{cpu_model()} | {torch.get_num_threads()} threads | {str(dtype).removeprefix('torch.')} | " \
           f"torch {torch.__version__}"
     path = cache_dir / CACHE_FILE
-    entry = _read_cache(path).get(key)
-    if isinstance(entry, dict) and isinstance(entry.get("flops"), (int, float)) and entry["flops"] > 0:
-        return float(entry["flops"]), False
+    entry = _peak_entry(_read_cache(path), key)
+    if entry and (entry["measurements"] >= PEAK_MEASUREMENTS or not may_measure):
+        return entry["flops"], False
     flops = measure_matmul_peak(dtype)
     cache = _read_cache(path)  # again: another run may have added its keys meanwhile
-    cache[key] = {"flops": flops, "measured": time.strftime("%Y-%m-%d %H:%M:%S")}
+    entry = _peak_entry(cache, key) or {"flops": 0.0, "measurements": 0}
+    cache[key] = {"flops": max(flops, entry["flops"]), "measurements": entry["measurements"] + 1,
+                  "measured": time.strftime("%Y-%m-%d %H:%M:%S")}
     cache_dir.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
     tmp.write_text(json.dumps(cache, indent=2) + "\n")
     tmp.replace(path)
-    return flops, True
+    return cache[key]["flops"], True
+
+
+def _peak_entry(cache: dict, key: str) -> dict | None:
+    """The cache's entry for `key` as {"flops", "measurements"}, or None when it has none that reads (a file from
+    before the count was kept held one measurement)."""
+    entry = cache.get(key)
+    if not isinstance(entry, dict) or not isinstance(entry.get("flops"), (int, float)) or entry["flops"] <= 0:
+        return None
+    count = entry.get("measurements", 1)
+    return {"flops": float(entry["flops"]), "measurements": count if isinstance(count, int) else 1}
 
 
 def _read_cache(path: Path) -> dict:
@@ -193,7 +210,8 @@ class Peak:
     source: str
 
 
-def device_peak_flops(device: torch.device, mixed_precision: str, override: float | None, cache_dir: Path) -> Peak:
+def device_peak_flops(device: torch.device, mixed_precision: str, override: float | None, cache_dir: Path,
+                      may_measure: bool = True) -> Peak:
     """The peak MFU is measured against: --peak_flops; a known GPU's dense bf16 peak; on CPU the measured matmul peak
     in the dtype the matmuls run in (bf16 under bf16 autocast, else fp32) with this process's threads."""
     if override:
@@ -205,10 +223,11 @@ def device_peak_flops(device: torch.device, mixed_precision: str, override: floa
                     f"unknown for the {name}: pass --peak_flops for MFU")
     if device.type == "cpu":
         dtype = torch.bfloat16 if mixed_precision == "bf16" else torch.float32
-        flops, measured = cpu_peak_flops(dtype, cache_dir)
+        flops, measured = cpu_peak_flops(dtype, cache_dir, may_measure)
         return Peak(flops, f"{'measured now' if measured else 'measured earlier'}: {cpu_model()}, "
                            f"{str(dtype).removeprefix('torch.')} matmul, {torch.get_num_threads()} thread(s); "
-                           f"cached in {cache_dir / CACHE_FILE}")
+                           f"cached in {cache_dir / CACHE_FILE}, which keeps the best of the first "
+                           f"{PEAK_MEASUREMENTS} runs' measurements")
     return Peak(None, f"unknown for {device.type} devices: pass --peak_flops for MFU")
 
 
@@ -227,7 +246,8 @@ class Compute:
         it (with its own threads: every process of a launch gets the same count) and the others read the cache."""
         threads = use_cpu_threads()
         with accelerator.local_main_process_first():
-            peak = device_peak_flops(accelerator.device, mixed_precision, override, cache_dir)
+            peak = device_peak_flops(accelerator.device, mixed_precision, override, cache_dir,
+                                     accelerator.is_local_main_process)
         affinity = narrowed_affinity(os.sched_getaffinity(0), os.cpu_count() or 1, os.environ, threads) \
             if threads and hasattr(os, "sched_getaffinity") else None  # Linux; GPU machines are left alone
         return cls(threads, peak, affinity)
