@@ -21,6 +21,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -111,6 +112,23 @@ def kill_tree(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
             p.send_signal(sig)
         except psutil.NoSuchProcess:
             pass
+    if sig == signal.SIGKILL:
+        _wait_ended(tree)
+
+
+def _wait_ended(procs: list[psutil.Process], timeout: float = 10.0) -> None:
+    """Return once every process has ended (gone, or a zombie that its parent has not reaped yet): a killed process
+    closes its pipes before it has ended, so a caller that read the launch's output to its end could still see it
+    running."""
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        while time.monotonic() < deadline:
+            try:
+                if p.status() == psutil.STATUS_ZOMBIE:
+                    break
+            except psutil.NoSuchProcess:
+                break
+            time.sleep(0.02)
 
 
 def max_rel_diff(curve: list[float], reference: list[float]) -> float:
