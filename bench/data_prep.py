@@ -39,13 +39,13 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from sections import BENCHMARKS, replace_section  # noqa: E402
+from sections import BENCHMARKS, IMAGES, replace_section  # noqa: E402
 
 from trainkit import text  # noqa: E402
 from trainkit.hardware import cpu_cores  # noqa: E402
 
 START, END = "<!-- data preparation: written by bench/data_prep.py -->", "<!-- end of data preparation -->"
-PNG = ROOT / "docs" / "images" / "data_prep.png"
+PNG = IMAGES / "data_prep.png"
 SEQ_LEN, VOCAB = 128, 1024
 GIB = 1 << 30
 

@@ -20,7 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from sections import replace_section  # noqa: E402
+from sections import IMAGES, replace_section  # noqa: E402
 
 from trainkit.compare import run_config  # noqa: E402
 
@@ -29,7 +29,7 @@ MODEL = ["--recipe", "tiny_transformer", "--hidden", "256", "--layers", "4", "--
 RUNS = [("gpipe", 1), ("gpipe", 2), ("gpipe", 4), ("gpipe", 8), ("1f1b", 2), ("1f1b", 4), ("1f1b", 8),
         ("interleaved", 4), ("interleaved", 8)]
 START, END = "<!-- pipeline bubble: written by bench/pipeline_bubble.py -->", "<!-- end of pipeline bubble -->"
-PNG = ROOT / "docs" / "images" / "pipeline_bubble.png"
+PNG = IMAGES / "pipeline_bubble.png"
 
 
 def measure() -> list[dict]:

@@ -113,7 +113,8 @@ def main() -> None:
     rows = ["| config | processes x threads | trainkit step ms | Accelerate loop step ms | trainkit adds per step "
             "(quartiles) | trainkit adds / loop step |", "|---|---|---:|---:|---:|---:|"]
     load, started, bare = os.getloadavg()[0], time.perf_counter(), "not measured"
-    steps: dict[str, dict[str, float]] = {"trainkit": {}, "Accelerate loop": {}, "bare PyTorch": {}}  # median ms
+    labels = {"trainkit": "trainkit", "loop": "Accelerate loop", "bare": "bare PyTorch"}  # the chart's, per kind
+    steps: dict[str, dict[str, float]] = {label: {} for label in labels.values()}  # median ms per config
     with tempfile.TemporaryDirectory() as tmp:
         for config in CONFIGS:
             out, report = Path(tmp) / config, Path(tmp) / f"{config}.json"
@@ -128,7 +129,7 @@ def main() -> None:
             rows.append(f"| {config} | {data['world_size']} x {data['threads']} | "
                         f"{statistics.median(data['trainkit']) * 1000:.1f} | {' | '.join(compared(data, 'loop'))} |")
             print(rows[-1], flush=True)
-            for kind, label in (("trainkit", "trainkit"), ("loop", "Accelerate loop"), ("bare", "bare PyTorch")):
+            for kind, label in labels.items():
                 if kind in data:
                     steps[label][config] = statistics.median(data[kind]) * 1000
             if "bare" in data:
