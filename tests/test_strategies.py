@@ -176,6 +176,8 @@ def test_transformer_matches_one_process(lm_run, lm_reference):
     assert max_rel_diff(run.losses, lm_reference.losses) <= PARITY_BOUND
     assert lm_reference.losses[-1] < lm_reference.losses[0]
     assert_estimate_within_10_percent(run)
+    # only the main process prints: the last step's evaluation and the summary, once each, as one process does
+    assert run.stdout.count("eval loss") == lm_reference.stdout.count("eval loss") == 2, run.stdout
     # MFU counts every process, also those that split the model: the global batch's FLOPs over all their peaks
     peak_of_all = run.resolved["peak_flops"] * run.resolved["world_size"]
     assert all(m["mfu"] == pytest.approx(m["samples_per_s"] * run.resolved["flops_per_sample"] / peak_of_all)

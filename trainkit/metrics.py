@@ -155,7 +155,7 @@ class MetricsLog:
                              step=record["step"])
         self.bar.update(1)
         self.bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}", refresh=False)
-        if "eval_loss" in record:
+        if "eval_loss" in record and self.is_main:  # tqdm.write is a class method: a disabled bar writes too
             extra = "".join(f", {k.removeprefix('eval_')} {v:.4f}" for k, v in record.items()
                             if k.startswith("eval_") and k != "eval_loss")
             self.bar.write(f"step {record['step']}: eval loss {record['eval_loss']:.4f}{extra}")
