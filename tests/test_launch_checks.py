@@ -11,20 +11,26 @@ from conftest import ROOT, assert_refused, write_yaml, zero2_json
 from trainkit.launch import shipped_configs
 
 
-@pytest.mark.parametrize("json_changes, message", [
+@pytest.mark.parametrize("json_changes, message, fix", [
     ({"train_micro_batch_size_per_gpu": 4},
-     "train_micro_batch_size_per_gpu is 4 in {ds} but 8 in the run (--batch_size)"),
-    ({"gradient_accumulation_steps": 3}, "gradient_accumulation_steps is 3 in {ds} but 1 in the run (recipe default)"),
-    ({"gradient_clipping": 5.0}, "gradient_clipping is 5.0 in {ds} but 1.0 in the run (recipe default)"),
-    ({"bf16": {"enabled": True}}, "bf16.enabled is True in {ds} but mixed_precision is no"),
-    ({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}, "{ds} defines an optimizer, and so does the recipe"),
+     "train_micro_batch_size_per_gpu is 4 in {ds} but 8 in the run (--batch_size)", "or pass --batch_size 4"),
+    ({"gradient_accumulation_steps": 3}, "gradient_accumulation_steps is 3 in {ds} but 1 in the run (recipe default)",
+     "or pass --grad_accum 3"),
+    ({"train_batch_size": 32}, "train_batch_size is 32 in {ds} but 16 in the run (batch_size x grad_accum x "
+     "num_processes)", "or choose a batch_size x grad_accum x num_processes of 32"),
+    ({"gradient_clipping": 5.0}, "gradient_clipping is 5.0 in {ds} but 1.0 in the run (recipe default)",
+     "or pass --max_grad_norm 5.0"),
+    ({"bf16": {"enabled": True}}, "bf16.enabled is True in {ds} but mixed_precision is no",
+     'set "bf16": {"enabled": "auto"} in the JSON'),
+    ({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}, "{ds} defines an optimizer, and so does the recipe",
+     'remove "optimizer" from the JSON'),
 ])
-def test_deepspeed_json_that_disagrees_with_the_run_is_refused(check_only, tmp_path, json_changes, message):
+def test_deepspeed_json_that_disagrees_with_the_run_is_refused(check_only, tmp_path, json_changes, message, fix):
     yaml_path = write_yaml(tmp_path, "deepspeed_zero2", zero2_json(**json_changes))
     run = check_only(tmp_path / "out", "--recipe", "mlp", "--batch_size", "8", "--dry_run",
                      "--accelerate_config", str(yaml_path))
     assert_refused(run, message.format(ds=tmp_path / "ds.json"))
-    assert 'set "' in run.stderr or "remove" in run.stderr or "change" in run.stderr
+    assert fix in run.stderr, run.stderr
 
 
 def test_every_problem_is_reported_together(check_only, tmp_path):

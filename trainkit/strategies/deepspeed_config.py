@@ -135,18 +135,20 @@ def _load(launch: Launch) -> DeepSpeedConfig:
 
 def _fill_run_values(loaded: DeepSpeedConfig, launch: Launch, cfg: TrainConfig, sources: Mapping[str, str]) -> None:
     ds, name, where = loaded.config, loaded.name, loaded.where
-    run_values = {
-        "train_micro_batch_size_per_gpu": (cfg.batch_size, sources.get("batch_size", "recipe default")),
-        "gradient_accumulation_steps": (cfg.grad_accum, sources.get("grad_accum", "recipe default")),
-        "train_batch_size": (global_batch_size(cfg.batch_size, cfg.grad_accum, launch.world_size),
-                             "batch_size x grad_accum x num_processes"),
-        "gradient_clipping": (float(cfg.max_grad_norm), sources.get("max_grad_norm", "recipe default")),
+    run_values = {  # the JSON key: the run's value, the recipe field behind it
+        "train_micro_batch_size_per_gpu": (cfg.batch_size, "batch_size"),
+        "gradient_accumulation_steps": (cfg.grad_accum, "grad_accum"),
+        "train_batch_size": (global_batch_size(cfg.batch_size, cfg.grad_accum, launch.world_size), None),
+        "gradient_clipping": (float(cfg.max_grad_norm), "max_grad_norm"),
     }
-    for key, (value, source) in run_values.items():
+    for key, (value, flag) in run_values.items():
         given = ds.get(key, "auto")
         if given != "auto" and given != value:
+            product = "batch_size x grad_accum x num_processes"
+            source = sources.get(flag, "recipe default") if flag else product
+            instead = f"pass --{flag} {given}" if flag else f"choose a {product} of {given}"
             loaded.problems.append(Problem(f"{key} is {given} in {name} but {value} in the run ({source})", where,
-                                           f"{loaded.fix_for(key)}, or change {source}"))
+                                           f"{loaded.fix_for(key)}, or {instead}"))
         ds[key] = value
     for precision in ("bf16", "fp16"):
         section = ds.setdefault(precision, {})
