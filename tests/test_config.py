@@ -36,8 +36,11 @@ def test_overrides_are_typed():
 
 @pytest.mark.parametrize("argv, message", [
     (["--set", "hiden=3"], "unknown config field 'hiden' (--set hiden=3): did you mean hidden?"),
-    (["--hidden", "wide"], "hidden takes an integer, got 'wide' (--hidden)"),
-    (["--batchnorm", "maybe"], "batchnorm takes true or false, got 'maybe'"),
+    (["--hidden", "wide"], "hidden takes an integer, got 'wide' (--hidden): write it as the recipe's default is "
+                           "written: hidden=64"),
+    (["--lr", "abc"], "lr takes a number, got 'abc' (--lr): write it as the recipe's default is written: lr=0.01"),
+    (["--batchnorm", "maybe"], "batchnorm takes true or false, got 'maybe' (--batchnorm): write it as the recipe's "
+                               "default is written: batchnorm=False"),
     (["--lr", "-1"], "lr must be > 0, got -1.0 (config field lr): pass a positive --lr"),
     (["--max_steps", "0", "--batch_size", "0"], "batch_size must be >= 1"),
 ])

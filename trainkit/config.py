@@ -154,7 +154,9 @@ def build_config(config_cls: type[TrainConfig], overrides: list[tuple[str, str, 
         try:
             values[name] = parse_value(text, hints[name], name)
         except ValueError as e:
-            problems.append(Problem(str(e), where, f"pass a value of the field's type: {hints[name]}"))
+            default = next(f.default for f in dataclasses.fields(config_cls) if f.name == name)
+            problems.append(Problem(str(e), where, f"write it as the recipe's default is written: {name}={default}"
+                                    if default is not None else "write one, or none to leave it unset"))
     if config_cls.presets and not problems:
         preset, problems = _preset(config_cls, values, overrides, known)
         values = {**preset, **values}
