@@ -21,6 +21,7 @@ from typing import Any
 
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 from trainkit.errors import ConfigError, Problem, write_failure
 
@@ -181,6 +182,7 @@ def plot_runs(runs: list[RunCurves], title: str) -> Figure:
 def finish(ax: Axes, title: str) -> None:
     ax.set_title(title)
     ax.set_xlabel("optimizer step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole: a short run showed 1.5, 2.5
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
 
