@@ -24,7 +24,7 @@ from accelerate.utils import set_seed
 from trainkit.checkpoint import Checkpointer, clear_outputs, export_final
 from trainkit.config import parse_command_line
 from trainkit.data import BatchLayout, TrainStream, eval_batches
-from trainkit.errors import ConfigError, Problem, TrainingError
+from trainkit.errors import ConfigError, Problem, TrainingError, failure_in_user_code, out_of_memory
 from trainkit.guards import FiniteCheck, StopSignal
 from trainkit.hardware import Compute
 from trainkit.metrics import (
@@ -58,9 +58,9 @@ def main(argv: list[str] | None = None) -> int:
         return finish(plan, run, loop(plan, run))
     except (ConfigError, TrainingError) as e:
         return refuse(e)
-    except RuntimeError as e:
-        error = lost_contact(e)
-        if error is None:
+    except Exception as e:
+        error = lost_contact(e) or out_of_memory(e) or failure_in_user_code(e)
+        if error is None or os.environ.get("TRAINKIT_TRACEBACK"):
             raise
         return refuse(error)
 

@@ -147,6 +147,58 @@ def test_recipe_mistakes_found_when_the_run_starts(tmp_path, change, message):
     assert f"recipe {path}" in run.stderr and "Traceback" not in run.stderr
 
 
+def test_an_exception_in_the_users_code_says_where_it_was_raised(check_only, tmp_path, monkeypatch):
+    """The recipe imports a module of the user's from beside it, which raises while the model is built (planning):
+    the error names that line and the recipe's call to it, exit 2, no traceback; TRAINKIT_TRACEBACK=1 lets the
+    exception itself through."""
+    (tmp_path / "my_layers_a.py").write_text("def block(width):\n    raise ValueError(f'no block of width {width}')\n")
+    path = tmp_path / "my_model.py"
+    path.write_text(MLP_RECIPE.replace("    layers: list[torch.nn.Module] = []\n",
+                                       "    from my_layers_a import block\n    block(cfg.hidden)\n"))
+    run = check_only(tmp_path / "out", "--recipe", str(path), "--dry_run")
+    assert_refused(run, f"the recipe's code raised ValueError: no block of width 64 ({tmp_path}/my_layers_a.py:2 in "
+                        "block: raise ValueError(f'no block of width {width}')): see what it does there (called from "
+                        f"{path}:56 in build_model); TRAINKIT_TRACEBACK=1 shows the whole traceback")
+    assert "Traceback" not in run.stderr
+    monkeypatch.setenv("TRAINKIT_TRACEBACK", "1")
+    with pytest.raises(ValueError, match="no block of width 64"):
+        check_only(tmp_path / "out", "--recipe", str(path), "--dry_run")
+
+
+def test_an_exception_from_a_library_called_by_the_users_loss_names_the_users_line(tmp_path):
+    """torch raises inside the model while the run trains (the recipe feeds it the wrong width)."""
+    path = tmp_path / "my_model.py"
+    path.write_text(MLP_RECIPE.replace("    x, y = batch\n", "    x, y = batch\n    x = x[:, :16]\n"))
+    run = launch(tmp_path / "out", "--recipe", str(path), "--max_steps", "2")
+    assert_refused(run, "the recipe's code raised RuntimeError: mat1 and mat2 shapes cannot be multiplied (32x16 and "
+                        f"32x64) ({path}:79 in loss: return torch.nn.functional.mse_loss(model(x), y)): see what it "
+                        "does there; TRAINKIT_TRACEBACK=1")
+    assert "Traceback" not in run.stderr
+
+
+def test_running_out_of_memory_names_the_ways_to_need_less(check_only, tmp_path):
+    path = tmp_path / "my_model.py"
+    path.write_text(MLP_RECIPE.replace(
+        "    layers: list[torch.nn.Module] = []\n",
+        "    raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has 1.5 GiB "
+        "free.')\n"))
+    run = check_only(tmp_path / "out", "--recipe", str(path), "--dry_run")
+    assert_refused(run, "rank 0 ran out of memory (OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. "
+                        "GPU 0 has 1.5 GiB free.): a smaller --batch_size with a larger --grad_accum", code=1)
+    assert "--estimate --device_memory 80GB names the cheapest that fits" in run.stderr
+
+
+def test_an_exception_of_the_runners_own_keeps_its_traceback(check_only, tmp_path, monkeypatch):
+    """No frame of the user's code: a bug of the runner or a library, reported as Python reports it."""
+    import operator
+
+    import train
+
+    monkeypatch.setattr(train, "make_plan", operator.truediv)  # options / overrides: raises with no Python frame
+    with pytest.raises(TypeError, match="unsupported operand type"):
+        check_only(tmp_path / "out", "--recipe", "mlp", "--dry_run")
+
+
 def test_output_dir_that_is_a_file_is_refused(check_only, tmp_path):
     (tmp_path / "notes.txt").write_text("keep me")
     assert_refused(check_only(tmp_path / "notes.txt", "--recipe", "mlp"),

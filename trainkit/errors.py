@@ -1,11 +1,21 @@
-"""The problem format and the two error types. Imported by every module; imports nothing of the project."""
+"""The problem format and the two error types, and the failures named as one of them. Imported by every module;
+imports nothing of the project."""
 
 from __future__ import annotations
 
 import errno
+import os
 import shutil
+import sysconfig
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
+
+# Frames in these folders are the runner's, the standard library's or an installed package's; any other frame is the
+# user's: the recipe file and whatever it imports from beside it.
+_NOT_USER_CODE = tuple({str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent / "train.py"),
+                        *(str(Path(sysconfig.get_paths()[k]).resolve())
+                          for k in ("stdlib", "platstdlib", "purelib", "platlib"))})
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,3 +74,32 @@ def said(error: BaseException) -> str:
     rank's whole traceback into its message; the cause is the last line)."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     return f"{type(error).__name__}: {lines[-1][:300] if lines else ''}"
+
+
+def out_of_memory(error: BaseException) -> TrainingError | None:
+    """The error to report when a device or the host ran out of memory, else None."""
+    import torch
+
+    text = str(error)
+    if not (isinstance(error, torch.OutOfMemoryError) or "can't allocate memory" in text):
+        return None
+    return TrainingError(
+        f"rank {os.environ.get('RANK', '0')} ran out of memory ({said(error)})",
+        "a smaller --batch_size with a larger --grad_accum keeps the global batch and needs less; so does a config "
+        "that shards more: python train.py --recipe ... --estimate --device_memory 80GB names the cheapest that fits "
+        "(its model state; activations come on top)")
+
+
+def failure_in_user_code(error: BaseException) -> ConfigError | None:
+    """A ConfigError naming where the user's code (the recipe, or a module of theirs that it imports) raised `error`,
+    else None (an error of the runner's or of a library's own: its traceback is the report)."""
+    frames = [f for f in traceback.extract_tb(error.__traceback__)
+              if not str(Path(f.filename).resolve()).startswith(_NOT_USER_CODE) and Path(f.filename).is_file()]
+    if not frames:
+        return None
+    calls = " <- ".join(f"{f.filename}:{f.lineno} in {f.name}" for f in reversed(frames[:-1]))
+    last = frames[-1]
+    return ConfigError([Problem(
+        f"the recipe's code raised {said(error)}", f"{last.filename}:{last.lineno} in {last.name}: {last.line}",
+        "see what it does there" + (f" (called from {calls})" if calls else "")
+        + "; TRAINKIT_TRACEBACK=1 shows the whole traceback")])

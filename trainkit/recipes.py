@@ -170,6 +170,8 @@ def load_recipe(name_or_path: str) -> Recipe:
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module  # dataclasses look their module up while the file executes
+    if str(path.parent) not in sys.path:  # its own modules beside it import, as when Python runs the file; last, so
+        sys.path.append(str(path.parent))  # that a file there never hides an installed package
     try:
         spec.loader.exec_module(module)
     except ConfigError:
