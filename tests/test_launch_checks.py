@@ -93,6 +93,43 @@ def test_dry_run_checks_the_yaml_itself(check_only, tmp_path):
     assert "deepspeed_config sets gradient_accumulation_steps next to a deepspeed_config_file" in run.stderr
 
 
+ONE_PROCESS = ("2 processes asked for, but this launch runs 1: accelerate launch starts one for distributed_type NO or "
+               "MULTI_CPU (without mpirun), and for --num_processes without a multi-process config on a machine "
+               "without GPUs")
+
+
+@pytest.mark.parametrize("changes", [
+    {"distributed_type: MULTI_GPU": "distributed_type: MULTI_CPU", "use_cpu: false": "use_cpu: true"},  # CPU's own
+    {"distributed_type: MULTI_GPU": 'distributed_type: "NO"'},
+])
+def test_a_yaml_whose_processes_accelerate_would_not_start_is_refused(check_only, tmp_path, changes):
+    """`accelerate config` on a machine without GPUs writes MULTI_CPU: accelerate launch then starts one process
+    whatever num_processes says; the dry run must not plan the 2 that the YAML names."""
+    yaml_path = write_yaml(tmp_path, "ddp", **{k.replace(" ", "__"): v for k, v in changes.items()})
+    run = check_only(tmp_path / "out", "--recipe", "mlp", "--dry_run", "--accelerate_config", str(yaml_path))
+    assert_refused(run, f"{ONE_PROCESS} (num_processes in {yaml_path}): launch with --config_file "
+                        "accelerate_configs/ddp.yaml or another multi-process config")
+
+
+@pytest.mark.parametrize("argv, asked", [
+    (["/usr/bin/python3", "/usr/local/bin/accelerate", "launch", "--num_processes", "2", "train.py", "--recipe", "mlp"],
+     (2, "accelerate launch --num_processes")),
+    (["python", "-m", "accelerate.commands.launch", "--num_processes=3", "train.py"],
+     (3, "accelerate launch --num_processes")),
+    # train.py's own --num_processes (with --estimate) is not the launcher's
+    (["accelerate", "launch", "--config_file", "{ddp}", "train.py", "--estimate", "--num_processes", "8"],
+     (2, "num_processes in {ddp}")),
+    (["torchrun", "--nproc_per_node", "2", "train.py"], None),
+    (["accelerate", "launch", "--no-such-flag", "train.py"], None),
+])
+def test_the_launchers_process_count_is_read_from_its_command_line(argv, asked):
+    from trainkit.launch import requested_processes
+
+    ddp = str(ROOT / "accelerate_configs" / "ddp.yaml")
+    fill = lambda text: text.format(ddp=ddp)  # noqa: E731
+    assert requested_processes([fill(a) for a in argv]) == (asked and (asked[0], fill(asked[1])))
+
+
 def test_dry_run_runs_deepspeeds_own_validation(check_only, tmp_path):
     ds = json.loads(zero2_json())
     ds["zero_optimization"]["reduce_bucket_sise"] = 100

@@ -106,6 +106,15 @@ def test_fp16_on_cpu_is_refused(run_dir):
     assert "use --mixed_precision bf16" in run.stderr and not run.output_dir.exists()
 
 
+def test_a_launch_that_starts_fewer_processes_than_asked_is_refused(run_dir):
+    """On a machine without GPUs `accelerate launch --num_processes 2` with a one-process config starts one process
+    and tells it nothing of the 2: without the check it trained as one process, silently."""
+    run = launch(run_dir("out"), "--recipe", "mlp", config="single", extra_launch=("--num_processes", "2"))
+    assert run.returncode != 0 and "error: 2 processes asked for, but this launch runs 1" in run.stderr, run.stderr
+    assert "(accelerate launch --num_processes): launch with --config_file accelerate_configs/ddp.yaml" in run.stderr
+    assert not run.output_dir.exists()
+
+
 def test_existing_run_is_not_overwritten(check_only, run_dir):
     out = run_dir("out")
     launch(out, "--recipe", "mlp", "--max_steps", "3").check()

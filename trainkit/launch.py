@@ -10,8 +10,10 @@ run (fp16 without a GPU, more processes than GPUs).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
+import io
 import math
 import os
 from collections.abc import Mapping
@@ -28,6 +30,9 @@ CONFIGS_DIR = Path(__file__).resolve().parent.parent / "accelerate_configs"
 PRECISIONS = ("no", "bf16", "fp16")
 # Accelerate's distributed types that this runner trains under; MULTI_CPU is what MULTI_GPU becomes without GPUs.
 DISTRIBUTED_TYPES = ("NO", "MULTI_GPU", "MULTI_CPU", "DEEPSPEED", "FSDP")
+# The types that `accelerate launch` starts as one process whatever num_processes says (MULTI_CPU starts several only
+# under mpirun: its mpirun_config).
+ONE_PROCESS_TYPES = ("NO", "MULTI_CPU")
 
 # How `accelerate launch` hands the YAML's strategy block to each process: one environment variable per key
 # (accelerate/utils/launch.py). Read back under the YAML's names.
@@ -81,6 +86,9 @@ class Launch:
     # The YAML's parallelism_config sizes by short name (dp_replicate, dp_shard, tp, cp, sp); empty when it has no
     # such block.
     parallelism: Mapping[str, int] = field(default_factory=dict)
+    # The process count the launcher was asked for and where (its --num_processes, its YAML's num_processes), where
+    # that can differ from what it started: Accelerate's one-process launcher ignores the count (requested_processes)
+    asked: tuple[int, str] | None = None
 
     @classmethod
     def from_env(cls) -> Launch:
@@ -109,7 +117,8 @@ class Launch:
                    mixed_precision=env.get("ACCELERATE_MIXED_PRECISION", "no").lower(),
                    source="the launcher's environment" if "ACCELERATE_MIXED_PRECISION" in env else "no launcher",
                    settings=settings, block_keys=tuple(dict.fromkeys([*settings, *written])),
-                   dist_timeout_s=dist_timeout(), main_process_ip=env.get("MASTER_ADDR"), parallelism=parallelism)
+                   dist_timeout_s=dist_timeout(), main_process_ip=env.get("MASTER_ADDR"), parallelism=parallelism,
+                   asked=requested_processes(_launcher_argv()) if _one_process_launcher(env) else None)
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> Launch:
@@ -130,15 +139,64 @@ class Launch:
         # Accelerate's default for a size the block leaves out is 1, as in the launcher's environment
         parallelism = {name: _count(sizes.get(PARALLELISM_KEY.format(name), 1)) or 1 for name in PARALLELISM_ENV
                        } if sizes else {}
-        return cls(distributed_type=distributed_type, world_size=_count(data.get("num_processes", 1)) or 1,
+        processes = _count(data.get("num_processes", 1)) or 1
+        alone = distributed_type in ONE_PROCESS_TYPES  # what accelerate launch starts for these, whatever the count
+        return cls(distributed_type=distributed_type, world_size=1 if alone else processes,
                    num_machines=_count(data.get("num_machines", 1)) or 1,
                    mixed_precision=str(data.get("mixed_precision", "no")).lower(), source=str(path),
                    settings=settings, block_keys=tuple(settings), dist_timeout_s=dist_timeout(),
-                   main_process_ip=data.get("main_process_ip"), parallelism=parallelism)
+                   main_process_ip=data.get("main_process_ip"), parallelism=parallelism,
+                   asked=(processes, f"num_processes in {path}") if alone else None)
 
     def parallelism_size(self, name: str) -> int:
         """One size of the parallelism config (dp_replicate, dp_shard, tp, cp, sp); 1 where the launch gives none."""
         return self.parallelism.get(name, 1)
+
+
+def _one_process_launcher(env: Mapping[str, str]) -> bool:
+    """Whether `accelerate launch` started this process with its one-process launcher (it sets ACCELERATE_USE_CPU
+    there only; torchrun and DeepSpeed's launcher set LOCAL_RANK)."""
+    return "ACCELERATE_USE_CPU" in env and "LOCAL_RANK" not in env
+
+
+def _launcher_argv() -> list[str]:
+    """The parent process's command line (Linux); empty where it cannot be read."""
+    try:
+        raw = Path(f"/proc/{os.getppid()}/cmdline").read_bytes()
+    except OSError:
+        return []
+    return [arg.decode(errors="replace") for arg in raw.split(b"\0") if arg]
+
+
+def requested_processes(argv: list[str]) -> tuple[int, str] | None:
+    """The process count an `accelerate launch` command line asks for and where: its --num_processes, else its YAML's
+    (--config_file, or Accelerate's default config file) num_processes; None for another command or no count.
+
+    Read with Accelerate's own parser. Needed because Accelerate's one-process launcher, which it picks for
+    distributed_type NO or MULTI_CPU (without mpirun) and for a bare `--num_processes N` on a machine without GPUs,
+    starts one process whatever the count and tells it nothing of the count.
+    """
+    from accelerate.commands.config import default_config_file
+    from accelerate.commands.launch import launch_command_parser
+
+    start = next((i + 1 for i, arg in enumerate(argv) if arg == "launch" or arg.endswith(("accelerate-launch",
+                                                                                        "accelerate.commands.launch"))),
+                 None)
+    if start is None:
+        return None
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):  # argparse's usage message is not this run's to print
+            args = launch_command_parser().parse_args(argv[start:])
+    except SystemExit:  # not a command line that Accelerate would have run
+        return None
+    if args.num_processes:
+        return args.num_processes, "accelerate launch --num_processes"
+    path = args.config_file or (default_config_file if Path(default_config_file).is_file() else None)
+    try:
+        count = _count(read_yaml(path).get("num_processes")) if path else None
+    except ConfigError:
+        return None
+    return (count, f"num_processes in {path}") if count else None
 
 
 def _count(value: Any) -> int | None:
@@ -265,6 +323,13 @@ def check_machine(launch: Launch) -> list[Problem]:
         problems.append(Problem(f"bf16 needs a GPU with bf16 arithmetic (Ampere or newer); "
                                 f"{torch.cuda.get_device_name()} only emulates it, many times slower", where,
                                 "use --mixed_precision fp16 on this GPU"))
+    if launch.asked and launch.asked[0] > launch.world_size:
+        problems.append(Problem(
+            f"{launch.asked[0]} processes asked for, but this launch runs {launch.world_size}: accelerate launch "
+            "starts one for distributed_type NO or MULTI_CPU (without mpirun), and for --num_processes without a "
+            "multi-process config on a machine without GPUs", launch.asked[1],
+            "launch with --config_file accelerate_configs/ddp.yaml or another multi-process config (on a machine "
+            "without GPUs their processes train over gloo)"))
     if on_gpu and launch.world_size > torch.cuda.device_count() * launch.num_machines:
         problems.append(Problem(f"{launch.world_size} processes but {torch.cuda.device_count()} GPU(s) per machine",
                                 f"num_processes from {launch.source}", "pass --num_processes <= the GPU count"))
