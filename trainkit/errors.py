@@ -6,16 +6,17 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import sys
 import sysconfig
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-# Frames in these folders are the runner's, the standard library's or an installed package's; any other frame is the
-# user's: the recipe file and whatever it imports from beside it.
-_NOT_USER_CODE = tuple({str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent / "train.py"),
-                        *(str(Path(sysconfig.get_paths()[k]).resolve())
-                          for k in ("stdlib", "platstdlib", "purelib", "platlib"))})
+# Where code that is not the user's lives, by the name an error gives it: the runner, the standard library, installed
+# packages (named by their own folder there); torch.compile's generated code is added when it exists (_origin).
+_RUNNER = (str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent / "train.py"))
+_STDLIB = tuple({str(Path(sysconfig.get_paths()[k]).resolve()) for k in ("stdlib", "platstdlib")})
+_PACKAGES = tuple({str(Path(sysconfig.get_paths()[k]).resolve()) for k in ("purelib", "platlib")})
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,16 +91,35 @@ def out_of_memory(error: BaseException) -> TrainingError | None:
         "(its model state; activations come on top)")
 
 
+def _origin(filename: str) -> str | None:
+    """Who wrote the code in this file, as an error names it; None for the user's own code (the recipe, or a module of
+    theirs that it imports) and for code that is not in a file."""
+    path = str(Path(filename).resolve())
+    if path.startswith(_PACKAGES):  # site-packages/<package>/...: the package's name
+        return Path(path).relative_to(next(p for p in _PACKAGES if path.startswith(p))).parts[0].removesuffix(".py")
+    if path.startswith(_STDLIB):
+        return "the standard library"
+    if path.startswith(_RUNNER):
+        return "the runner"
+    inductor = sys.modules.get("torch._inductor.runtime.cache_dir_utils")
+    if inductor is not None and path.startswith(str(Path(inductor.cache_dir()).resolve())):
+        return "torch.compile's generated code"
+    return None if Path(filename).is_file() else "generated code"
+
+
 def failure_in_user_code(error: BaseException) -> ConfigError | None:
-    """A ConfigError naming where the user's code (the recipe, or a module of theirs that it imports) raised `error`,
-    else None (an error of the runner's or of a library's own: its traceback is the report)."""
-    frames = [f for f in traceback.extract_tb(error.__traceback__)
-              if not str(Path(f.filename).resolve()).startswith(_NOT_USER_CODE) and Path(f.filename).is_file()]
-    if not frames:
+    """A ConfigError naming where the user's code raised `error`, or called the library that raised it; None when no
+    frame of the user's code is on the way (an error of the runner's or of a library's own: its traceback is the
+    report)."""
+    frames = traceback.extract_tb(error.__traceback__)
+    origins = [_origin(f.filename) for f in frames]
+    users = [f for f, origin in zip(frames, origins, strict=True) if origin is None]
+    if not users:
         return None
-    calls = " <- ".join(f"{f.filename}:{f.lineno} in {f.name}" for f in reversed(frames[:-1]))
-    last = frames[-1]
+    last = users[-1]
+    raised_in = "the recipe's code" if origins[-1] is None else f"{origins[-1]}, called by the recipe's code"
+    calls = " <- ".join(f"{f.filename}:{f.lineno} in {f.name}" for f in reversed(users[:-1]))
     return ConfigError([Problem(
-        f"the recipe's code raised {said(error)}", f"{last.filename}:{last.lineno} in {last.name}: {last.line}",
+        f"{said(error)}, raised in {raised_in}", f"{last.filename}:{last.lineno} in {last.name}: {last.line}",
         "see what it does there" + (f" (called from {calls})" if calls else "")
         + "; TRAINKIT_TRACEBACK=1 shows the whole traceback")])
