@@ -153,6 +153,24 @@ def test_every_shipped_config_passes_the_dry_run(check_only, tmp_path):
         assert run.returncode == 0, (path.name, run.stderr)
 
 
+@pytest.mark.parametrize("line, flags, message", [
+    ("fsdp_auto_wrap_policy: SIZE_BASED_WRAP", [], "fsdp_auto_wrap_policy SIZE_BASED_WRAP: the runner shards the "
+     "model's blocks (TRANSFORMER_BASED_WRAP) or the whole model at once (NO_WRAP)"),
+    ("fsdp_ignored_modules: lm_head", [], "fsdp_ignored_modules: the runner shards every module"),
+    ("fsdp_activation_checkpointing_offload: true", [], "fsdp_activation_checkpointing_offload: the runner "
+     "recomputes activations, it does not move them to the CPU"),
+    ("fsdp_activation_checkpointing: true", ["--compile"], "fsdp_activation_checkpointing with --compile"),
+    ("fsdp_activation_checkpointing: true", ["--gradient_checkpointing"], "fsdp_activation_checkpointing and the "
+     "recipe's gradient_checkpointing both recompute the blocks"),
+])
+def test_fsdp_settings_the_runner_does_not_apply_are_refused(check_only, tmp_path, line, flags, message):
+    yaml_path = write_yaml(tmp_path, "fsdp", **{"fsdp_version:__2": f"fsdp_version: 2\n  {line}"})
+    run = check_only(tmp_path / "out", "--recipe", "tiny_transformer", *flags, "--dry_run", "--accelerate_config",
+                     str(yaml_path))
+    assert_refused(run, message)
+    assert f"(fsdp_config in {yaml_path})" in run.stderr
+
+
 def test_fsdp_blocks_keep_tied_parameters_in_one_group_and_follow_declared_classes():
     """FSDP2 refuses a parameter managed by two groups: a block that shares a parameter with a module outside it
     (tied embeddings) stays in the root's group. Blocks the YAML or the model declares are used as they are."""
@@ -173,6 +191,8 @@ def test_fsdp_blocks_keep_tied_parameters_in_one_group_and_follow_declared_class
     assert strategy.blocks(model) == [model.block]
     declared = dataclasses.replace(fsdp, settings={**fsdp.settings, "fsdp_transformer_layer_cls_to_wrap": "Linear"})
     assert for_launch(declared, vision.Config(), {}).blocks(model) == [*reversed(model.experts), model.router]
+    whole = dataclasses.replace(fsdp, settings={**fsdp.settings, "fsdp_auto_wrap_policy": "NO_WRAP"})
+    assert for_launch(whole, vision.Config(), {}).blocks(model) == []  # one group: the root
 
 
 @pytest.mark.parametrize("yaml_text, messages", [

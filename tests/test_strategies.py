@@ -423,6 +423,45 @@ def test_users_own_deepspeed_configs_train_like_one_process(lm_reference, tmp_pa
         assert "(AdamW) is the recipe's AdamW: lr 0.003, weight decay 0.01" in run.stderr
 
 
+# What `accelerate config` writes for FSDP2 (accelerate 1.15), with activation checkpointing and the FSDP1-era keys
+# that FSDP2 makes moot.
+ACCELERATE_FSDP_YAML = """compute_environment: LOCAL_MACHINE
+debug: false
+distributed_type: FSDP
+downcast_bf16: 'no'
+enable_cpu_affinity: false
+fsdp_config:
+  fsdp_activation_checkpointing: true
+  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
+  fsdp_cpu_ram_efficient_loading: true
+  fsdp_offload_params: false
+  fsdp_reshard_after_forward: true
+  fsdp_state_dict_type: FULL_STATE_DICT
+  fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer
+  fsdp_version: 2
+machine_rank: 0
+main_training_function: main
+mixed_precision: 'no'
+num_machines: 1
+num_processes: 2
+rdzv_backend: static
+same_network: true
+tpu_env: []
+tpu_use_cluster: false
+tpu_use_sudo: false
+use_cpu: false
+"""
+
+
+def test_users_own_fsdp_config_checkpoints_activations_and_trains_like_one_process(lm_reference, tmp_path):
+    """Each decoder layer keeps only its input and recomputes its forward in backward: the same curve."""
+    path = tmp_path / "fsdp2.yaml"
+    path.write_text(ACCELERATE_FSDP_YAML)
+    run = launch(tmp_path / "out", *LM, "--batch_size", "4", config=str(path)).check()
+    assert "note: activation checkpointing on each LlamaDecoderLayer (2)" in run.stderr
+    assert run.resolved["strategy"] == "fsdp" and max_rel_diff(run.losses, lm_reference.losses) <= PARITY_BOUND
+
+
 def test_a_yaml_typo_is_refused_at_launch_as_in_the_dry_run(run_dir, tmp_path):
     """Accelerate passes the ranks the values of the DeepSpeed keys it knows, and the names of all: the launch sees
     the typo that the dry run sees (before, it trained without a word)."""

@@ -51,6 +51,10 @@ FSDP_ENV = {
     "fsdp_offload_params": "FSDP_OFFLOAD_PARAMS",
     "fsdp_reshard_after_forward": "FSDP_RESHARD_AFTER_FORWARD",
     "fsdp_transformer_layer_cls_to_wrap": "FSDP_TRANSFORMER_CLS_TO_WRAP",
+    "fsdp_auto_wrap_policy": "FSDP_AUTO_WRAP_POLICY",
+    "fsdp_activation_checkpointing": "FSDP_ACTIVATION_CHECKPOINTING",
+    "fsdp_activation_checkpointing_offload": "FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD",
+    "fsdp_ignored_modules": "FSDP_IGNORED_MODULES",
 }
 
 # The sizes of a YAML's `parallelism_config` block, each key written in full (parallelism_config_tp_size: 2): how

@@ -36,12 +36,42 @@ class FSDP2(Strategy):
     def offload(self) -> bool:
         return is_true(self.launch.settings.get("fsdp_offload_params", False))
 
+    @property
+    def activation_checkpointing(self) -> bool:
+        return is_true(self.launch.settings.get("fsdp_activation_checkpointing", False))
+
     def check(self) -> list[Problem]:
+        """The fsdp_config settings the runner does not apply are refused, never ignored. Those of FSDP1 that FSDP2
+        makes moot pass: fsdp_use_orig_params (FSDP2 always keeps them), fsdp_forward/backward_prefetch (FSDP2
+        prefetches on its own), fsdp_sync_module_states and fsdp_cpu_ram_efficient_loading (every rank builds the
+        same weights from the seed), fsdp_state_dict_type (checkpoints are always sharded, final/ always whole)."""
         problems = super().check() + parallelism_problems(self.launch)
-        version = str(self.launch.settings.get("fsdp_version", 2))
+        settings, where = self.launch.settings, f"fsdp_config in {self.launch.source}"
+        version = str(settings.get("fsdp_version", 2))
         if version != "2":
-            problems.append(Problem(f"fsdp_version {version}: this runner shards with FSDP2 only",
-                                    f"fsdp_config in {self.launch.source}", "set fsdp_version: 2"))
+            problems.append(Problem(f"fsdp_version {version}: this runner shards with FSDP2 only", where,
+                                    "set fsdp_version: 2"))
+        policy = str(settings.get("fsdp_auto_wrap_policy") or "TRANSFORMER_BASED_WRAP")
+        if policy not in ("TRANSFORMER_BASED_WRAP", "NO_WRAP"):
+            problems.append(Problem(f"fsdp_auto_wrap_policy {policy}: the runner shards the model's blocks "
+                                    f"(TRANSFORMER_BASED_WRAP) or the whole model at once (NO_WRAP)", where,
+                                    "set fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP and name the block classes in "
+                                    "fsdp_transformer_layer_cls_to_wrap (or in the model's _no_split_modules)"))
+        if settings.get("fsdp_ignored_modules"):
+            problems.append(Problem("fsdp_ignored_modules: the runner shards every module", where,
+                                    "remove fsdp_ignored_modules"))
+        if is_true(settings.get("fsdp_activation_checkpointing_offload", False)):
+            problems.append(Problem("fsdp_activation_checkpointing_offload: the runner recomputes activations, it "
+                                    "does not move them to the CPU", where,
+                                    "remove it (fsdp_activation_checkpointing alone saves the memory by recomputing)"))
+        if self.activation_checkpointing and self.cfg.compile:
+            # inductor's recompute of a checkpointed block fails its own stride assertion (torch 2.13)
+            problems.append(Problem("fsdp_activation_checkpointing with --compile: torch.compile's code fails in the "
+                                    "recomputation", where, "drop --compile, or fsdp_activation_checkpointing"))
+        if self.activation_checkpointing and getattr(self.cfg, "gradient_checkpointing", False):
+            problems.append(Problem("fsdp_activation_checkpointing and the recipe's gradient_checkpointing both "
+                                    "recompute the blocks", where,
+                                    "keep one: drop --gradient_checkpointing, or fsdp_activation_checkpointing"))
         return problems
 
     @property
@@ -87,9 +117,12 @@ class FSDP2(Strategy):
 
         The blocks are the classes the YAML names (Accelerate's fsdp_transformer_layer_cls_to_wrap), else those the
         model declares in `_no_split_modules` (transformers' models do; a recipe's build_model can set it), else every
-        Linear layer. A block whose parameters are shared with a module outside it (tied input and output embeddings)
-        stays in the root's group: FSDP2 refuses a parameter managed by two groups.
+        Linear layer; none under fsdp_auto_wrap_policy NO_WRAP. A block whose parameters are shared with a module
+        outside it (tied input and output embeddings) stays in the root's group: FSDP2 refuses a parameter managed by
+        two groups.
         """
+        if self.launch.settings.get("fsdp_auto_wrap_policy") == "NO_WRAP":
+            return []
         classes = self.block_classes(model)
         owners: dict[int, list[torch.nn.Module]] = {}
         for module in model.modules():
@@ -126,7 +159,10 @@ class FSDP2(Strategy):
             reshard_after_forward=is_true(self.launch.settings.get("fsdp_reshard_after_forward", True)),
             mesh=self.fsdp_mesh(),
         )
-        for block in self.blocks(model):
+        blocks = self.blocks(model)
+        if self.activation_checkpointing:
+            self.checkpoint_activations(blocks or [model])
+        for block in blocks:
             fully_shard(block, **policy)
         fully_shard(model, **policy)
         unsharded = [name for name, p in model.named_parameters() if not self.is_sharded(p)]
@@ -134,6 +170,16 @@ class FSDP2(Strategy):
             raise ConfigError([Problem(f"FSDP left parameters unsharded: {', '.join(unsharded[:5])}", "fsdp",
                                        "report this with the recipe; use deepspeed_zero3.yaml meanwhile")])
         return model
+
+    def checkpoint_activations(self, units: list[torch.nn.Module]) -> None:
+        """fsdp_activation_checkpointing: each unit keeps only its input from the forward and runs its forward again in
+        backward (torch's composable `checkpoint`: hooks, so the parameter names stay, and checkpoints and final/ with
+        them); the same numbers, less activation memory, about one more forward per step."""
+        from torch.distributed._composable import checkpoint
+
+        for unit in units:
+            checkpoint(unit)
+        self.notes.append(f"activation checkpointing on each {type(units[0]).__name__} ({len(units)})")
 
     def fsdp_mesh(self) -> Any:
         """The DeviceMesh fully_shard shards over; None: every process, one shard each."""
