@@ -43,6 +43,7 @@ def test_overrides_are_typed():
                                "default is written: batchnorm=False"),
     (["--lr", "-1"], "lr must be > 0, got -1.0 (config field lr): pass a positive --lr"),
     (["--max_steps", "0", "--batch_size", "0"], "batch_size must be >= 1"),
+    (["--seed", "-5"], "seed must be in [0, 2**32 - 1], got -5 (config field seed): pass --seed 0 or another count"),
 ])
 def test_bad_overrides_are_reported(argv, message):
     _, overrides = parse_command_line(["--recipe", "mlp", *argv])

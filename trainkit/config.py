@@ -88,6 +88,8 @@ class TrainConfig:
             ("max_grad_norm", self.max_grad_norm >= 0, ">= 0 (0 = no clipping)", "use --set max_grad_norm=1.0"),
             ("eval_every", self.eval_every >= 0, ">= 0", "use --set eval_every=0 to evaluate only at the end"),
             ("eval_batches", self.eval_batches >= 1, ">= 1", "use --set eval_batches=1 or more"),
+            # numpy's seeding (accelerate's set_seed) takes 0 ... 2**32 - 1 and fails otherwise, mid-setup
+            ("seed", 0 <= self.seed < 2 ** 32, "in [0, 2**32 - 1]", "pass --seed 0 or another count"),
             ("pipeline_stages", self.pipeline_stages >= 1, ">= 1 (1 = no pipeline)", "pass --pipeline_stages 2"),
             ("pipeline_schedule", self.pipeline_schedule in ("gpipe", "1f1b", "interleaved"),
              "gpipe, 1f1b or interleaved", "pass --pipeline_schedule 1f1b"),
