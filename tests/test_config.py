@@ -216,6 +216,14 @@ def test_an_exception_of_the_runners_own_keeps_its_traceback(check_only, tmp_pat
         check_only(tmp_path / "out", "--recipe", "mlp", "--dry_run")
 
 
+def test_a_warmup_longer_than_the_run_is_said(check_only, tmp_path):
+    run = check_only(tmp_path / "out", "--recipe", "mlp", "--max_steps", "10", "--warmup_steps", "20", "--dry_run")
+    assert run.returncode == 0 and "note: warmup_steps 20 >= max_steps 10: the learning rate is still warming up " \
+        "when the run ends and never reaches lr 0.01; pass --warmup_steps below --max_steps" in run.stderr, run.stderr
+    run = check_only(tmp_path / "out", "--recipe", "mlp", "--max_steps", "10", "--warmup_steps", "5", "--dry_run")
+    assert "warmup_steps" not in run.stderr
+
+
 def test_output_dir_that_is_a_file_is_refused(check_only, tmp_path):
     (tmp_path / "notes.txt").write_text("keep me")
     assert_refused(check_only(tmp_path / "notes.txt", "--recipe", "mlp"),

@@ -68,6 +68,10 @@ def make_plan(options: RunOptions, overrides: list[tuple[str, str, str]]) -> Pla
         problems += check_output_dir(options.output_dir, options.resume, options.overwrite)
     if problems:
         raise ConfigError(problems)
+    if cfg.warmup_steps >= cfg.max_steps:  # legitimate in a short trial, a mistake in a long run: said, not refused
+        strategy.notes.append(f"warmup_steps {cfg.warmup_steps} >= max_steps {cfg.max_steps}: the learning rate is "
+                              f"still warming up when the run ends and never reaches lr {cfg.lr:g}; pass "
+                              f"--warmup_steps below --max_steps to train at it")
     model = meta_model(recipe, cfg)
     if problems := strategy.check_model(model):  # a split the model does not declare, for example
         raise ConfigError(problems)
