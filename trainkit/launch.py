@@ -5,7 +5,7 @@ or from an Accelerate YAML for `--dry_run --accelerate_config`. Either way the s
 `deepspeed_config` or `fsdp_config`) arrives under the YAML's key names in `Launch.settings`, and the sizes of its
 `parallelism_config` block (tensor parallelism, hybrid sharding) in `Launch.parallelism`, so a strategy reads one form
 whichever way the launch came. `check_yaml` lints a YAML file; `check_machine` refuses what this machine cannot
-run (fp16 without a GPU, more processes than GPUs).
+run (fp16 without a GPU, more processes than GPUs) and a launch that starts fewer processes than it was asked for.
 """
 
 from __future__ import annotations
@@ -310,7 +310,8 @@ def _check_parallelism_block(block: Any, path: str | Path) -> list[Problem]:
 
 
 def check_machine(launch: Launch) -> list[Problem]:
-    """What this machine cannot run: the precision on this device, more processes than GPUs."""
+    """What this machine cannot run: the precision on this device, more processes than GPUs; and fewer processes
+    than asked for."""
     problems = []
     on_gpu = torch.cuda.is_available()
     where = f"mixed_precision from {launch.source}"
