@@ -130,6 +130,26 @@ def test_the_launchers_process_count_is_read_from_its_command_line(argv, asked):
     assert requested_processes([fill(a) for a in argv]) == (asked and (asked[0], fill(asked[1])))
 
 
+def test_a_key_given_twice_in_the_yaml_is_refused(check_only, tmp_path):
+    """YAML and Accelerate keep the last of two, silently: a setting added under the shipped one is lost or wins."""
+    yaml_path = write_yaml(tmp_path, "fsdp", **{"fsdp_activation_checkpointing:__false": "fsdp_activation_checkpointing"
+                                                ": false\n  fsdp_activation_checkpointing: true"})
+    run = check_only(tmp_path / "out", "--recipe", "tiny_transformer", "--dry_run", "--accelerate_config",
+                     str(yaml_path))
+    line = yaml_path.read_text().splitlines().index("  fsdp_activation_checkpointing: true") + 1
+    assert_refused(run, f"{yaml_path}: fsdp_activation_checkpointing is given twice (the second time on line {line}) "
+                        f"(--accelerate_config {yaml_path}): keep one of them: Accelerate would silently take the last")
+
+
+def test_a_key_given_twice_in_the_deepspeed_json_is_refused(check_only, tmp_path):
+    """As DeepSpeed itself refuses it when it reads a file; the runner reads the file and hands DeepSpeed a dict."""
+    text = zero2_json().replace('"gradient_clipping": "auto"', '"gradient_clipping": "auto", "gradient_clipping": 2.0')
+    run = check_only(tmp_path / "out", "--recipe", "mlp", "--dry_run", "--accelerate_config",
+                     str(write_yaml(tmp_path, "deepspeed_zero2", text)))
+    assert_refused(run, f"{tmp_path / 'ds.json'} is not valid JSON: Duplicate keys in DeepSpeed config: "
+                        "['gradient_clipping']")
+
+
 def test_dry_run_runs_deepspeeds_own_validation(check_only, tmp_path):
     ds = json.loads(zero2_json())
     ds["zero_optimization"]["reduce_bucket_sise"] = 100
@@ -164,7 +184,12 @@ def test_every_shipped_config_passes_the_dry_run(check_only, tmp_path):
      "recipe's gradient_checkpointing both recompute the blocks"),
 ])
 def test_fsdp_settings_the_runner_does_not_apply_are_refused(check_only, tmp_path, line, flags, message):
-    yaml_path = write_yaml(tmp_path, "fsdp", **{"fsdp_version:__2": f"fsdp_version: 2\n  {line}"})
+    # the line replaces the shipped YAML's own setting of that key (fsdp_activation_checkpointing: false), or is added
+    key = line.split(":")[0]
+    shipped = (ROOT / "accelerate_configs" / "fsdp.yaml").read_text()
+    change = {f"{key}:__false": line} if f"  {key}: false" in shipped else \
+        {"fsdp_version:__2": f"fsdp_version: 2\n  {line}"}
+    yaml_path = write_yaml(tmp_path, "fsdp", **change)
     run = check_only(tmp_path / "out", "--recipe", "tiny_transformer", *flags, "--dry_run", "--accelerate_config",
                      str(yaml_path))
     assert_refused(run, message)

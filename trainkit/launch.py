@@ -208,15 +208,33 @@ def _count(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else None
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.safe_load that refuses a key given twice in one mapping: YAML keeps the last silently, and so does
+    Accelerate, so a setting added below the one already there (fsdp_activation_checkpointing: true under a false)
+    would be lost, or win, unseen."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.YAMLError(f"{key} is given twice (the second time on line {key_node.start_mark.line + 1})")
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def read_yaml(path: str | Path) -> dict[str, Any]:
-    """An Accelerate YAML as a dict; a missing or unreadable file is a ConfigError naming it."""
+    """An Accelerate YAML as a dict; a missing or unreadable file, or a key given twice, is a ConfigError naming it."""
     where = f"--accelerate_config {path}"
     try:
-        data = yaml.safe_load(Path(path).read_text()) or {}
+        data = yaml.load(Path(path).read_text(), Loader=_UniqueKeyLoader) or {}
     except FileNotFoundError:
         raise ConfigError([Problem(f"{path} does not exist", where, "pass a file from accelerate_configs/")]) from None
     except yaml.YAMLError as e:
-        raise ConfigError([Problem(f"{path} is not valid YAML: {e}", where, "fix the file")]) from None
+        twice = type(e) is yaml.YAMLError  # _UniqueKeyLoader's
+        raise ConfigError([Problem(f"{path}: {e}" if twice else f"{path} is not valid YAML: {e}", where,
+                                   "keep one of them: Accelerate would silently take the last" if twice else
+                                   "fix the file")]) from None
     if not isinstance(data, dict):
         raise ConfigError([Problem(f"{path} is not a mapping of Accelerate settings", where,
                                    "start from a file in accelerate_configs/")])

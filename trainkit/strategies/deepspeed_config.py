@@ -90,13 +90,15 @@ def _load(launch: Launch) -> DeepSpeedConfig:
             problems.append(Problem(f"deepspeed_config sets {', '.join(inline)} next to a deepspeed_config_file",
                                     yaml_where, "set them in the JSON (the recipe fills accumulation and clipping)"))
         where = f"{path} (deepspeed_config_file in {source})"
-        try:
-            ds = json.loads(Path(path).read_text())
+        from deepspeed.runtime.config_utils import dict_raise_error_on_duplicate_keys
+
+        try:  # DeepSpeed's own reading: a key given twice is refused (DeepSpeed never sees the file, only the dict)
+            ds = json.loads(Path(path).read_text(), object_pairs_hook=dict_raise_error_on_duplicate_keys)
         except FileNotFoundError:
             return DeepSpeedConfig({}, str(path), where, False, problems + [Problem(
                 f"DeepSpeed config {path} does not exist", source,
                 "run from the repository root or give deepspeed_config_file an absolute path")])
-        except json.JSONDecodeError as e:
+        except ValueError as e:  # json.JSONDecodeError, or DeepSpeed's "Duplicate keys in DeepSpeed config: [...]"
             return DeepSpeedConfig({}, str(path), where, False,
                                    problems + [Problem(f"{path} is not valid JSON: {e}", source, "fix the file")])
         return DeepSpeedConfig(ds, str(path), where, False, problems)
