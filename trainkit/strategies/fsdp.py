@@ -161,7 +161,7 @@ class FSDP2(Strategy):
         )
         blocks = self.blocks(model)
         if self.activation_checkpointing:
-            self.checkpoint_activations(blocks or [model])
+            self.checkpoint_activations(model, blocks)
         for block in blocks:
             fully_shard(block, **policy)
         fully_shard(model, **policy)
@@ -171,15 +171,17 @@ class FSDP2(Strategy):
                                        "report this with the recipe; use deepspeed_zero3.yaml meanwhile")])
         return model
 
-    def checkpoint_activations(self, units: list[torch.nn.Module]) -> None:
-        """fsdp_activation_checkpointing: each unit keeps only its input from the forward and runs its forward again in
-        backward (torch's composable `checkpoint`: hooks, so the parameter names stay, and checkpoints and final/ with
-        them); the same numbers, less activation memory, about one more forward per step."""
+    def checkpoint_activations(self, model: torch.nn.Module, blocks: list[torch.nn.Module]) -> None:
+        """fsdp_activation_checkpointing: each block (the whole model when there are none) keeps only its input from
+        the forward and runs its forward again in backward (torch's composable `checkpoint`: hooks, so the parameter
+        names stay, and checkpoints and final/ with them); the same numbers, less activation memory, about one more
+        forward per step."""
         from torch.distributed._composable import checkpoint
 
-        for unit in units:
+        for unit in blocks or [model]:
             checkpoint(unit)
-        self.notes.append(f"activation checkpointing on each {type(units[0]).__name__} ({len(units)})")
+        self.notes.append(f"activation checkpointing on each {type(blocks[0]).__name__} ({len(blocks)})" if blocks
+                          else "activation checkpointing on the whole model (one FSDP group)")
 
     def fsdp_mesh(self) -> Any:
         """The DeviceMesh fully_shard shards over; None: every process, one shard each."""
