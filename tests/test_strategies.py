@@ -356,6 +356,19 @@ def test_a_parameter_that_sits_out_a_step_under_ddp_names_the_fix(run_dir):
     assert "pass --find_unused_parameters true" in run.stderr
 
 
+# The launch settings that `accelerate config` writes after the strategy's own (accelerate 1.15).
+ACCELERATE_CONFIG_REST = """machine_rank: 0
+main_training_function: main
+mixed_precision: '{precision}'
+num_machines: 1
+num_processes: 2
+rdzv_backend: static
+same_network: true
+tpu_env: []
+tpu_use_cluster: false
+tpu_use_sudo: false
+use_cpu: false
+"""
 # `accelerate config` without a DeepSpeed JSON writes the DeepSpeed settings into the YAML itself, like this.
 ACCELERATE_CONFIG_YAML = """compute_environment: LOCAL_MACHINE
 debug: false
@@ -368,18 +381,7 @@ deepspeed_config:
 distributed_type: DEEPSPEED
 downcast_bf16: 'no'
 enable_cpu_affinity: false
-machine_rank: 0
-main_training_function: main
-mixed_precision: '{precision}'
-num_machines: 1
-num_processes: 2
-rdzv_backend: static
-same_network: true
-tpu_env: []
-tpu_use_cluster: false
-tpu_use_sudo: false
-use_cpu: false
-"""
+""" + ACCELERATE_CONFIG_REST
 # The ZeRO-3 JSON of the Hugging Face DeepSpeed integration docs: optimizer and scheduler sections of "auto" values.
 HF_DOCS_ZERO3 = {
     "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
@@ -439,18 +441,7 @@ fsdp_config:
   fsdp_state_dict_type: FULL_STATE_DICT
   fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer
   fsdp_version: 2
-machine_rank: 0
-main_training_function: main
-mixed_precision: 'no'
-num_machines: 1
-num_processes: 2
-rdzv_backend: static
-same_network: true
-tpu_env: []
-tpu_use_cluster: false
-tpu_use_sudo: false
-use_cpu: false
-"""
+""" + ACCELERATE_CONFIG_REST.format(precision="no")
 
 
 def test_users_own_fsdp_config_checkpoints_activations_and_trains_like_one_process(lm_reference, tmp_path):
