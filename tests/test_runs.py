@@ -106,6 +106,27 @@ def test_fp16_on_cpu_is_refused(run_dir):
     assert "use --mixed_precision bf16" in run.stderr and not run.output_dir.exists()
 
 
+def test_a_second_run_in_a_folder_a_run_is_writing_is_refused(check_only, run_dir):
+    """The folder's lock is held (here by this test, as a running launch's first process holds it): a second run,
+    even with --overwrite, which would delete the first one's checkpoints, is refused and deletes nothing."""
+    import fcntl
+
+    out = run_dir("out")
+    launch(out, "--recipe", "mlp", "--max_steps", "4", "--save_every", "2").check()
+    before = sorted(p.relative_to(out) for p in out.rglob("*"))
+    with open(out / ".trainkit.lock", "a+") as held:  # as trainkit.checkpoint.lock_output_dir takes it
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        held.truncate(0)
+        held.write("pid 12345 on elsewhere\n")
+        held.flush()
+        refused = check_only(out, "--recipe", "mlp", "--max_steps", "4", "--overwrite")
+        assert_refused(refused, f"another run is writing in {out} (pid 12345 on elsewhere) (--output_dir): let it "
+                                "end or stop it (its checkpoints stay whole), or pass another --output_dir")
+        assert sorted(p.relative_to(out) for p in out.rglob("*")) == before
+        assert_refused(check_only(out, "--recipe", "mlp", "--overwrite", "--dry_run"), "another run is writing in")
+    assert check_only(out, "--recipe", "mlp", "--overwrite", "--dry_run").returncode == 0  # released: free again
+
+
 def test_a_launch_that_starts_fewer_processes_than_asked_is_refused(run_dir):
     """On a machine without GPUs `accelerate launch --num_processes 2` with a one-process config starts one process
     and tells it nothing of the 2: without the check it trained as one process, silently."""

@@ -15,10 +15,12 @@ the previous checkpoint whole and `latest` naming a complete one.
 from __future__ import annotations
 
 import difflib
+import fcntl
 import json
 import os
 import random
 import shutil
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -234,6 +236,38 @@ def check_output_dir(output_dir: Path, resume: str | None, overwrite: bool) -> l
                         f"({', '.join(existing)})", "--output_dir",
                         "pass --overwrite to start it again, or a new --output_dir")]
     return [Problem(f"{output_dir} already holds a run ({', '.join(existing)})", "--output_dir", fix)]
+
+
+LOCK_FILE = ".trainkit.lock"
+_HELD: list[Any] = []  # the lock files this process holds: open until it ends
+
+
+def lock_output_dir(output_dir: Path, hold: bool) -> list[Problem]:
+    """One run at a time in an output folder. The launch's first process takes an exclusive lock on
+    output_dir/.trainkit.lock and keeps it until it ends (the system frees it however the process ends, so it never
+    goes stale); another run there (a second launch by mistake, or an --overwrite that would delete the first one's
+    checkpoints) is refused. hold=False (--dry_run) only tries it."""
+    path = output_dir / LOCK_FILE
+    if not (hold or path.exists()):
+        return []
+    output_dir.mkdir(parents=True, exist_ok=True)
+    file = open(path, "a+")  # held open past this function: the lock lives as long as the file
+    try:
+        fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        file.seek(0)
+        holder = file.read().strip() or "a process"
+        file.close()
+        return [Problem(f"another run is writing in {output_dir} ({holder})", "--output_dir",
+                        "let it end or stop it (its checkpoints stay whole), or pass another --output_dir")]
+    if not hold:
+        file.close()  # closing releases it
+        return []
+    file.truncate(0)
+    file.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+    file.flush()
+    _HELD.append(file)
+    return []
 
 
 def _has_latest(output_dir: Path) -> bool:

@@ -9,11 +9,12 @@ output directory) for its problems, then raises them all at once. `--dry_run` pr
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 from dataclasses import dataclass
 from typing import Any
 
-from trainkit.checkpoint import Found, check_output_dir, find_checkpoint, resume_problems
+from trainkit.checkpoint import Found, check_output_dir, find_checkpoint, lock_output_dir, resume_problems
 from trainkit.config import RunOptions, TrainConfig, build_config, config_dict, field_sources, run_flags
 from trainkit.data import global_batch_size
 from trainkit.errors import ConfigError, Problem
@@ -66,6 +67,8 @@ def make_plan(options: RunOptions, overrides: list[tuple[str, str, str]]) -> Pla
     problems += check_trackers(options.report_to)
     if not options.estimate:
         problems += check_output_dir(options.output_dir, options.resume, options.overwrite)
+    if not problems and not options.estimate and int(os.environ.get("RANK", "0")) == 0:
+        problems = lock_output_dir(options.output_dir, hold=not options.dry_run)
     if problems:
         raise ConfigError(problems)
     if cfg.warmup_steps >= cfg.max_steps:  # legitimate in a short trial, a mistake in a long run: said, not refused
