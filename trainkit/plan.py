@@ -67,8 +67,6 @@ def make_plan(options: RunOptions, overrides: list[tuple[str, str, str]]) -> Pla
     problems += check_trackers(options.report_to)
     if not options.estimate:
         problems += check_output_dir(options.output_dir, options.resume, options.overwrite)
-    if not problems and not options.estimate and int(os.environ.get("RANK", "0")) == 0:
-        problems = lock_output_dir(options.output_dir, hold=not options.dry_run)
     if problems:
         raise ConfigError(problems)
     if cfg.warmup_steps >= cfg.max_steps:  # legitimate in a short trial, a mistake in a long run: said, not refused
@@ -84,6 +82,10 @@ def make_plan(options: RunOptions, overrides: list[tuple[str, str, str]]) -> Pla
     flops = count_flops(model, recipe.tokens_per_sample(cfg))
     resolved = resolved_config(recipe, cfg, sources, launch, strategy, estimate, flops)
     if resume and (problems := resume_problems(resume, cfg, resolved, overrides)):
+        raise ConfigError(problems)
+    # last: a plan refused for anything else never takes the folder's lock (nor rewrites who holds it)
+    if not options.estimate and int(os.environ.get("RANK", "0")) == 0 and \
+            (problems := lock_output_dir(options.output_dir, hold=not options.dry_run)):
         raise ConfigError(problems)
     return Plan(options, recipe, cfg, launch, strategy, shape, estimate, resolved, resume, flops)
 
