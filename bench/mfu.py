@@ -34,14 +34,14 @@ from trainkit.compare import run_config  # noqa: E402
 from trainkit.hardware import cpu_cores, cpu_model, cpu_peak_flops, measure_matmul_peak  # noqa: E402
 
 PRESETS = ("tiny", "cpu")
-# The tries act from the process's start (OpenMP and glibc read them then), so they are the run's environment.
+# What else was tried for the `cpu` preset's goal: other shapes, and the Llama block at the preset's shape and at the
+# preset's shape before (the environment settings tried earlier are in BENCHMARKS.md's summary).
 TRIES: dict[str, tuple[list[str], dict[str, str]]] = {
-    "cpu, hidden 768, 4 layers, 12 heads": (["--hidden", "768", "--layers", "4", "--heads", "12"], {}),
-    "cpu, OMP_WAIT_POLICY=ACTIVE": ([], {"OMP_WAIT_POLICY": "ACTIVE"}),  # threads spin between operators
-    "cpu, glibc keeps freed activations": ([], {  # no page faults for each step's new activations
-        "GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=1073741824"}),
-    "cpu, threads bound to cores": ([], {"OMP_PROC_BIND": "close", "OMP_PLACES": "cores",
-                                         "OMP_NUM_THREADS": str(cpu_cores())}),  # the count given: see hardware.py
+    "cpu, hidden 1024, 16 heads": (["--hidden", "1024", "--heads", "16"], {}),
+    "cpu, hidden 640, 6 layers, 10 heads": (["--hidden", "640", "--layers", "6", "--heads", "10"], {}),
+    "cpu as Llama": (["--arch", "llama"], {}),
+    "Llama, hidden 384, 6 layers, 6 heads (the cpu preset before)": (
+        ["--arch", "llama", "--hidden", "384", "--layers", "6", "--heads", "6"], {}),
 }
 STEPS = 20
 ROUNDS = 3
@@ -107,8 +107,7 @@ def main() -> None:
                f"--max_steps {STEPS}`, one process with every core, fp32, AdamW; the median of steps "
                f"{MEDIAN_OF.start + 1}-{MEDIAN_OF.stop} of each run, and the median and range of {rounds} such runs "
                "of each row, the rows taking turns. The rows below the presets are what else was tried for the "
-               "`cpu` preset's goal: a wider shape (`--hidden 768 --layers 4 --heads 12`) and three settings of the "
-               "process's environment (bench/mfu.py's TRIES says which variables). Load average (1 min) when it "
+               "`cpu` preset's goal (bench/mfu.py's TRIES: the flags after `--size cpu`). Load average (1 min) when it "
                f"started: {load:.1f}.\n\n"
                + table + "\n\n" + chart + "\n\n"
                "FLOPs per token as nanoGPT and PaLM count them: 6 N + 12 x layers x hidden x seq_len (attention), "

@@ -5,8 +5,8 @@ downloaded), with a byte-level BPE tokenizer trained on the corpus and saved wit
 Data: CPython's pydoc topics (about 465k characters of English reference text) by default; `--data` takes local
 .txt/.jsonl/.csv files (comma-separated; `--text_field` names the column) or a Hugging Face dataset name
 (`--data_config` its configuration).
-Sizes: `--size tiny` (the default, 1.2M parameters: the tests'), `--size cpu` (14.6M: keeps a CPU's cores busy),
-`--size gpt2-small` (124M, for GPUs); any flag after it sets its own field (`--size cpu --layers 2`).
+Sizes: `--size tiny` (the default, 1.2M parameters: the tests'), `--size cpu` (GPT-2's block, 29M: keeps a CPU's
+cores busy), `--size gpt2-small` (124M, for GPUs); any flag after it sets its own field (`--size cpu --layers 2`).
 Output: `final/` loads with AutoModelForCausalLM / AutoTokenizer.from_pretrained.
 
 To make your own language model, copy this file and change `Config` (sizes, data) and `build_model`
@@ -61,9 +61,11 @@ class Config(TrainConfig):
 
     presets: ClassVar[dict[str, dict[str, Any]]] = {
         "tiny": {},
-        # Wide enough that the matmuls, not the framework around them, take a CPU's time: measured MFU in
-        # BENCHMARKS.md (bench/mfu.py).
-        "cpu": {"hidden": 384, "layers": 6, "heads": 6},
+        # Wide enough that the matmuls, not the framework around them, take a CPU's time, and GPT-2's block, whose
+        # LayerNorm and GELU are one fused kernel each (Llama's RMSNorm, rotary embedding and gated MLP take several
+        # elementwise passes each): measured MFU in BENCHMARKS.md (bench/mfu.py). At the default lr 3e-3 this
+        # width spikes and stalls near the unigram loss in its first 30 steps; at 1e-3 it learns steadily.
+        "cpu": {"arch": "gpt2", "hidden": 768, "layers": 4, "heads": 12, "lr": 1e-3},
         # GPT-2 small (124M parameters; for GPUs). On the built-in corpus the BPE stops near 9.2k tokens: the other
         # embedding rows are never used, as in nanoGPT's vocabulary padded to 50304. 1024-token blocks leave that
         # corpus about 100 blocks; a fifth is held out, so that a global batch of 16 fits in it.
@@ -106,8 +108,11 @@ def build_model(cfg: Config) -> torch.nn.Module:
                              attention_dropout=cfg.dropout, tie_word_embeddings=cfg.tie_embeddings, **special)
         model = LlamaForCausalLM(config)
     else:
+        # GPT-2's tanh-approximated GELU as torch's one fused kernel: the same function as GPT2Config's default
+        # "gelu_new", which computes it in eight elementwise passes over the 4 x hidden activations.
         config = GPT2Config(vocab_size=cfg.vocab_size, n_embd=cfg.hidden, n_layer=cfg.layers, n_head=cfg.heads,
-                            n_inner=cfg.ffn or None, n_positions=cfg.seq_len, resid_pdrop=cfg.dropout,
+                            n_inner=cfg.ffn or None, activation_function="gelu_pytorch_tanh",
+                            n_positions=cfg.seq_len, resid_pdrop=cfg.dropout,
                             embd_pdrop=cfg.dropout, attn_pdrop=cfg.dropout, tie_word_embeddings=cfg.tie_embeddings,
                             **special)
         model = GPT2LMHeadModel(config)

@@ -157,14 +157,15 @@ def test_omp_proc_bind_is_named_with_the_fix(run_dir):
 
 def test_size_presets_under_explicit_flags():
     cfg = config("--size", "cpu", "--layers", "2")
-    assert (cfg.size, cfg.hidden, cfg.heads, cfg.layers) == ("cpu", 384, 6, 2)
+    assert (cfg.size, cfg.arch, cfg.hidden, cfg.heads, cfg.layers) == ("cpu", "gpt2", 768, 12, 2)
     sources = field_sources(cfg, [("size", "cpu", "--size"), ("layers", "2", "--layers")])
-    assert (sources["hidden"], sources["layers"], sources["lr"]) == ("size cpu", "--layers", "recipe default")
+    assert (sources["hidden"], sources["lr"], sources["layers"], sources["seq_len"]) == \
+        ("size cpu", "size cpu", "--layers", "recipe default")
     default = config()
     assert default.size == "tiny" and config_dict(default) == config_dict(load_recipe("tiny_transformer").Config())
     # a resumed run's values sit above the preset: --size must not reset what the checkpoint restored
     restored = build_config(type(cfg), [], restored={"size": "cpu", "layers": 2})
-    assert (restored.hidden, restored.layers) == (384, 2)
+    assert (restored.hidden, restored.layers) == (768, 2)
 
 
 def test_unknown_size_is_refused_with_the_names(check_only, tmp_path):
