@@ -95,6 +95,25 @@ def test_peak_flops_flag_overrides_and_bf16_selects_the_bf16_peak(tmp_path, monk
     assert hardware.device_peak_flops(cpu, "bf16", None, tmp_path).flops == 5e10 and measured == [torch.bfloat16]
 
 
+def test_what_py_cpuinfo_says_is_asked_once_per_boot(tmp_path, monkeypatch):
+    """DeepSpeed's CPU Adam asks py-cpuinfo three times per process, each a second of new processes: after the first
+    answer on a boot, the cache answers (another boot asks again; a failed probe's empty answer is not kept)."""
+    import cpuinfo
+
+    answers = [{}, {"vendor_id_raw": "AuthenticAMD", "flags": ["avx512f"]}, {"vendor_id_raw": "GenuineIntel"}]
+    asked = []
+    monkeypatch.setattr(cpuinfo, "get_cpu_info", lambda: asked.append(1) or answers[len(asked) - 1])
+    monkeypatch.setattr(hardware, "_boot_id", lambda: "boot-1")
+    hardware.remember_cpu_info(tmp_path)
+    assert cpuinfo.get_cpu_info() == {} and not (tmp_path / hardware.CPU_INFO_FILE).exists()
+    assert [cpuinfo.get_cpu_info() for _ in range(3)] == [answers[1]] * 3 and len(asked) == 2
+    hardware.remember_cpu_info(tmp_path)  # installed again (a second run in one process): not wrapped twice
+    assert cpuinfo.get_cpu_info() == answers[1] and len(asked) == 2
+    monkeypatch.setattr(hardware, "_boot_id", lambda: "boot-2")
+    hardware.remember_cpu_info(tmp_path)
+    assert cpuinfo.get_cpu_info() == answers[2] and cpuinfo.get_cpu_info() == answers[2] and len(asked) == 3
+
+
 def test_a_real_matmul_peak_is_positive_and_quick():
     assert hardware.measure_matmul_peak(torch.float32) > 1e8
 

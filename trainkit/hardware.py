@@ -19,6 +19,7 @@ and the cache keeps the best; every later run reads it. `--peak_flops` overrides
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
@@ -38,6 +39,7 @@ THREADS_ENV = "TRAINKIT_CPU_THREADS"
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "V100": 125e12}
 
 CACHE_FILE = "cpu_peak_flops.json"
+CPU_INFO_FILE = "cpu_info.json"  # py-cpuinfo's answer, per boot: remember_cpu_info
 MATMUL_SIZES = (256, 512, 1024, 2048)  # square sizes tried, smallest first
 SECONDS_PER_SIZE = 0.25  # repetitions of one size, after a warm-up product
 PEAK_MEASUREMENTS = 3  # runs that measure a CPU's peak, at different times; the best counts
@@ -177,10 +179,7 @@ def cpu_peak_flops(dtype: torch.dtype, cache_dir: Path, may_measure: bool = True
     entry = _peak_entry(cache, key) or {"flops": 0.0, "measurements": 0}
     cache[key] = {"flops": max(flops, entry["flops"]), "measurements": entry["measurements"] + 1,
                   "measured": time.strftime("%Y-%m-%d %H:%M:%S")}
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(cache, indent=2) + "\n")
-    tmp.replace(path)
+    _write_cache(path, cache)
     return cache[key]["flops"], True
 
 
@@ -200,6 +199,49 @@ def _read_cache(path: Path) -> dict:
     except (OSError, ValueError):  # absent, or damaged by hand: measure again
         return {}
     return data if isinstance(data, dict) else {}
+
+
+def _write_cache(path: Path, data: dict) -> None:
+    """Under a temporary name, then renamed: a reader never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    tmp.replace(path)
+
+
+def remember_cpu_info(cache_dir: Path) -> None:
+    """From here on, py-cpuinfo's `get_cpu_info` answers from cache_dir after its first answer on this boot.
+
+    DeepSpeed's CPU Adam (the ZeRO-Offload configs) asks it three times in every process (deepspeed/ops/adam/
+    cpu_adam.py, then its op builder's cpu_arch and simd_width), and py-cpuinfo answers each time from new Python
+    processes that probe CPUID and time the clock for a second: about 5 s of each offload launch on 2 cores. What
+    DeepSpeed reads (vendor, architecture, SIMD flags) cannot change while the machine runs, so the answer is kept with
+    the boot's id: after a reboot, or on another machine that shares the cache, it is asked again."""
+    try:
+        import cpuinfo
+    except ImportError:  # DeepSpeed's op builder then reads lscpu itself
+        return
+    ask = getattr(cpuinfo.get_cpu_info, "__wrapped__", cpuinfo.get_cpu_info)
+    path, boot = cache_dir / CPU_INFO_FILE, _boot_id()
+
+    @functools.wraps(ask)
+    def get_cpu_info() -> dict:
+        cached = _read_cache(path)
+        if boot and cached.get("boot_id") == boot and isinstance(cached.get("info"), dict):
+            return cached["info"]
+        info = ask()
+        if boot and info:  # py-cpuinfo answers {} when its probe failed: ask again next time
+            _write_cache(path, {"boot_id": boot, "info": info})
+        return info
+
+    cpuinfo.get_cpu_info = get_cpu_info
+
+
+def _boot_id() -> str | None:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()  # Linux
+    except OSError:
+        return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,8 +285,10 @@ class Compute:
     @classmethod
     def set_up(cls, accelerator, mixed_precision: str, override: float | None, cache_dir: Path) -> Compute:
         """Set this process's CPU threads, then find its device's peak; on a CPU one process per machine measures
-        it (with its own threads: every process of a launch gets the same count) and the others read the cache."""
+        it (with its own threads: every process of a launch gets the same count) and the others read the cache.
+        What py-cpuinfo says of the CPU is cached there too (remember_cpu_info)."""
         threads = use_cpu_threads()
+        remember_cpu_info(cache_dir)
         with accelerator.local_main_process_first():
             peak = device_peak_flops(accelerator.device, mixed_precision, override, cache_dir,
                                      accelerator.is_local_main_process)
