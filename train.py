@@ -58,6 +58,11 @@ def main(argv: list[str] | None = None) -> int:
         return finish(plan, run, loop(plan, run))
     except (ConfigError, TrainingError) as e:
         return refuse(e)
+    except KeyboardInterrupt:  # Ctrl-C while planning or building (from the first step on, StopSignal takes it):
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # every process of the machine got it; its first one says so
+            print("error: interrupted (Ctrl-C) before the first step of this launch: nothing was trained and no "
+                  "checkpoint changed: run the same command again", file=sys.stderr)
+        return 1
     except Exception as e:
         error = lost_contact(e) or out_of_memory(e) or failure_in_user_code(e)
         if error is None or os.environ.get("TRAINKIT_TRACEBACK"):

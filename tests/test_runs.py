@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_model
 
-from conftest import ROOT, assert_refused, launch, max_rel_diff
+from conftest import ROOT, TEST_ENV, assert_refused, launch, max_rel_diff
 from trainkit.compare import run_config
 from trainkit.recipes import load_recipe
 
@@ -125,6 +126,25 @@ def test_a_second_run_in_a_folder_a_run_is_writing_is_refused(check_only, run_di
         assert sorted(p.relative_to(out) for p in out.rglob("*")) == before
         assert_refused(check_only(out, "--recipe", "mlp", "--overwrite", "--dry_run"), "another run is writing in")
     assert check_only(out, "--recipe", "mlp", "--overwrite", "--dry_run").returncode == 0  # released: free again
+
+
+def test_ctrl_c_before_the_first_step_ends_with_a_line_not_a_traceback(tmp_path):
+    """Ctrl-C while the run is still setting up (here: the recipe's data takes its time) has no step boundary to
+    stop at: the run says so and how to go on, with no traceback."""
+    recipe = tmp_path / "slow_data.py"
+    recipe.write_text((ROOT / "recipes" / "mlp.py").read_text().replace(
+        "def build_datasets(cfg: Config, cache_dir: Path):\n",
+        "def build_datasets(cfg: Config, cache_dir: Path):\n    print('preparing data', flush=True)\n"
+        "    __import__('time').sleep(60)\n"))
+    proc = subprocess.Popen([sys.executable, "train.py", "--recipe", str(recipe), "--output_dir", str(tmp_path / "out"),
+                             "--report_to", "none"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, **TEST_ENV})
+    assert proc.stdout.readline() == "preparing data\n"
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1 and "Traceback" not in err, err
+    assert "error: interrupted (Ctrl-C) before the first step of this launch: nothing was trained and no checkpoint " \
+           "changed: run the same command again" in err
 
 
 def test_a_launch_that_starts_fewer_processes_than_asked_is_refused(run_dir):
