@@ -128,6 +128,7 @@ def test_a_second_run_in_a_folder_a_run_is_writing_is_refused(check_only, run_di
     assert check_only(out, "--recipe", "mlp", "--overwrite", "--dry_run").returncode == 0  # released: free again
 
 
+@pytest.mark.slow
 def test_ctrl_c_before_the_first_step_ends_with_a_line_not_a_traceback(tmp_path):
     """Ctrl-C while the run is still setting up (here: the recipe's data takes its time) has no step boundary to
     stop at: the run says so and how to go on, with no traceback."""
