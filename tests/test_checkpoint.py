@@ -235,6 +235,7 @@ def test_a_full_disk_stops_the_run_with_the_intact_checkpoint_named(small_disk):
     assert not list((out / "checkpoints").glob("*.tmp")) and "Traceback" not in run.stderr
 
 
+@pytest.mark.slow
 def test_resume_takes_the_runs_settings_from_the_checkpoint(check_only, run_dir):
     """The README's resume command names no model flags: the checkpoint's settings come back. A flag that would
     change what is trained is refused naming it; the schedule's length may change by design."""

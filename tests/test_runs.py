@@ -157,6 +157,7 @@ def test_a_launch_that_starts_fewer_processes_than_asked_is_refused(run_dir):
     assert not run.output_dir.exists()
 
 
+@pytest.mark.slow
 def test_existing_run_is_not_overwritten(check_only, run_dir):
     out = run_dir("out")
     launch(out, "--recipe", "mlp", "--max_steps", "3").check()
