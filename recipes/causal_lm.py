@@ -149,7 +149,8 @@ def build_datasets(cfg: Config, cache_dir: Path):
 def _per_sample(model: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """Each sample's mean next-token loss over its real tokens, and its share of correctly predicted tokens."""
     ids, mask = batch["input_ids"], batch["attention_mask"]
-    logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
+    # No KV cache: in training it would only copy every layer's keys and values (generate() still uses one).
+    logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, :-1].float()
     targets = ids[:, 1:]
     real = mask[:, 1:].bool()
     token_loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),

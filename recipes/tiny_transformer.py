@@ -204,7 +204,8 @@ def build_datasets(cfg: Config, cache_dir: Path):
 
 
 def loss(model: torch.nn.Module, batch: dict) -> torch.Tensor:
-    return model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
+    # No KV cache: in training it would only copy every layer's keys and values (generate() still uses one).
+    return model(input_ids=batch["input_ids"], labels=batch["input_ids"], use_cache=False).loss
 
 
 def tokens_per_sample(cfg: Config) -> int:
