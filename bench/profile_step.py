@@ -80,7 +80,8 @@ def main() -> None:
                f"the products' 6 N ({attention:.3f} here). This run's MFU (median of steps 3-{STEPS - 1}, under "
                f"the profiler) was {mfu:.1%}, so the products ran at **{efficiency:.0%}** of the peak; were every "
                f"product at the peak and the rest unchanged, MFU would reach **{ceiling:.1%}**: the ceiling of this "
-               "shape on this machine.\n"
+               "shape on this machine as this profile counts it (the weights' initialisation and the export among the "
+               "rest; the steps alone leave the products a larger share).\n"
                f"{END}")
     replace_section(section, START, END)
 
