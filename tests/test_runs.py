@@ -139,7 +139,10 @@ def test_ctrl_c_before_the_first_step_ends_with_a_line_not_a_traceback(tmp_path)
         "    __import__('time').sleep(60)\n"))
     proc = subprocess.Popen([sys.executable, "train.py", "--recipe", str(recipe), "--output_dir", str(tmp_path / "out"),
                              "--report_to", "none"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, **TEST_ENV})
+                            text=True, env={**os.environ, **TEST_ENV},
+                            # as a terminal's foreground process has it: pytest started as a shell's background job
+                            # (`pytest &`) passes SIGINT on ignored, and Python then never raises KeyboardInterrupt
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert proc.stdout.readline() == "preparing data\n"
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
