@@ -21,7 +21,7 @@ import os
 import torch
 from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs, set_seed
-from common import StepClock, arguments, param_groups, recipe_setup, what_ran, write_report
+from common import StepClock, arguments, build_model, param_groups, recipe_setup, what_ran, write_report
 from torch.utils.data import DataLoader
 from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
@@ -36,7 +36,7 @@ def main() -> None:
     accelerator = Accelerator(cpu=args.cpu, gradient_accumulation_steps=args.grad_accum, kwargs_handlers=handlers)
     recipe, cfg, train_set = recipe_setup(args)
     set_seed(cfg.seed)
-    model = recipe.build_model(cfg)
+    model = build_model(recipe, cfg)
     optimizer = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr)
     scheduler = get_cosine_with_min_lr_schedule_with_warmup(optimizer, cfg.warmup_steps, cfg.max_steps,
                                                             min_lr_rate=cfg.min_lr_ratio)

@@ -49,6 +49,14 @@ def recipe_setup(args: argparse.Namespace):
     return recipe, cfg, train_set
 
 
+def build_model(recipe, cfg) -> torch.nn.Module:
+    """The recipe's model with its KV cache off, as the recipe's own loss asks (`use_cache=False`): every tool does
+    the same work per step. Set on the config, since the Trainer calls the model with the batch alone."""
+    model = recipe.build_model(cfg)
+    model.config.use_cache = False
+    return model
+
+
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """Weight decay on matrices only, as trainkit/optim.py (and the Trainer, for this model: no biases, 1-d norms)."""
     params = [p for p in model.parameters() if p.requires_grad]

@@ -19,7 +19,7 @@ import tempfile
 
 import torch
 from accelerate import PartialState
-from common import ROOT, StepClock, arguments, recipe_setup, what_ran, write_report
+from common import ROOT, StepClock, arguments, build_model, recipe_setup, what_ran, write_report
 from transformers import Trainer, TrainerCallback, TrainingArguments, set_seed
 
 from trainkit.strategies.deepspeed_config import fill_bucket_sizes
@@ -50,7 +50,7 @@ def main() -> None:
     recipe, cfg, train_set = recipe_setup(args)
     deepspeed = args.strategy in DEEPSPEED_JSON
     set_seed(cfg.seed)
-    model = recipe.build_model(cfg)
+    model = build_model(recipe, cfg)
     ds_config = None
     if deepspeed:
         # The Trainer fills "auto" batch sizes, accumulation, clipping, precision and ZeRO-3's bucket sizes itself, but

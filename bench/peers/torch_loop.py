@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 from accelerate.utils import set_seed
-from common import StepClock, arguments, param_groups, recipe_setup, what_ran, write_report
+from common import StepClock, arguments, build_model, param_groups, recipe_setup, what_ran, write_report
 from torch.utils.data import DataLoader
 from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
@@ -19,7 +19,7 @@ def main() -> None:
     args = arguments(__doc__).parse_args()
     recipe, cfg, train_set = recipe_setup(args)
     set_seed(cfg.seed)
-    model = recipe.build_model(cfg)
+    model = build_model(recipe, cfg)
     optimizer = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr)
     scheduler = get_cosine_with_min_lr_schedule_with_warmup(optimizer, cfg.warmup_steps, cfg.max_steps,
                                                             min_lr_rate=cfg.min_lr_ratio)
