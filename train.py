@@ -21,7 +21,7 @@ from typing import Any
 
 from accelerate.utils import set_seed
 
-from trainkit.checkpoint import Checkpointer, clear_outputs, export_final
+from trainkit.checkpoint import Checkpointer, check_folder_shared, clear_outputs, export_final
 from trainkit.config import parse_command_line
 from trainkit.data import BatchLayout, TrainStream, eval_batches
 from trainkit.errors import ConfigError, Problem, TrainingError, failure_in_user_code, out_of_memory
@@ -111,6 +111,7 @@ def build(plan: Plan) -> Run:
             clear_outputs(options.output_dir)
         options.output_dir.mkdir(parents=True, exist_ok=True)
         (options.output_dir / "resolved_config.json").write_text(json.dumps(plan.resolved, indent=2) + "\n")
+    check_folder_shared(options.output_dir)  # a folder local to each machine would fail only at the first save
     accelerator.init_trackers("train", config={k: v for k, v in plan.resolved.items()
                                                if isinstance(v, (int, float, str))})
     with accelerator.local_main_process_first():  # one process per machine builds the data caches

@@ -254,6 +254,23 @@ def test_resume_takes_the_runs_settings_from_the_checkpoint(check_only, run_dir)
     assert longer.returncode == 0 and json.loads(longer.stdout)["max_steps"] == 12
 
 
+@pytest.mark.slow
+def test_a_resumed_launch_keeps_saving_as_the_run_was_started_to(run_dir):
+    """A preempted job restarted with --resume latest alone keeps its --save_every and --keep_last (and trackers):
+    it goes on writing (and pruning) checkpoints instead of running unprotected to the end."""
+    out = run_dir("out")
+    args = ["--recipe", "mlp", "--max_steps", "20", "--eval_every", "0", "--batch_size", "8"]
+    launch(out, *args, "--save_every", "5", "--keep_last", "2", "--stop_at", "10", config="ddp").check()
+    resumed = launch(out, "--recipe", "mlp", "--resume", "latest", config="ddp").check()
+    assert "note: run options from the checkpoint: --save_every 5, --keep_last 2 (a flag" in resumed.stderr
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step_15", "step_20"]
+    assert resumed.resolved["save_every"] == 5 and resumed.resolved["sources"]["keep_last"].startswith("checkpoint ")
+    again = launch(out, "--recipe", "mlp", "--resume", "latest", "--max_steps", "30", "--save_every", "0",
+                   config="ddp").check()
+    assert "--save_every" not in again.stderr.split("run options from the checkpoint:")[-1].splitlines()[0]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step_15", "step_20"]
+
+
 @pytest.mark.parametrize("resume, message", [
     ("lastest", "lastest is not a complete checkpoint (no trainer_state.json) (--resume lastest): did you mean "
                 "--resume latest?"),

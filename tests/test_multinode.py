@@ -67,11 +67,13 @@ class Machine:
         return len(path.read_text().splitlines()) if path.exists() else 0
 
 
-def two_machines(tmp_path: Path, args: list[str], env: dict | None = None) -> tuple[Machine, Machine]:
-    """Machine ranks 0 and 1, one process each, rendezvous on 127.0.0.1; each with its own output directory, as
-    machines without a shared filesystem would have."""
+def two_machines(tmp_path: Path, args: list[str], env: dict | None = None,
+                 shared: bool = True) -> tuple[Machine, Machine]:
+    """Machine ranks 0 and 1, one process each, rendezvous on 127.0.0.1; one output folder that both see, as on a
+    cluster's shared file system, or (shared=False) each its own, as machines without one would have."""
     port = free_port()
-    return (Machine(0, port, tmp_path / "out0", args, env), Machine(1, port, tmp_path / "out1", args, env))
+    return (Machine(0, port, tmp_path / "out0", args, env),
+            Machine(1, port, tmp_path / ("out0" if shared else "out1"), args, env))
 
 
 @pytest.fixture(scope="module")
@@ -101,9 +103,27 @@ def test_two_machine_launches_match_one_ddp_launch(ddp_reference, tmp_path):
     diff = max_rel_diff(first.losses, ddp_reference.losses)
     print(f"\nmultinode.yaml, 2 machines x 1 process vs ddp.yaml 2 processes: max relative loss difference {diff:.2e}")
     assert diff <= 1e-5
-    # only rank 0 (machine 0) writes what the ranks share
+    # only rank 0 (machine 0) writes what the ranks share: one line per step, not two
     assert (first.output_dir / "final").is_dir()
-    assert not (second.output_dir / "metrics.jsonl").exists() and not (second.output_dir / "final").exists()
+    assert len((first.output_dir / "metrics.jsonl").read_text().splitlines()) == 15
+
+
+@pytest.mark.slow
+def test_machines_that_do_not_share_the_output_folder_are_refused_at_start(tmp_path):
+    """Each machine launched with the same relative-looking --output_dir on its own disk: refused before the first
+    step, by every rank alike, naming who cannot see the folder and the fix, not at the first save as a full disk."""
+    machines = two_machines(tmp_path, [*MLP, "--save_every", "5"], shared=False)
+    try:
+        first, second = (m.wait(timeout=100) for m in machines)
+    finally:
+        for m in machines:
+            kill_tree(m.proc)
+    for run in (first, second):
+        assert run.returncode != 0, run.stderr[-2000:]
+        assert re.search(r"error: rank 1 on \S+ cannot see \S+ as rank 0 on \S+ writes it .*\(--output_dir\): "
+                         r"pass an --output_dir on a file system that every machine mounts at the same path",
+                         run.stderr), run.stderr[-3000:]
+    assert not (tmp_path / "out0" / "metrics.jsonl").exists() and not (tmp_path / "out1" / "checkpoints").exists()
 
 
 def start_long_run(tmp_path: Path, env: dict | None = None) -> tuple[Machine, Machine]:

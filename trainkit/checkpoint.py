@@ -270,6 +270,34 @@ def lock_output_dir(output_dir: Path, hold: bool) -> list[Problem]:
     return []
 
 
+def check_folder_shared(output_dir: Path) -> None:
+    """Every rank must see the output folder that rank 0 writes: each writes its own checkpoint shards there, and rank
+    0 renames the whole. On machines that do not share it, the first save would fail (as a full disk, and only
+    then). Rank 0's lock file (lock_output_dir) is the marker: the others read it and compare it with what rank 0
+    wrote there, passed to them in one collective; every rank then refuses alike, naming the ranks that see another
+    folder."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    path = output_dir / LOCK_FILE
+    written = [path.read_text() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(written, src=0)
+    try:
+        seen = path.read_text() == written[0]
+    except OSError:
+        seen = False
+    ranks: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, (seen, socket.gethostname()))
+    blind = [f"rank {r} on {host}" for r, (ok, host) in enumerate(ranks) if not ok]
+    if blind:
+        raise ConfigError([Problem(
+            f"{', '.join(blind)} cannot see {output_dir} as rank 0 on {ranks[0][1]} writes it (its "
+            f"{LOCK_FILE} is missing or another there)", "--output_dir",
+            "pass an --output_dir on a file system that every machine mounts at the same path (NFS, Lustre, a "
+            "cluster's shared home): every rank writes its part of each checkpoint there")])
+
+
 def _has_latest(output_dir: Path) -> bool:
     return (output_dir / "checkpoints" / "latest").is_file()
 

@@ -213,6 +213,13 @@ class RunOptions:
     device_memory: int | None  # bytes
     num_processes: int | None
     precision: str | None  # --estimate's: no | bf16 | fp16 (Accelerate's names); None: the launch's
+    given: frozenset[str] = frozenset()  # the RESUMED_OPTIONS that the command line set (the others may be restored)
+
+
+# Run options that a resumed run keeps from its checkpoint unless the command line sets them anew: a preempted job
+# restarted with `--resume latest` alone goes on saving (and pruning, and reporting) as the run was started to.
+RESUMED_OPTIONS = ("save_every", "keep_last", "report_to")
+DEFAULTS = {"save_every": 0, "keep_last": 0, "report_to": "tensorboard"}
 
 
 def parse_command_line(argv: list[str] | None = None) -> tuple[RunOptions, list[tuple[str, str, str]]]:
@@ -232,14 +239,16 @@ def parse_command_line(argv: list[str] | None = None) -> tuple[RunOptions, list[
     parser.add_argument("--overwrite", action="store_true", help="replace the outputs of an earlier run there")
     parser.add_argument("--dry_run", action="store_true", help="validate, print the resolved config, train nothing")
     parser.add_argument("--accelerate_config", help="with --dry_run outside a launcher: the Accelerate YAML to check")
-    parser.add_argument("--report_to", default="tensorboard",
-                        help="comma-separated Accelerate trackers: tensorboard, wandb, mlflow, trackio, or none")
+    parser.add_argument("--report_to", help="comma-separated Accelerate trackers: tensorboard (default), wandb, "
+                        "mlflow, trackio, or none")
     parser.add_argument("--peak_flops", type=float, help="device peak FLOP/s for MFU (known GPUs need nothing)")
     parser.add_argument("--cache_dir", type=Path, default=Path(os.environ.get("TRAINKIT_CACHE",
                                                                               Path.home() / ".cache" / "trainkit")),
                         help="tokenizers and tokenised data (default: $TRAINKIT_CACHE or ~/.cache/trainkit)")
-    parser.add_argument("--save_every", type=int, default=0, help="checkpoint every N optimizer steps (0: never)")
-    parser.add_argument("--keep_last", type=int, default=0, help="keep only the newest K checkpoints (0: all)")
+    parser.add_argument("--save_every", type=int, help="checkpoint every N optimizer steps (0, the default: never; "
+                        "a resumed run keeps its checkpoint's)")
+    parser.add_argument("--keep_last", type=int, help="keep only the newest K checkpoints (0, the default: all; a "
+                        "resumed run keeps its checkpoint's)")
     parser.add_argument("--resume", help="continue from a checkpoint: latest (in --output_dir) or a step_<N> path")
     parser.add_argument("--stop_at", type=int, help="end after optimizer step N with a checkpoint there; the "
                         "schedule and data order still follow --max_steps (staged runs)")
@@ -275,14 +284,16 @@ def parse_command_line(argv: list[str] | None = None) -> tuple[RunOptions, list[
         overrides.append((name, value, flag if sep else f"--{name}"))
         i += 1
 
-    report_to = [t for t in args.report_to.split(",") if t and t != "none"]
+    given = frozenset(name for name in RESUMED_OPTIONS if getattr(args, name) is not None)
+    chosen = {name: DEFAULTS[name] if getattr(args, name) is None else getattr(args, name)
+              for name in RESUMED_OPTIONS}
     options = RunOptions(recipe=args.recipe, output_dir=args.output_dir or Path("runs") / Path(args.recipe).stem,
                          overwrite=args.overwrite, dry_run=args.dry_run, accelerate_config=args.accelerate_config,
-                         report_to=report_to, peak_flops=args.peak_flops, cache_dir=args.cache_dir,
-                         save_every=args.save_every, keep_last=args.keep_last, resume=args.resume,
-                         stop_at=args.stop_at, estimate=args.estimate, device_memory=None,
+                         report_to=trackers(chosen["report_to"]), peak_flops=args.peak_flops,
+                         cache_dir=args.cache_dir, save_every=chosen["save_every"], keep_last=chosen["keep_last"],
+                         resume=args.resume, stop_at=args.stop_at, estimate=args.estimate, device_memory=None,
                          num_processes=args.num_processes,
-                         precision={"fp32": "no"}.get(args.precision, args.precision))
+                         precision={"fp32": "no"}.get(args.precision, args.precision), given=given)
     if args.device_memory:
         try:
             options.device_memory = parse_bytes(args.device_memory)
@@ -299,6 +310,26 @@ def parse_command_line(argv: list[str] | None = None) -> tuple[RunOptions, list[
     if options.stop_at is not None and options.stop_at < 1:
         parser.error(f"--stop_at must be >= 1, got {options.stop_at}")
     return options, overrides
+
+
+def trackers(report_to: str) -> list[str]:
+    """--report_to's comma-separated names; none (or nothing) is no tracker."""
+    return [t for t in report_to.split(",") if t and t != "none"]
+
+
+def run_option_values(options: RunOptions) -> dict[str, Any]:
+    """The RESUMED_OPTIONS as resolved_config.json holds them (report_to as its command-line text)."""
+    return {"save_every": options.save_every, "keep_last": options.keep_last,
+            "report_to": ",".join(options.report_to) or "none"}
+
+
+def restore_run_options(options: RunOptions, saved: Mapping[str, Any]) -> tuple[RunOptions, list[str]]:
+    """A resumed run's options: each of RESUMED_OPTIONS that the command line left out comes from the checkpoint's
+    resolved config (a checkpoint written before they were saved keeps the defaults). Returns the options and the
+    names restored."""
+    restored = [name for name in RESUMED_OPTIONS if name not in options.given and name in saved]
+    values = {name: trackers(saved[name]) if name == "report_to" else saved[name] for name in restored}
+    return dataclasses.replace(options, **values), restored
 
 
 def _underscores(arg: str) -> str:

@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from trainkit.errors import Problem
-from trainkit.launch import Launch
+from trainkit.launch import Launch, read_yaml
 
 
 def check_hosts(launch: Launch, timeout_s: float = 5.0) -> list[Problem]:
@@ -223,6 +223,22 @@ def environment_note(launch: Launch) -> str | None:
     return (f"this shell holds {', '.join(names)}: `accelerate launch` with {launch.source} would write them into "
             f"./.deepspeed_env and onto every host's command line; launch with `python -m trainkit.hosts "
             f"--config_file {launch.source} train.py ...`, which sends only the variables trainkit/hosts.py allows")
+
+
+def rendezvous_note(launch: Launch) -> str | None:
+    """For --dry_run of a one-launch-per-machine YAML (multinode.yaml): what each machine's launch waits for before
+    train.py starts. torchrun's agent, not train.py, does that wait, and says nothing while it waits: a machine 0
+    whose partners never come printed nothing for 15 minutes here, then `DistStoreError: ... 1/2 clients joined`."""
+    if launch.num_machines < 2 or launch.settings.get("deepspeed_hostfile") or not launch.source.endswith(
+            (".yaml", ".yml")):
+        return None
+    data = read_yaml(launch.source)
+    where = f"{data.get('main_process_ip', '<main_process_ip>')}:{data.get('main_process_port', 29500)}"
+    return (f"each machine's `accelerate launch` waits for all {launch.num_machines} machines at {where} (the YAML's "
+            f"main_process_ip:main_process_port, unless the launch's flags set others) before "
+            f"train.py starts, silently, and gives up after torchrun's rendezvous timeout (600 s for "
+            f"rdzv_backend static; `accelerate launch --rdzv_conf timeout=SECONDS ...` sets another): start every "
+            f"machine's launch, each with its own --machine_rank")
 
 
 def main(argv: list[str] | None = None) -> int:

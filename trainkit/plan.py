@@ -15,11 +15,20 @@ from dataclasses import dataclass
 from typing import Any
 
 from trainkit.checkpoint import Found, check_output_dir, find_checkpoint, lock_output_dir, resume_problems
-from trainkit.config import RunOptions, TrainConfig, build_config, config_dict, field_sources, run_flags
+from trainkit.config import (
+    RunOptions,
+    TrainConfig,
+    build_config,
+    config_dict,
+    field_sources,
+    restore_run_options,
+    run_flags,
+    run_option_values,
+)
 from trainkit.data import global_batch_size
 from trainkit.errors import ConfigError, Problem
 from trainkit.estimate import Estimate, ModelShape, meta_model, model_shape, report, run_activations
-from trainkit.hosts import check_hosts, environment_note
+from trainkit.hosts import check_hosts, environment_note, rendezvous_note
 from trainkit.launch import Launch, check_machine, check_yaml
 from trainkit.metrics import FlopCount, check_trackers, count_flops
 from trainkit.recipes import Recipe, load_recipe
@@ -47,8 +56,11 @@ def make_plan(options: RunOptions, overrides: list[tuple[str, str, str]]) -> Pla
     recipe = load_recipe(options.recipe)
     resume = find_checkpoint(options.output_dir, options.resume) if options.resume and not options.estimate else None
     saved = resume.state["resolved_config"] if resume else {}  # --resume continues the checkpoint's settings
+    options, restored = restore_run_options(options, saved)
     cfg = build_config(recipe.Config, overrides, restored=saved, flags=run_flags())
     sources = field_sources(cfg, overrides, saved, f"checkpoint {resume.path}" if resume else "")
+    sources.update({name: f"--{name}" if name in options.given else f"checkpoint {resume.path}"
+                    if resume and name in restored else "default" for name in run_option_values(options)})
     problems: list[Problem] = []
     if options.accelerate_config:
         problems += check_yaml(options.accelerate_config)
@@ -62,7 +74,7 @@ def make_plan(options: RunOptions, overrides: list[tuple[str, str, str]]) -> Pla
     problems += check_machine(launch) + strategy.check()
     if options.dry_run:  # a hostfile launch: every host answers over ssh, the slots add up, no secret travels
         problems += check_hosts(launch)
-        if note := environment_note(launch):
+        for note in filter(None, (environment_note(launch), rendezvous_note(launch))):
             print(f"note: {note}", file=sys.stderr)  # now: it matters whether or not the launch has problems
     problems += check_trackers(options.report_to)
     if not options.estimate:
@@ -80,7 +92,10 @@ def make_plan(options: RunOptions, overrides: list[tuple[str, str, str]]) -> Pla
     activations = run_activations(shape, cfg, launch.mixed_precision)
     estimate = strategy.estimate(shape, options.num_processes or launch.world_size, activations)
     flops = count_flops(model, recipe.tokens_per_sample(cfg))
-    resolved = resolved_config(recipe, cfg, sources, launch, strategy, estimate, flops)
+    resolved = resolved_config(recipe, cfg, sources, launch, strategy, estimate, flops, run_option_values(options))
+    if restored:  # said on screen: a resumed run that saves (or not) as its first launch did is no surprise
+        strategy.notes.append("run options from the checkpoint: " + ", ".join(
+            f"--{name} {resolved[name]}" for name in restored) + " (a flag sets one anew)")
     if resume and (problems := resume_problems(resume, cfg, resolved, overrides)):
         raise ConfigError(problems)
     # last: a plan refused for anything else never takes the folder's lock (nor rewrites who holds it)
@@ -91,7 +106,7 @@ def make_plan(options: RunOptions, overrides: list[tuple[str, str, str]]) -> Pla
 
 
 def resolved_config(recipe: Recipe, cfg: TrainConfig, sources: dict[str, str], launch: Launch, strategy: Strategy,
-                    estimate: Estimate, flops: FlopCount) -> dict[str, Any]:
+                    estimate: Estimate, flops: FlopCount, run_options: dict[str, Any]) -> dict[str, Any]:
     """Every effective value (flat), and under "sources" where each came from."""
     resolved: dict[str, Any] = {
         "recipe": str(recipe.path), **strategy.resolved_fields(), "world_size": launch.world_size,
@@ -99,7 +114,7 @@ def resolved_config(recipe: Recipe, cfg: TrainConfig, sources: dict[str, str], l
         "global_batch_size": global_batch_size(cfg.batch_size, cfg.grad_accum, strategy.data_parallel_size),
         "data_parallel_size": strategy.data_parallel_size,
         "estimated_state_bytes": estimate.state,
-        **config_dict(cfg),
+        **config_dict(cfg), **run_options,
     }
     seq_len = recipe.tokens_per_sample(cfg)
     if seq_len is not None:
