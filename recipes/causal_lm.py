@@ -72,13 +72,19 @@ class Config(TrainConfig):
             problems.append(Problem(f"eval_fraction must be in (0, 1), got {self.eval_fraction}",
                                     "config field eval_fraction", "use --eval_fraction 0.05"))
         folder = Path(self.model_name_or_path)
-        if self.model_name_or_path and folder.is_dir() and not self.allow_pickle and \
-                any(folder.glob("*.bin")) and not any(folder.glob("*.safetensors")):
-            problems.append(Problem(f"{folder} has no .safetensors weights, only pickled ones (.bin)",
-                                    "config field model_name_or_path",
-                                    "pass --allow_pickle true to read pytorch_model.bin if you trust the file, or "
-                                    "convert it to safetensors"))
-        return problems + text.check_data(self.data)
+        if self.model_name_or_path and folder.is_dir() and (folder / "config.json").is_file():
+            safetensors, pickled = any(folder.glob("*.safetensors")), any(folder.glob("*.bin"))
+            if not (safetensors or pickled):
+                held = ", ".join(sorted(p.name for p in folder.iterdir())[:8])
+                problems.append(Problem(f"no weights in {folder} (it holds: {held})", "config field "
+                                        "model_name_or_path", "pass the folder that save_pretrained wrote the model "
+                                        "into (model.safetensors beside config.json), such as a run's final/"))
+            elif pickled and not safetensors and not self.allow_pickle:
+                problems.append(Problem(f"{folder} has no .safetensors weights, only pickled ones (.bin)",
+                                        "config field model_name_or_path",
+                                        "pass --allow_pickle true to read pytorch_model.bin if you trust the file, "
+                                        "or convert it to safetensors"))
+        return problems + text.check_data(self.data, self.text_field)
 
 
 def _load(what: str, cfg: Config, load):
@@ -88,9 +94,12 @@ def _load(what: str, cfg: Config, load):
         return load(cfg.model_name_or_path, trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError) as e:
         said = " ".join(str(e).split())
+        local = Path(cfg.model_name_or_path).is_dir()
         fix = ("pass --trust_remote_code true if you trust the code that comes with it" if "trust_remote_code" in said
                else "pass --allow_pickle true to read pytorch_model.bin (it unpickles the file)"
-               if "safetensors" in said.lower() else "check the folder or the Hub id (a Hub id needs the network)")
+               if "safetensors" in said.lower() and not cfg.allow_pickle and not local else
+               "check the folder (from_pretrained's layout: config.json, the weights, the tokenizer's files)" if local
+               else "check the Hub id and the network (a Hub id downloads once into HF_HOME)")
         said = said if len(said) < 400 else said[:400] + " ..."
         raise ConfigError([Problem(f"cannot load the {what}: {type(e).__name__}: {said}", where, fix)]) from None
 
@@ -140,10 +149,7 @@ def build_datasets(cfg: Config, cache_dir: Path):
         return {"input_ids": ids_out, "attention_mask": mask_out}
 
     samples = docs.map(cut, batched=True, remove_columns=docs.column_names)
-    held_out = max(1, int(len(samples) * cfg.eval_fraction))
-    split = len(samples) - held_out
-    return (samples.select(range(split)).with_format("torch"),
-            samples.select(range(split, len(samples))).with_format("torch"))
+    return text.split_held_out(samples, cfg.eval_fraction, cfg.data, f"samples of {cfg.seq_len} tokens")
 
 
 def _per_sample(model: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:

@@ -88,7 +88,7 @@ class Config(TrainConfig):
         if not 0 < self.eval_fraction < 1:
             problems.append(Problem(f"eval_fraction must be in (0, 1), got {self.eval_fraction}",
                                     "config field eval_fraction", "use --eval_fraction 0.05"))
-        problems += text.check_data(self.data)
+        problems += text.check_data(self.data, self.text_field)
         if self.vocab_size < 300:
             problems.append(Problem(f"vocab_size must hold the 256 bytes and some merges, got {self.vocab_size}",
                                     "config field vocab_size", "use --vocab_size 1024"))
@@ -195,12 +195,7 @@ def _blocks(cfg: Config, cache_dir: Path):
 
 
 def build_datasets(cfg: Config, cache_dir: Path):
-    blocks = _blocks(cfg, cache_dir)
-    num_eval = max(1, int(len(blocks) * cfg.eval_fraction))
-    split = len(blocks) - num_eval
-    train = blocks.select(range(split)).with_format("torch")
-    held_out = blocks.select(range(split, len(blocks))).with_format("torch")
-    return train, held_out
+    return text.split_held_out(_blocks(cfg, cache_dir), cfg.eval_fraction, cfg.data, f"blocks of {cfg.seq_len} tokens")
 
 
 def loss(model: torch.nn.Module, batch: dict) -> torch.Tensor:

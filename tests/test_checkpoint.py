@@ -271,6 +271,17 @@ def test_a_resumed_launch_keeps_saving_as_the_run_was_started_to(run_dir):
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step_15", "step_20"]
 
 
+def test_resuming_a_run_that_finished_without_checkpoints_keeps_its_final(check_only, run_dir):
+    """--overwrite would delete final/: the advice names the weights and a new folder instead."""
+    out = run_dir("out")
+    launch(out, "--recipe", "mlp", "--max_steps", "3", "--eval_every", "0").check()
+    assert_refused(check_only(out, "--recipe", "mlp", "--resume", "latest", "--dry_run"),
+                   f"no checkpoint to resume in {out} (--resume latest): the run there finished without saving a "
+                   f"checkpoint to continue from (--save_every), and its weights are in {out / 'final'}: start a new "
+                   f"run in a new --output_dir; --overwrite would delete them")
+    assert (out / "final" / "model.safetensors").is_file()
+
+
 @pytest.mark.parametrize("resume, message", [
     ("lastest", "lastest is not a complete checkpoint (no trainer_state.json) (--resume lastest): did you mean "
                 "--resume latest?"),

@@ -15,6 +15,7 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
+from conftest import assert_refused, launch
 from trainkit import text
 from trainkit.data import BatchLayout, GlobalBatchSampler, TrainStream
 
@@ -144,3 +145,59 @@ def test_unigram_entropy_counts_every_token():
     total = sum(counts.values())
     expected = -sum(c / total * math.log(c / total) for c in counts.values())
     assert text.unigram_entropy(blocks) == pytest.approx(expected, rel=1e-12)
+
+
+# --- a user's data files: every mistake named by file and line (as editors count), at --dry_run already ------------
+
+GOOD = json.dumps({"text": "a line of text to train on"})
+MISTAKES = [  # (file name, content, what the error says)
+    ("empty.jsonl", "", "{path} is empty (--data {path}): pass a file that holds the text"),
+    ("empty.txt", "", "{path} is empty"),
+    ("blank.txt", "\n\n  \n", "{path} holds only blank lines"),
+    ("cut.jsonl", f"{GOOD}\n{GOOD}\n{GOOD[:12]}\n{GOOD}\n", "{path}:3 is not valid JSON (Unterminated string"),
+    ("field.jsonl", f"{GOOD}\n" + json.dumps({"body": "x"}) + "\n", "{path}:2 has no field 'text' (its fields: body) "
+                                                                    "(--data {path}): name the text field with "
+                                                                    "--text_field"),
+    ("number.jsonl", json.dumps({"text": 7}) + "\n", "{path}:1: field 'text' holds a number, not text"),
+    ("list.jsonl", "[1, 2]\n", "{path}:1 is a JSON list, not an object"),
+    ("header.csv", "body,label\nhello,1\n", "{path}:1: the header has no column 'text' (its columns: body, label)"),
+    ("width.csv", "text,label\nhello,1\nhello, world,2\n", "{path}:3 has 3 fields, the header 2"),
+    ("latin1.txt", "caf\xe9\n", "{path}:1 is not UTF-8 text"),
+]
+
+
+@pytest.mark.parametrize("recipe", ["tiny_transformer", "causal_lm"])
+@pytest.mark.parametrize("name, content, message", MISTAKES, ids=[m[0] for m in MISTAKES])
+def test_a_data_file_mistake_is_named_by_the_dry_run(check_only, tmp_path, recipe, name, content, message):
+    path = tmp_path / name
+    path.write_bytes(content.encode("latin-1" if "latin1" in name else "utf-8"))
+    data = str(path)
+    if name.endswith(".txt"):  # one of several files: the one at fault is named
+        (tmp_path / "ok.txt").write_text("text\n")
+        data = f"{tmp_path / 'ok.txt'},{path}"
+    model = ["--model_name_or_path", str(tmp_path)] if recipe == "causal_lm" else []
+    run = check_only(tmp_path / "out", "--recipe", recipe, "--data", data, *model, "--dry_run")
+    assert_refused(run, message.format(path=path))
+
+
+def test_a_mistake_past_what_the_dry_run_reads_is_named_when_the_run_loads_it(run_dir, tmp_path):
+    """The dry run reads a file's first MiB; the line at fault further on is found when the run loads the file,
+    named the same way (not as datasets' DatasetGenerationError blamed on the recipe)."""
+    lines = [json.dumps({"text": f"document {i} " * 40}) for i in range(3000)]  # about 1.5 MB
+    lines[2500] = lines[2500][:40]
+    path = tmp_path / "big.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    assert path.stat().st_size > text.CHECKED_BYTES
+    args = ["--recipe", "tiny_transformer", "--data", str(path), "--max_steps", "2"]
+    assert launch(run_dir("dry"), *args, "--dry_run").returncode == 0
+    run = launch(run_dir("run"), *args)
+    assert_refused(run, f"{path}:2501 is not valid JSON (Unterminated string starting at, column 10) (--data {path})")
+    assert run.stderr.count("error: ") == 1 and "Failed to load JSON" not in run.stderr
+
+
+def test_too_little_text_says_so_naming_the_data(run_dir, tmp_path):
+    path = tmp_path / "short.txt"
+    path.write_text("hello\n")
+    assert_refused(launch(run_dir("run"), "--recipe", "tiny_transformer", "--data", str(path)),
+                   f"too little text: --data {path} gives 0 blocks of 128 tokens, and a training and a held-out split "
+                   f"need 2 at least (--data {path}): pass more text, or a smaller --seq_len")

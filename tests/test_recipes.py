@@ -177,6 +177,22 @@ def test_fine_tuning_is_safe_by_default(check_only, tmp_path):
     assert not marker.exists()
 
 
+def test_a_model_folder_without_weights_is_named_with_what_it_holds(check_only, tmp_path):
+    """config and tokenizer, no weights: said as such (not "pass --allow_pickle true"), by the dry run already."""
+    from transformers import Qwen2Config
+
+    folder = tmp_path / "noweights"
+    Qwen2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=1).save_pretrained(folder)
+    (folder / "tokenizer.json").write_text("{}")
+    for extra in ([], ["--allow_pickle", "true"]):
+        run = check_only(tmp_path / "out", "--recipe", "causal_lm", "--model_name_or_path", str(folder), *extra,
+                         "--dry_run")
+        assert_refused(run, f"no weights in {folder} (it holds: config.json, tokenizer.json) (config field "
+                            f"model_name_or_path): pass the folder that save_pretrained wrote the model into")
+        assert "allow_pickle" not in run.stderr
+
+
 def test_fine_tuning_needs_a_model(check_only, tmp_path):
     assert_refused(check_only(tmp_path / "out", "--recipe", "causal_lm", "--dry_run"),
                    "no model to fine-tune (config field model_name_or_path): pass --model_name_or_path")

@@ -298,6 +298,10 @@ def check_folder_shared(output_dir: Path) -> None:
             "cluster's shared home): every rank writes its part of each checkpoint there")])
 
 
+def _text(path: Path) -> str:
+    return path.read_text() if path.is_file() else ""
+
+
 def _has_latest(output_dir: Path) -> bool:
     return (output_dir / "checkpoints" / "latest").is_file()
 
@@ -307,7 +311,13 @@ def find_checkpoint(output_dir: Path, resume: str) -> Found:
     where = f"--resume {resume}"
     if resume == "latest":
         if not _has_latest(output_dir):
-            fix = ("the run there stopped before its first checkpoint: start it again with --overwrite, without "
+            final = output_dir / "final"
+            fine_tune = f"fine-tune from them with --recipe causal_lm --model_name_or_path {final} and" \
+                if '"model_type"' in _text(final / "config.json") else "start a new run in"
+            fix = ("the run there finished without saving a checkpoint to continue from (--save_every), and its "
+                   f"weights are in {final}: {fine_tune} a new --output_dir; --overwrite would delete them"
+                   if final.is_dir() else
+                   "the run there stopped before its first checkpoint: start it again with --overwrite, without "
                    "--resume" if (output_dir / "metrics.jsonl").exists() else
                    "start without --resume, or pass --resume PATH to a checkpoint")
             raise ConfigError([Problem(f"no checkpoint to resume in {output_dir}", where, fix)])

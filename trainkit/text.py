@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from trainkit.errors import ConfigError, Problem
+from trainkit.errors import ConfigError, Problem, said
 from trainkit.hardware import cpu_cores
 
 EOS = "<|endoftext|>"
@@ -51,8 +51,15 @@ def local_files(data: str) -> list[Path] | None:
     return files if any(p.exists() or p.suffix in LOCAL_FORMATS for p in files) else None
 
 
-def check_data(data: str) -> list[Problem]:
-    """Problems with `--data` that can be seen without loading it (run before anything is built)."""
+# What --dry_run reads of each local data file: its size and its first records, up to this many bytes (a file's later
+# lines are read, and their mistakes named the same way, when the run loads it).
+CHECKED_BYTES = 1 << 20
+
+
+def check_data(data: str, text_field: str | None = None) -> list[Problem]:
+    """Problems with `--data` that can be seen cheaply, before anything is built: missing files, mixed formats, and
+    each local file's first CHECKED_BYTES (empty, a line that is not valid JSON, no `text_field`, a field that is not
+    text, a CSV row of the wrong width), named by file and line. text_field None checks no field."""
     files = local_files(data)
     if files is None:
         return []
@@ -65,7 +72,85 @@ def check_data(data: str) -> list[Problem]:
     if len(formats) != 1 or None in formats:
         return [Problem(f"cannot tell one format from the suffixes of {data}", where,
                         "use files of one kind: .txt, .jsonl/.json or .csv")]
-    return []
+    return [problem for path in files if (problem := file_problem(path, text_field, CHECKED_BYTES))]
+
+
+def file_problem(path: Path, text_field: str | None, limit: int | None = None) -> Problem | None:
+    """The first mistake in a local data file (its first `limit` bytes; None: all of it), as editors count lines
+    (from 1), or None."""
+    import csv
+    import io
+
+    where = f"--data {path}"
+    if path.stat().st_size == 0:
+        return Problem(f"{path} is empty", where, "pass a file that holds the text to train on")
+    with open(path, "rb") as f:
+        raw = f.read(limit) if limit else f.read()
+    cut = limit is not None and len(raw) == limit  # the last line may be cut short: not judged
+    try:
+        content = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        if not (cut and e.start > len(raw) - 4):  # a character cut at the limit is not a mistake
+            line = raw[:e.start].count(b"\n") + 1
+            return Problem(f"{path}:{line} is not UTF-8 text (byte {e.start})", where, "save the file as UTF-8")
+        content = raw[:e.start].decode("utf-8")
+    lines = content.splitlines()[:-1] if cut else content.splitlines()
+    kind = LOCAL_FORMATS[path.suffix]
+    if kind == "text":
+        return None if cut or any(line.strip() for line in lines) else \
+            Problem(f"{path} holds only blank lines", where, "pass a file that holds the text to train on")
+    if kind == "csv":
+        rows = csv.reader(io.StringIO("\n".join(lines)))
+        header = next(rows, [])
+        if text_field and text_field not in header:
+            return Problem(f"{path}:1: the header has no column {text_field!r} (its columns: {', '.join(header)})",
+                           where, "name the text column with --text_field")
+        for row in rows:
+            if len(row) != len(header):
+                return Problem(f"{path}:{rows.line_num} has {len(row)} fields, the header {len(header)}", where,
+                               "quote fields that hold commas or line breaks (\"...\"), or fix that line")
+        return None
+    stripped = content.lstrip()
+    if path.suffix == ".json" and stripped.startswith("[") and not cut:  # one JSON document rather than lines
+        try:
+            records = json.loads(content)
+        except json.JSONDecodeError as e:
+            return Problem(f"{path}:{e.lineno} is not valid JSON ({e.msg}, column {e.colno})", where,
+                           "fix that line, or write one JSON object per line (.jsonl)")
+        return _record_problem(records[0], path, 1, text_field, where) if records else \
+            Problem(f"{path} holds an empty list", where, "pass a file that holds the text to train on")
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            return Problem(f"{path}:{number} is not valid JSON ({e.msg}, column {e.colno})", where,
+                           "fix that line: each line holds one JSON object, such as {\"text\": \"...\"}")
+        if problem := _record_problem(record, path, number, text_field, where):
+            return problem
+    return None if cut or any(line.strip() for line in lines) else \
+        Problem(f"{path} holds only blank lines", where, "pass a file that holds the text to train on")
+
+
+def _record_problem(record, path: Path, line: int, text_field: str | None, where: str) -> Problem | None:
+    if not isinstance(record, dict):
+        return Problem(f"{path}:{line} is a JSON {type(record).__name__}, not an object", where,
+                       "write one object per line, such as {\"text\": \"...\"}")
+    if text_field is None:
+        return None
+    if text_field not in record:
+        return Problem(f"{path}:{line} has no field {text_field!r} (its fields: {', '.join(record) or 'none'})",
+                       where, "name the text field with --text_field")
+    if not isinstance(record[text_field], str):
+        return Problem(f"{path}:{line}: field {text_field!r} holds a {_json_type(record[text_field])}, not text",
+                       where, "put the text to train on in that field as a string")
+    return None
+
+
+def _json_type(value) -> str:
+    return {bool: "boolean", int: "number", float: "number", list: "list", dict: "object",
+            type(None): "null"}.get(type(value), type(value).__name__)
 
 
 def load_documents(data: str, data_config: str, text_field: str, cache_dir: Path):
@@ -77,13 +162,23 @@ def load_documents(data: str, data_config: str, text_field: str, cache_dir: Path
     files = [default_corpus(cache_dir)] if data == "pydoc" else local_files(data)
     where = f"--data {data}"
     if files is not None:
-        problems = check_data(data)
+        problems = check_data(data, text_field)
         if problems:
             raise ConfigError(problems)
         builder = LOCAL_FORMATS[files[0].suffix]
         kwargs = {"keep_linebreaks": True} if builder == "text" else {}
-        ds = datasets.load_dataset(builder, data_files=[str(p) for p in files], split="train", cache_dir=hf_cache,
-                                   **kwargs)
+        verbosity = datasets.logging.get_verbosity()
+        datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its log line of a parse error: said below
+        try:
+            ds = datasets.load_dataset(builder, data_files=[str(p) for p in files], split="train",
+                                       cache_dir=hf_cache, **kwargs)
+        except Exception as e:  # a mistake past what check_data read: find it in the whole files
+            found = [problem for path in files if (problem := file_problem(path, text_field))]
+            cause = e.__cause__ or e.__context__ or e
+            raise ConfigError(found[:1] or [Problem(f"cannot read {data}: {said(cause)}", where,
+                                                    "check the files' format")]) from None
+        finally:
+            datasets.logging.set_verbosity(verbosity)
     else:
         try:
             ds = datasets.load_dataset(data, data_config or None, split="train", cache_dir=hf_cache)
@@ -95,8 +190,25 @@ def load_documents(data: str, data_config: str, text_field: str, cache_dir: Path
     if text_field not in ds.column_names:
         raise ConfigError([Problem(f"the data has no column {text_field!r} (columns: {', '.join(ds.column_names)})",
                                    where, "name the text column with --text_field")])
+    kind = getattr(ds.features[text_field], "dtype", None)
+    if kind not in ("string", "large_string"):
+        raise ConfigError([Problem(f"the data's column {text_field!r} holds {kind or ds.features[text_field]}, not "
+                                   f"text", where, "name the text column with --text_field")])
     return ds.select_columns([text_field]).rename_column(text_field, "text") if text_field != "text" else \
         ds.select_columns(["text"])
+
+
+def split_held_out(samples, eval_fraction: float, data: str, units: str):
+    """(train, held-out) of a recipe's samples, the last eval_fraction held out; too little data for both is said
+    as such, naming the data (not as a split that gives no batches). units: what a sample is, in the plural."""
+    if len(samples) < 2:
+        raise ConfigError([Problem(
+            f"too little text: --data {data} gives {len(samples)} {units}, and a training and a held-out split need "
+            f"2 at least", f"--data {data}", "pass more text, or a smaller --seq_len")])
+    held_out = max(1, int(len(samples) * eval_fraction))
+    split = len(samples) - held_out
+    return (samples.select(range(split)).with_format("torch"),
+            samples.select(range(split, len(samples))).with_format("torch"))
 
 
 def train_tokenizer(docs, vocab_size: int, out_dir: Path):
