@@ -29,6 +29,7 @@ from trainkit.guards import FiniteCheck, StopSignal
 from trainkit.hardware import Compute
 from trainkit.metrics import (
     MetricsLog,
+    close_progress_bars,
     Throughput,
     peak_memory_bytes,
     process_seconds,
@@ -77,6 +78,7 @@ def refuse(error: ConfigError | TrainingError) -> int:
     if int(os.environ.get("RANK", "0")) > 0:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the launcher's stop ends this pause, and the process
         time.sleep(5)
+    close_progress_bars()
     for line in error.lines():
         print(f"error: {line}", file=sys.stderr, flush=True)
     return error.exit_status

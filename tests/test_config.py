@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from pathlib import Path
 
@@ -175,6 +176,22 @@ def test_an_exception_from_a_library_called_by_the_users_loss_names_the_users_li
                         f"called by the recipe's code ({path}:79 in loss: return "
                         "torch.nn.functional.mse_loss(model(x), y)): see what it does there; TRAINKIT_TRACEBACK=1")
     assert "Traceback" not in run.stderr
+
+
+def test_an_error_while_the_progress_bar_is_drawn_starts_a_line_of_its_own(tmp_path):
+    """The recipe fails at step 3, with the bar on screen: `grep '^error:'` must find the error line (it was glued to
+    the bar's `... 2/20 [00:01 ...]`); and the bar's postfix shows the step just done."""
+    path = tmp_path / "my_model.py"
+    path.write_text(MLP_RECIPE.replace("    x, y = batch\n", "    x, y = batch\n"
+                                       "    loss.calls = getattr(loss, 'calls', 0) + 1\n"
+                                       "    if loss.calls == 3:\n        raise ValueError('bad batch')\n"))
+    run = launch(tmp_path / "out", "--recipe", str(path), "--max_steps", "20", "--eval_every", "0")
+    assert_refused(run, "ValueError: bad batch, raised in the recipe's code")
+    assert re.search(r"^error: ValueError: bad batch", run.stderr, re.MULTILINE), run.stderr
+    losses = [m["loss"] for m in run.metrics]
+    assert len(losses) == 2 and f"2/20 [" in run.stderr
+    shown = re.findall(r" 2/20 \[[^]]*loss=([\d.]+)", run.stderr)  # what the bar showed once step 2 was done
+    assert shown and float(shown[-1]) == pytest.approx(losses[1], abs=1e-4), (shown, losses)
 
 
 def test_running_out_of_memory_names_the_ways_to_need_less(check_only, tmp_path):

@@ -179,9 +179,13 @@ def test_compare_plots_while_the_runs_exist(tmp_path, monkeypatch, capsys):
     offsets = {None: 0.0, "ddp": 1e-7, "fsdp": 3e-7}
     written: dict[str, list[dict]] = {}
 
+    asked = []
+
     def fake_run(config, output_dir, args, num_processes=None, launch_args=()):
         name = config or "one process"
         written[name] = write_run(output_dir, [x * (1 + offsets[config]) for x in LOSSES[:5]])
+        asked.append(args)
+        print("[2026-12-01 10:00:00,000] [INFO] Setting accelerator to CPU")  # a library in compare's own process
         return Run(name, 0, "", "", output_dir)
 
     figures = []
@@ -197,7 +201,11 @@ def test_compare_plots_while_the_runs_exist(tmp_path, monkeypatch, capsys):
     png = tmp_path / "loss_curves.png"
     assert trainkit.compare.main(["--recipe", "mlp", "--configs", "ddp,fsdp", "--max_steps", "5",
                                   "--png", str(png)]) == 0
-    assert png.read_bytes()[:4] == b"\x89PNG" and f"loss curves: {png}" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert png.read_bytes()[:4] == b"\x89PNG" and f"loss curves: {png}" in out
+    table = out[out.index("config "):].splitlines()[:3]  # the header and a row per config, in one block
+    assert [line.split()[0] for line in table] == ["config", "ddp", "fsdp"], out
+    assert all("--eval_every" not in args for args in asked)  # the recipe's evaluations are plotted, not dropped
     [figure] = figures
     loss = figure.axes[0]
     assert [ln.get_label() for ln in loss.lines] == ["one process", "ddp", "fsdp"]

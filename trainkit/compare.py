@@ -173,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("recipe_args", nargs="*", help="more train.py flags, after --")
     args = parser.parse_args(argv)
 
-    common = ["--max_steps", str(args.max_steps), "--eval_every", "0", *args.recipe_args]
+    # The recipe's own evaluation cadence: every evaluation is a point on the PNG's loss panel.
+    common = ["--max_steps", str(args.max_steps), *args.recipe_args]
     global_batch = global_batch_size(args.batch_size, args.grad_accum, args.num_processes)
     with tempfile.TemporaryDirectory() as tmp:
         reference = run_config(None, Path(tmp) / "reference",
@@ -182,8 +183,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: the one-process reference failed:\n{reference.stderr[-2000:]}", file=sys.stderr)
             return 1
         curves = [reference]
-        print(f"{'config':<28} max relative loss difference vs one process ({args.max_steps} steps, "
-              f"global batch {global_batch})")
+        # The table is printed in one block after the runs: what the libraries print while they start (DeepSpeed's
+        # "Setting accelerator to CPU") does not land between its rows.
+        rows = [f"{'config':<28} max relative loss difference vs one process ({args.max_steps} steps, "
+                f"global batch {global_batch})"]
         failed = False
         for i, config in enumerate(args.configs.split(",")):
             precision = ("--mixed_precision", args.mixed_precision) if args.mixed_precision else ()
@@ -194,10 +197,12 @@ def main(argv: list[str] | None = None) -> int:
             if curve.returncode != 0:
                 failed = True
                 errors = [line for line in curve.stderr.splitlines() if line.startswith("error:")]
-                print(f"{config:<28} FAILED: {errors[0] if errors else curve.stderr.strip().splitlines()[-1]}")
+                rows.append(f"{config:<28} FAILED: {errors[0] if errors else curve.stderr.strip().splitlines()[-1]}")
                 continue
             curves.append(curve)
-            print(f"{config:<28} {max_rel_diff(curve.losses, reference.losses):.2e}")
+            rows.append(f"{config:<28} {max_rel_diff(curve.losses, reference.losses):.2e}")
+        sys.stderr.flush()
+        print("\n".join(rows), flush=True)
         # Inside the block: the curves are read from the runs' metrics.jsonl, which go with the temporary folder.
         try:
             plot(curves, args.png, f"{args.recipe}: each config against one process (global batch {global_batch})")

@@ -153,8 +153,9 @@ class MetricsLog:
                                     ) from None
         self.accelerator.log({k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"},
                              step=record["step"])
-        self.bar.update(1)
+        # the postfix first: update() draws the bar, which then shows this step's loss and lr, not the step before's
         self.bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}", refresh=False)
+        self.bar.update(1)
         if "eval_loss" in record and self.is_main:  # tqdm.write is a class method: a disabled bar writes too
             extra = "".join(f", {k.removeprefix('eval_')} {v:.4f}" for k, v in record.items()
                             if k.startswith("eval_") and k != "eval_loss")
@@ -164,6 +165,13 @@ class MetricsLog:
         self.bar.close()
         if self.file is not None:
             self.file.close()
+
+
+def close_progress_bars() -> None:
+    """End the line of any progress bar still drawn (a run that stops mid-loop), so that what is printed next starts
+    a line of its own: `grep '^error:'` finds it."""
+    for bar in list(getattr(tqdm, "_instances", ())):
+        bar.close()
 
 
 def summary_line(last: dict[str, Any], steps_run: int, seconds: float, extra: dict[str, float], final: Path) -> str:
