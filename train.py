@@ -29,8 +29,8 @@ from trainkit.guards import FiniteCheck, StopSignal
 from trainkit.hardware import Compute
 from trainkit.metrics import (
     MetricsLog,
-    close_progress_bars,
     Throughput,
+    close_progress_bars,
     peak_memory_bytes,
     process_seconds,
     state_bytes,

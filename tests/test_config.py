@@ -189,7 +189,7 @@ def test_an_error_while_the_progress_bar_is_drawn_starts_a_line_of_its_own(tmp_p
     assert_refused(run, "ValueError: bad batch, raised in the recipe's code")
     assert re.search(r"^error: ValueError: bad batch", run.stderr, re.MULTILINE), run.stderr
     losses = [m["loss"] for m in run.metrics]
-    assert len(losses) == 2 and f"2/20 [" in run.stderr
+    assert len(losses) == 2 and "2/20 [" in run.stderr
     shown = re.findall(r" 2/20 \[[^]]*loss=([\d.]+)", run.stderr)  # what the bar showed once step 2 was done
     assert shown and float(shown[-1]) == pytest.approx(losses[1], abs=1e-4), (shown, losses)
 
