@@ -23,7 +23,7 @@ from accelerate.utils import set_seed
 
 from trainkit.checkpoint import Checkpointer, check_folder_shared, clear_outputs, export_final
 from trainkit.config import parse_command_line
-from trainkit.data import BatchLayout, TrainStream, eval_batches
+from trainkit.data import BatchLayout, TrainStream, eval_batches, eval_layout
 from trainkit.errors import ConfigError, Problem, TrainingError, failure_in_user_code, out_of_memory
 from trainkit.guards import FiniteCheck, StopSignal
 from trainkit.hardware import Compute
@@ -93,6 +93,7 @@ class Run:
     stream: TrainStream
     eval_set: Any
     layout: BatchLayout
+    eval_layout: BatchLayout  # the held-out split's: the layout, or a smaller micro-batch for a small split
     peak_flops: float | None  # of one process's device, for MFU
     step: int = 0  # the last optimizer step done (a resume starts past 0)
     skipped_steps: int = 0  # fp16's loss scaler, so far
@@ -119,18 +120,26 @@ def build(plan: Plan) -> Run:
     with accelerator.local_main_process_first():  # one process per machine builds the data caches
         train_set, eval_set = recipe.make_datasets(cfg, options.cache_dir)
     layout = BatchLayout(cfg.batch_size, cfg.grad_accum, strategy.data_parallel_rank, strategy.data_parallel_size)
-    for name, dataset in (("training", train_set), ("held-out", eval_set)):
-        if len(dataset) < layout.global_batch:
-            raise ConfigError([Problem(f"the {name} split has {len(dataset)} samples, fewer than one global batch "
-                                       f"({layout.global_batch})", "batch_size x grad_accum x data-parallel size",
-                                       "use a smaller --batch_size or --grad_accum, or more data")])
+    held_out = eval_layout(layout, len(eval_set))
+    if len(train_set) < layout.global_batch or held_out is None:
+        name, size, least = ("training", len(train_set), layout.global_batch) if len(train_set) < layout.global_batch \
+            else ("held-out", len(eval_set), layout.grad_accum * layout.world_size)
+        raise ConfigError([Problem(f"the {name} split has {size} samples, fewer than {least}: one global batch"
+                                   if name == "training" else f"the held-out split has {size} samples, fewer than "
+                                   f"{least}: one per micro-batch of every data-parallel rank",
+                                   "batch_size x grad_accum x data-parallel size",
+                                   "use a smaller --batch_size or --grad_accum, or more data")])
+    if held_out is not layout:
+        strategy.notes.append(f"the held-out split ({len(eval_set)} samples) is smaller than one global batch "
+                              f"({layout.global_batch}): evaluated as one batch of {held_out.global_batch} "
+                              f"(micro-batch {held_out.micro_batch})")
     set_seed(cfg.seed)  # the same initial weights on every rank and in a one-process run
     model = recipe.make_model(cfg)
     checkpointer = Checkpointer(strategy, options.output_dir, options.keep_last)
     if plan.resume:
         checkpointer.before_prepare(plan.resume, model)
     strategy.prepare(model, build_optimizer, build_scheduler)
-    run = Run(strategy, checkpointer, TrainStream(train_set, layout, cfg.seed), eval_set, layout,
+    run = Run(strategy, checkpointer, TrainStream(train_set, layout, cfg.seed), eval_set, layout, held_out,
               compute.peak.flops)
     if plan.resume:
         checkpointer.load(plan.resume)  # last: it restores this rank's RNG
@@ -168,7 +177,7 @@ def loop(plan: Plan, run: Run) -> str | None:
         if tokens:
             run.record["tokens_per_s"] = samples_per_s * tokens
         if step == cfg.max_steps or (cfg.eval_every and step % cfg.eval_every == 0):
-            batches = eval_batches(run.eval_set, run.layout, cfg.eval_batches)
+            batches = eval_batches(run.eval_set, run.eval_layout, cfg.eval_batches)
             run.record.update(strategy.evaluate(batches, plan.recipe.compute_loss, plan.recipe.eval_metrics))
         log.step(run.record)
         if result.stop or step == options.stop_at:

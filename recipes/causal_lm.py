@@ -42,6 +42,10 @@ class Config(TrainConfig):
     trust_remote_code: bool = False  # run code shipped with the model (a Hub model's own modelling files)
     allow_pickle: bool = False  # accept pytorch_model.bin weights (unpickled) when there are no safetensors
     trainable: str = ""  # comma-separated parameter-name prefixes to train, the rest frozen; empty: all
+    # Which tokenizer: "" (AutoTokenizer's, refused when it encodes text otherwise than the folder's tokenizer.json),
+    # "saved" (that tokenizer.json as it is) or "auto" (AutoTokenizer's, unchecked). transformers picks some model
+    # types' own class whatever tokenizer_config.json says (a Qwen2 folder loads as Qwen2Tokenizer).
+    tokenizer: str = ""
     gradient_checkpointing: bool = False
     # Data
     data: str = "pydoc"
@@ -65,6 +69,9 @@ class Config(TrainConfig):
             problems.append(Problem("no model to fine-tune", "config field model_name_or_path",
                                     "pass --model_name_or_path with a folder from_pretrained reads (such as "
                                     "runs/tiny_transformer/final) or a Hub id"))
+        if self.tokenizer not in ("", "saved", "auto"):
+            problems.append(Problem(f"tokenizer must be saved or auto (or empty), got {self.tokenizer!r}",
+                                    "config field tokenizer", "use --tokenizer saved"))
         if self.seq_len < 2:
             problems.append(Problem(f"seq_len must be >= 2, got {self.seq_len}", "config field seq_len",
                                     "use --seq_len 128"))
@@ -126,9 +133,16 @@ def build_model(cfg: Config) -> nn.Module:
 
 
 def tokenizer_of(cfg: Config):
-    from transformers import AutoTokenizer
+    """The model's tokenizer (--tokenizer): by default AutoTokenizer's, checked to be the one saved in its folder
+    (text.tokenizer_mismatch)."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    return _load("tokenizer", cfg, AutoTokenizer.from_pretrained)
+    load = PreTrainedTokenizerFast.from_pretrained if cfg.tokenizer == "saved" else AutoTokenizer.from_pretrained
+    tokenizer = _load("tokenizer", cfg, load)
+    folder = Path(cfg.model_name_or_path)
+    if not cfg.tokenizer and folder.is_dir() and (problem := text.tokenizer_mismatch(tokenizer, folder)):
+        raise ConfigError([problem])
+    return tokenizer
 
 
 def build_datasets(cfg: Config, cache_dir: Path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from safetensors.torch import load_model
 
 from conftest import PARITY_BOUND, ROOT, assert_refused, launch, max_rel_diff
 from trainkit.catalog import main as catalog
+from trainkit.errors import ConfigError
 from trainkit.launch import shipped_configs
 from trainkit.recipes import load_recipe, shipped_recipes
 
@@ -191,6 +193,40 @@ def test_a_model_folder_without_weights_is_named_with_what_it_holds(check_only, 
         assert_refused(run, f"no weights in {folder} (it holds: config.json, tokenizer.json) (config field "
                             f"model_name_or_path): pass the folder that save_pretrained wrote the model into")
         assert "allow_pickle" not in run.stderr
+
+
+def test_the_tokenizer_that_trains_is_the_one_saved_in_the_folder(tmp_path):
+    """A PreTrainedTokenizerFast saved beside a Qwen2 config loads through AutoTokenizer as Qwen2Tokenizer, which
+    splits digits: "123" is one id in the saved tokenizer and three in the loaded one. The run refuses, saying so;
+    --tokenizer saved trains with the saved one, --tokenizer auto with transformers' choice."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    bpe.train_from_iterator(["123 4567 2024 users wrote code " * 50] * 20, trainer=trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    folder = tmp_path / "qwen2"
+    Qwen2ForCausalLM(Qwen2Config(vocab_size=300, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1)).save_pretrained(folder)
+    saved = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>")
+    saved.save_pretrained(folder)
+    assert len(saved("123").input_ids) == 1
+    recipe = load_recipe("causal_lm")
+    tokenizer_of = sys.modules["recipe_causal_lm"].tokenizer_of  # the recipe's own function, as its build calls it
+    with pytest.raises(ConfigError) as refused:
+        tokenizer_of(recipe.Config(model_name_or_path=str(folder)))
+    assert str(refused.value).startswith(f"the tokenizer loaded from {folder} (Qwen2Tokenizer, chosen by "
+                                         f"transformers from the model type) is not the one saved there: it encodes")
+    assert "pass --tokenizer saved to train with the saved tokenizer.json" in str(refused.value)
+    kept = tokenizer_of(recipe.Config(model_name_or_path=str(folder), tokenizer="saved"))
+    assert kept("123").input_ids == saved("123").input_ids
+    taken = tokenizer_of(recipe.Config(model_name_or_path=str(folder), tokenizer="auto"))
+    assert type(taken).__name__ == "Qwen2Tokenizer" and len(taken("123").input_ids) == 3
+    run = launch(tmp_path / "out", "--recipe", "causal_lm", "--model_name_or_path", str(folder), "--max_steps", "1",
+                 "--seq_len", "16")
+    assert_refused(run, f"the tokenizer loaded from {folder} (Qwen2Tokenizer")
 
 
 def test_fine_tuning_needs_a_model(check_only, tmp_path):

@@ -10,6 +10,7 @@ sharding is not used for this reason: it shards an already-batched loader, which
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -126,6 +127,16 @@ class TrainStream:
         micro_batches = [next(self._iterator) for _ in range(self.sampler.layout.grad_accum)]
         self.batch_in_epoch += 1
         return micro_batches
+
+
+def eval_layout(layout: BatchLayout, num_samples: int) -> BatchLayout | None:
+    """How the held-out split is cut: the training layout, or, for a split smaller than one global batch, the same
+    layout with the largest micro-batch that fits (the whole split but its remainder evaluated at once; the same
+    micro-batch count, which a pipeline's schedule needs). None: not even one sample per micro-batch."""
+    if num_samples >= layout.global_batch:
+        return layout
+    micro_batch = num_samples // (layout.grad_accum * layout.world_size)
+    return dataclasses.replace(layout, micro_batch=micro_batch) if micro_batch else None
 
 
 def eval_batches(dataset: Dataset, layout: BatchLayout, num_global_batches: int) -> Iterator:

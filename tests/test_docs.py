@@ -1,0 +1,123 @@
+"""Every command that README.md, docs/ and recipes/README.md print runs as printed, so that a page cannot rot.
+
+A command is taken from the pages' code blocks (continuation lines joined) and from inline code that is a whole
+command (one without a placeholder such as NAME, <path> or ...). Each runs from the repository root, in page order,
+with a limit on its training steps and an output folder of its own (a resume reuses the folder of the run before it
+on its page). What cannot run here (another machine, a GPU) is listed in NOT_HERE with the reason, and the test fails
+on a command that is in neither: a new page's example is run from the day it is written.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, TEST_ENV
+
+PAGES = [ROOT / "README.md", ROOT / "recipes" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+STARTS = ("python train.py", "accelerate launch", "python -m trainkit.")
+PLACEHOLDER = re.compile(r"\.\.\.|<|\b[A-Z][A-Z_]{2,}\b|\b(N|K|R)\b|my_model")
+
+# Commands the pages print that need what this machine lacks; each is covered where the reason says.
+NOT_HERE = {
+    "--main_process_ip 10.0.0.1": "two machines at 10.0.0.1 and beside it (tests/test_multinode.py runs "
+                                  "multinode.yaml as two launches on loopback)",
+    "accelerate_configs/deepspeed_hostfile.yaml": "the machines that ./hostfile lists, over ssh "
+                                                  "(tests/test_multinode.py runs the hostfile launch and its dry run "
+                                                  "against an sshd on loopback)",
+    "Qwen/": "the network: a Hub model downloads (tests/test_recipes.py fine-tunes local models under every config)",
+    "my_model": "the user's own recipe file (tests/test_recipes.py copies one with trainkit.catalog and runs these "
+                "steps on it)",
+}
+# What a training command gets on top of what the page prints: few steps, with an evaluation among them.
+LIMIT = ["--max_steps", "2", "--eval_every", "2", "--report_to", "none"]
+
+
+def documented_commands() -> list[tuple[str, str]]:
+    """(page, command) in page order: code blocks, then whole inline commands."""
+    found = []
+    for page in PAGES:
+        text = page.read_text()
+        name = str(page.relative_to(ROOT))
+        for block in re.findall(r"```[a-z]*\n(.*?)```", text, re.S):
+            for line in re.sub(r"\\\n\s*", " ", block).splitlines():
+                line = line.split(" # ")[0].strip()
+                line = line.split("&& ", 1)[-1]  # the README's set-up: pip install ... && <the main job>
+                if line.startswith(STARTS):
+                    found.append((name, " ".join(line.split())))
+        prose = re.sub(r"\s*\n\s*", " ", re.sub(r"```.*?```", "", text, flags=re.S))
+        for inline in re.findall(r"`((?:python train\.py|accelerate launch|python -m trainkit\.)[^`]*)`", prose):
+            whole = "--recipe" in inline or inline.startswith("python -m trainkit.catalog")
+            if whole and not PLACEHOLDER.search(inline):
+                found.append((name, " ".join(inline.split())))
+    first = {}  # a command printed on several pages runs once, on the first
+    for page, command in found:
+        first.setdefault(command, page)
+    return [(page, command) for command, page in first.items()]
+
+
+def runs_training(args: list[str]) -> bool:
+    return "train.py" in args and not {"--dry_run", "--estimate"} & set(args)
+
+
+def prepared(page_commands: list[str], tmp: Path) -> list[tuple[str, list[str] | None, str]]:
+    """(command, argv or None, why not) for one page's commands, in order."""
+    last_dir, result = None, []
+    for i, command in enumerate(page_commands):
+        reason = next((why for key, why in NOT_HERE.items() if key in command), None)
+        if reason:
+            result.append((command, None, reason))
+            continue
+        args = shlex.split(command.replace("/tmp/", f"{tmp}/"))
+        for j, arg in enumerate(args):
+            if made := re.fullmatch(r"runs/(\w+)/final", arg):  # an earlier page's run: made here, briefly
+                subprocess.run(["python", "train.py", "--recipe", made.group(1), "--output_dir", str(tmp / "made"),
+                                "--max_steps", "2", "--report_to", "none"], cwd=ROOT, env={**os.environ, **TEST_ENV},
+                               check=True, capture_output=True)
+                args[j] = str(tmp / "made" / "final")
+            if j and args[j - 1] == "--png":  # pictures go to the test's folder, not the repository
+                args[j] = str(tmp / Path(arg).name)
+        if "train.py" in args:
+            resumes = "--resume" in args
+            if "--output_dir" not in args:
+                last_dir = last_dir if resumes and last_dir else tmp / f"run{i}"
+                args += ["--output_dir", str(last_dir)]
+            if runs_training(args):
+                resumed_later = any("--resume" in later for later in page_commands[i + 1:])
+                args += ["--max_steps", "4"] if resumes else [*LIMIT, *(["--stop_at", "2"] if resumed_later else [])]
+        if args[:3] == ["python", "-m", "trainkit.compare"] and "--png" not in args:
+            cut = args.index("--") if "--" in args else len(args)  # after "--" come train.py's flags
+            args[cut:cut] = ["--png", str(tmp / "loss_curves.png")]
+        result.append((command, args, ""))
+    return result
+
+
+COMMANDS = documented_commands()
+BY_PAGE = {page: [c for p, c in COMMANDS if p == page] for page, _ in COMMANDS}
+
+
+def test_the_pages_print_commands_to_run():
+    assert len(COMMANDS) >= 30 and {p for p, _ in COMMANDS} >= {"README.md", "docs/strategies.md",
+                                                                "docs/model-parallelism.md"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page", sorted(BY_PAGE))
+def test_every_documented_command_runs_as_printed(page, tmp_path):
+    failures = []
+    for command, args, reason in prepared(BY_PAGE[page], tmp_path):
+        if args is None:
+            print(f"\nnot run here: {command}: needs {reason}")
+            continue
+        done = subprocess.run(args, cwd=ROOT, env={**os.environ, **TEST_ENV}, capture_output=True, text=True,
+                              timeout=600)
+        print(f"\nexit {done.returncode}: {shlex.join(args)}")
+        if done.returncode != 0:
+            errors = [line for line in done.stderr.splitlines() if line.startswith("error")]
+            failures.append(f"{command}\n  -> exit {done.returncode}: {errors or done.stderr[-1500:]}")
+    assert not failures, "\n".join(failures)
