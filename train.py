@@ -27,6 +27,7 @@ from trainkit.data import BatchLayout, TrainStream, eval_batches, eval_layout
 from trainkit.errors import ConfigError, Problem, TrainingError, failure_in_user_code, out_of_memory
 from trainkit.guards import FiniteCheck, StopSignal
 from trainkit.hardware import Compute
+from trainkit.hosts import exposed_secrets
 from trainkit.metrics import (
     MetricsLog,
     Throughput,
@@ -106,6 +107,8 @@ def build(plan: Plan) -> Run:
     options, cfg, recipe, strategy = plan.options, plan.cfg, plan.recipe, plan.strategy
     accelerator = strategy.build_accelerator(options.output_dir, options.report_to)
     keep_until_exit(strategy)  # freeing its process groups can hang a launched rank (trainkit/process.py)
+    if (leak := exposed_secrets(os.environ, accelerator.is_local_main_process)) and accelerator.is_main_process:
+        print(f"warning: {leak}", file=sys.stderr, flush=True)
     compute = Compute.set_up(accelerator, plan.launch.mixed_precision, options.peak_flops, options.cache_dir)
     compute.add_to(plan.resolved)  # the threads and peak of the machine it runs on
     strategy.notes.extend(compute.notes())

@@ -344,31 +344,54 @@ def test_hostfile_yaml_over_ssh_matches_ddp(sshd, ddp_reference, tmp_path):
 
     Accelerate cannot pass DeepSpeed's --ssh_port or --no_ssh_check, and DeepSpeed's own ssh check ignores
     PDSH_SSH_ARGS_APPEND: an `ssh` first on PATH that adds `-F <our ssh_config>` stands in for the user's
-    ~/.ssh/config with a Port line (the YAML's header says so). DS_ENV_FILE sends Accelerate's write of the
-    environment file (it appends on every launch) to a fresh file of this test instead of ./.deepspeed_env.
+    ~/.ssh/config with a Port line (the YAML's header says so). Launched by habit from a folder of this test (the
+    YAML's ds_configs/ linked there), with a fake token in the shell: Accelerate dumps the shell into
+    ./.deepspeed_env there and DeepSpeed's runner exports it on every host; the ranks say so loudly, naming the
+    variable, not its value, and remove that file.
     """
     hostfile = write_hostfile(tmp_path / "hostfile", f"{HOSTS[0]} slots=1", f"{HOSTS[1]} slots=1")
-    bin_dir = tmp_path / "bin"
+    bin_dir, here = tmp_path / "bin", tmp_path / "launch_folder"
     bin_dir.mkdir()
+    here.mkdir()
+    (here / "ds_configs").symlink_to(ROOT / "ds_configs")
     (bin_dir / "ssh").write_text(f'#!/bin/sh\nexec {shutil.which("ssh")} -F {sshd.config} "$@"\n')
     (bin_dir / "ssh").chmod(0o755)
-    env_file = tmp_path / "deepspeed_env"
+    token = "hf_fake_secret_123"
     env = {**ENV, "PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}",
-           "PDSH_SSH_ARGS_APPEND": f"-F {sshd.config}", "DS_ENV_FILE": str(env_file)}
+           "PDSH_SSH_ARGS_APPEND": f"-F {sshd.config}", "HF_TOKEN": token}
+    env.pop("DS_ENV_FILE", None)
     out = tmp_path / "out"
     log_start = len(sshd.log.read_text())
     cmd = [sys.executable, "-m", "accelerate.commands.launch",
            "--config_file", str(ROOT / "accelerate_configs" / "deepspeed_hostfile.yaml"),
            "--deepspeed_hostfile", str(hostfile), "--main_process_ip", HOSTS[0],
-           "--main_process_port", str(free_port()), "train.py", "--output_dir", str(out), "--report_to", "none", *MLP]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=110)
+           "--main_process_port", str(free_port()), str(ROOT / "train.py"), "--output_dir", str(out), "--report_to",
+           "none", *MLP]
+    proc = subprocess.run(cmd, cwd=here, env=env, capture_output=True, text=True, timeout=110)
     run = Run("deepspeed_hostfile.yaml", proc.returncode, proc.stdout, proc.stderr, out)
     diff = check_deepspeed_run(run, ddp_reference)
     print(f"\ndeepspeed_hostfile.yaml over ssh (2 hosts x 1) vs ddp.yaml: max relative loss difference {diff:.2e}")
     assert_both_hosts_reached(sshd, log_start)
-    # what carried the launch's settings to the ranks: Accelerate's environment dump, read by DeepSpeed's runner
-    written = env_file.read_text().splitlines()
-    assert "ACCELERATE_USE_DEEPSPEED=true" in written and "OMP_NUM_THREADS=1" in written
+    assert "warning: this hostfile launch did not come through `python -m trainkit.hosts`, so the launching shell's " \
+           "HF_TOKEN went to every host" in run.stderr, run.stderr[-3000:]
+    assert f"in {here / '.deepspeed_env'} (mode 644; removed now)" in run.stderr and "python -m trainkit.hosts " \
+        "--config_file" in run.stderr
+    assert not (here / ".deepspeed_env").exists() and run.stderr.count("warning: this hostfile launch") == 1
+
+
+def test_hosts_launcher_names_a_leftover_env_file(tmp_path, monkeypatch, capsys):
+    """A ./.deepspeed_env left by an earlier habit launch holds secrets in plain text: trainkit.hosts says so."""
+    from trainkit import hosts
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / ".deepspeed_env").write_text("PATH=/usr/bin\nWANDB_API_KEY=abc123\n")
+    started = []
+    monkeypatch.setattr(hosts.subprocess, "run", lambda cmd, env: started.append(env) or SimpleNamespace(returncode=0))
+    assert hosts.main(["--config_file", "cluster.yaml", "train.py"]) == 0
+    err = capsys.readouterr().err
+    assert f"note: {tmp_path / '.deepspeed_env'} is left from an earlier `accelerate launch` of a hostfile YAML and " \
+           f"holds WANDB_API_KEY in plain text" in err and "abc123" not in err
+    assert started[0][hosts.HOSTS_LAUNCH] == "1"  # what tells the ranks the launch came through it
 
 
 @pytest.mark.slow

@@ -215,6 +215,32 @@ def secret_names(environ: Mapping[str, str]) -> list[str]:
     return sorted(name for name in environ if SECRET.search(name) and name != "SSH_AUTH_SOCK")
 
 
+# Set by main() for the launch it starts; it reaches the ranks with the allowed variables (a TRAINKIT_ name). A rank
+# of a multi-machine DeepSpeed launch without it was started by `accelerate launch` (or DeepSpeed's runner) directly.
+HOSTS_LAUNCH = "TRAINKIT_HOSTS_LAUNCH"
+
+
+def exposed_secrets(environ: Mapping[str, str], local_main: bool) -> str | None:
+    """In a rank of a hostfile launch that did not come through this module: which secret-looking variables of the
+    launching shell were sent, and where they went, or None. The first process of each machine removes the
+    ./.deepspeed_env that `accelerate launch` left in the launch folder (the ranks run there), which holds them in
+    plain text; a DS_ENV_FILE the user named is theirs, only named. Training goes on (docs/multi-node.md says why)."""
+    if int(environ.get("CROSS_SIZE", "1")) < 2 or HOSTS_LAUNCH in environ or not (names := secret_names(environ)):
+        return None
+    env_file = Path(environ.get("DS_ENV_FILE", ".deepspeed_env"))
+    if "DS_ENV_FILE" in environ:
+        file = f"in {env_file}, which DS_ENV_FILE names (delete the lines that hold them)"
+    else:
+        file = f"in {env_file.absolute()} (mode 644; removed now)"
+        if local_main:
+            env_file.unlink(missing_ok=True)
+    return (f"this hostfile launch did not come through `python -m trainkit.hosts`, so the launching shell's "
+            f"{', '.join(names)} went to every host: on the launcher's output (its `cmd = pdsh ... export ...` "
+            f"line), on each host's pdsh and ssh command lines (any local user's process list shows them), in every "
+            f"rank's environment, and {file}. Rotate them, and launch with `python -m trainkit.hosts --config_file "
+            f"<the YAML> train.py ...`, which sends only the variables trainkit/hosts.py allows")
+
+
 def environment_note(launch: Launch) -> str | None:
     """For --dry_run of a hostfile launch: which secret-looking variables `accelerate launch` would send."""
     if launch.distributed_type != "DEEPSPEED" or not launch.settings.get("deepspeed_hostfile") or \
@@ -245,6 +271,13 @@ def main(argv: list[str] | None = None) -> int:
     """`accelerate launch ARGV` with only the allowed environment; the hosts' variables go through a private file."""
     argv = sys.argv[1:] if argv is None else argv
     env, dropped = allowed_environment(os.environ)
+    env[HOSTS_LAUNCH] = "1"
+    leftover = Path(".deepspeed_env")
+    if leftover.is_file() and (names := secret_names(dict(
+            line.partition("=")[::2] for line in leftover.read_text(errors="replace").splitlines() if "=" in line))):
+        print(f"note: {leftover.absolute()} is left from an earlier `accelerate launch` of a hostfile YAML and holds "
+              f"{', '.join(names)} in plain text; this launch does not read it: delete it (rm {leftover})",
+              file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory(prefix="trainkit-hosts-") as private:  # mode 700, removed on the way out
         env_file = Path(private) / "deepspeed_env"
         # DS_ENV_FILE replaces ~/.deepspeed_env for DeepSpeed's runner: what the user wrote there is carried over.
