@@ -20,6 +20,7 @@ ZeRO paper's idealised 2 + 2 + 12 bytes per parameter:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +33,19 @@ OPTIMIZER_BYTES = {"adamw": 8, "sgd": 0}
 
 
 @dataclass(frozen=True, slots=True)
+class DecoderShape:
+    """What the activation estimate reads of a transformers decoder's config."""
+
+    hidden: int
+    ffn: int  # the MLP's inner width
+    heads: int
+    vocab: int
+    gated: bool  # a gated MLP (Llama, Qwen2, Mistral: gate, up, down) rather than GPT's (up, down)
+    attention: str  # config._attn_implementation: eager, sdpa, flash_attention_2, ...
+    dropout: float  # attention dropout (eager keeps its mask and output too)
+
+
+@dataclass(frozen=True, slots=True)
 class ModelShape:
     """What the estimate needs to know about a model: parameter sizes and its hidden size."""
 
@@ -41,6 +55,7 @@ class ModelShape:
     names: tuple[str, ...] = ()  # the parameters' names, in the order of numels (what a model split assigns)
     # The tensor-parallel plan the model declares (model._tp_plan: module name pattern -> style), as pairs
     tp_plan: tuple[tuple[str, str], ...] = ()
+    decoder: DecoderShape | None = None  # a transformers decoder's sizes; None for any other model
 
     @property
     def num_params(self) -> int:
@@ -67,7 +82,22 @@ def model_shape(recipe: Recipe, cfg: TrainConfig, model: torch.nn.Module | None 
     layers = getattr(getattr(model, "config", None), "num_hidden_layers", None) or \
         sum(isinstance(m, torch.nn.Linear) for m in model.modules())
     return ModelShape(tuple(p.numel() for p in params), hidden_size(model), layers, tuple(names),
-                      tuple((getattr(model, "_tp_plan", None) or {}).items()))
+                      tuple((getattr(model, "_tp_plan", None) or {}).items()), decoder_shape(model))
+
+
+def decoder_shape(model: torch.nn.Module) -> DecoderShape | None:
+    """The sizes of a transformers decoder (a config with hidden_size, num_attention_heads and vocab_size), else
+    None."""
+    config = getattr(model, "config", None)
+    hidden, heads, vocab = (getattr(config, name, None) for name in ("hidden_size", "num_attention_heads",
+                                                                     "vocab_size"))
+    if not (hidden and heads and vocab):
+        return None
+    ffn = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * hidden
+    gated = any(hasattr(m, "gate_proj") for m in model.modules())
+    dropout = getattr(config, "attention_dropout", None) or getattr(config, "attn_pdrop", None) or 0.0
+    return DecoderShape(hidden, ffn, heads, vocab, gated, getattr(config, "_attn_implementation", None) or "eager",
+                        float(dropout))
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,39 +120,96 @@ class Estimate:
         return self.state - self.host + self.transient + self.activations
 
 
-def activation_bytes(shape: ModelShape, micro_batch: int, seq_len: int | None, heads: int | None,
-                     precision: str, checkpointing: bool) -> int:
-    """Activations kept for backward, per rank, for one micro-batch.
+# Activations a decoder layer keeps for backward, in elements per token, fitted to what autograd really saves
+# (tests/test_estimate.py counts them with saved-tensor hooks; BENCHMARKS.md's memory section): a gated MLP (Llama,
+# Qwen2, Mistral) keeps 10 x hidden + 4 x ffn, GPT-2's 8 x hidden + 2 x ffn. Korthikanti et al. (2022) count GPT's
+# 34 bytes x hidden in 16-bit with dropout masks, the same 16 elements at ffn = 4 x hidden. Eager attention adds
+# its scores: heads x seq_len per token (and with dropout, the mask and the dropped copy); sdpa and flash attention
+# recompute them in backward and keep none. The head keeps the logits (vocab per token) and a few hidden-sized norms,
+# and the loss's backward makes two more logit-sized tensors (the softmax and the logits' gradient) while every
+# layer's activations are still held: that is the step's peak (measured with torch.profiler's memory timeline).
+PER_TOKEN = {True: (10, 4), False: (8, 2)}  # gated: (per hidden, per ffn)
 
-    Transformers: Korthikanti et al. (2022), s*b*h*(34 + 5*a*s/h) bytes per layer in 16-bit, doubled in fp32;
-    with gradient checkpointing only each layer's input (2*s*b*h) is kept. Other models: every Linear output twice
-    (pre- and post-activation) at the model's hidden width.
-    """
-    scale = 1 if precision in ("bf16", "fp16") else 2
-    if seq_len:
-        s, b, h, a = seq_len, micro_batch, shape.hidden, heads or 1
-        per_layer = 2 * s * b * h if checkpointing else s * b * h * (34 + 5 * a * s / h)
-        return int(scale * per_layer * shape.layers)
-    return int(scale * 2 * 2 * micro_batch * shape.hidden * shape.layers)
+
+def activation_bytes(shape: ModelShape, micro_batch: int, seq_len: int | None, precision: str,
+                     checkpointing: bool) -> int:
+    """The peak of activation memory in a training step, per rank, for one micro-batch of a decoder
+    (ModelShape.decoder) of seq_len tokens: what the forward keeps for backward, and the loss's backward on top; with
+    gradient checkpointing each layer's input, plus one layer's own while backward recomputes it. Other models:
+    every Linear output twice (pre- and post-activation) at the model's hidden width."""
+    size = 2 if precision in ("bf16", "fp16") else 4  # bytes per element (autocast keeps some in fp32: a floor)
+    d = shape.decoder
+    if d is None or not seq_len:
+        return int(size * 2 * micro_batch * shape.hidden * shape.layers)
+    per_hidden, per_ffn = PER_TOKEN[d.gated]
+    layer = per_hidden * d.hidden + per_ffn * d.ffn
+    if d.attention == "eager":
+        layer += d.heads * seq_len * (2 + 1 / size if d.dropout else 1)
+    head = 3 * d.vocab + 3 * d.hidden
+    kept = (d.hidden * shape.layers + layer) if checkpointing else layer * shape.layers
+    return int(size * micro_batch * seq_len * (kept + head))
+
+
+def measured_activations(model: torch.nn.Module, step: Callable[[], torch.Tensor]) -> tuple[int, int]:
+    """What a training step really holds beyond the model's weights, measured on this machine: (the bytes autograd
+    saves for backward while `step()` computes the loss, each storage counted once, the weights left out; the peak
+    of live tensor bytes over the loss and its backward, from torch.profiler's memory timeline, less what was live
+    before). What activation_bytes is checked against (tests/test_estimate.py, bench/activations.py)."""
+    import json
+    import tempfile
+    import warnings
+
+    from torch.profiler import ProfilerActivity, profile
+
+    storages: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        storages[storage.data_ptr()] = max(storages.get(storage.data_ptr(), 0), storage.nbytes())
+        return tensor
+
+    model.zero_grad(set_to_none=True)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            loss = step()
+        loss.backward()
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = sum(n for ptr, n in storages.items() if ptr not in weights)
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # its successor records CUDA memory only
+        prof.export_memory_timeline(f"{tmp}/timeline.json", device="cpu")
+        _, sizes = json.loads(open(f"{tmp}/timeline.json").read())
+    live = [sum(categories) for categories in sizes]
+    return saved, max(live) - live[0]
+
+
+def attention_note(shape: ModelShape) -> str:
+    """How the estimate counted attention, for the report."""
+    d = shape.decoder
+    if d is None:
+        return "not a transformers decoder: every Linear output twice"
+    return f"attention {d.attention} ({'keeps' if d.attention == 'eager' else 'does not keep'} the scores)"
 
 
 PRECISION_NAMES = {"no": "fp32", "bf16": "bf16", "fp16": "fp16"}
 HEADROOM = 0.9  # of a device's memory a strategy may plan for: the rest is the framework's, buffers', fragmentation's
 
 
-def report(shape: ModelShape, rows: list[Estimate], mine: Estimate, world_size: int, precision: str, optimizer: str,
-           device_memory: int | None) -> str:
+def report(shape: ModelShape, rows: list[Estimate], mine: Estimate | None, world_size: int, precision: str,
+           optimizer: str, device_memory: int | None, assumed: str) -> str:
     """--estimate: every strategy's bytes per rank (`rows`, fastest first), the fastest that fits `device_memory`,
-    and whether this launch's strategy (`mine`) fits. One unit throughout."""
+    and whether this launch's strategy (`mine`; None when no launch was chosen) fits. `assumed`: the micro-batch,
+    sequence length and attention that the activations were counted for. One unit throughout."""
     gib = 1024 ** 3
-    unit, size = ("GiB", gib) if max(r.device for r in [*rows, mine]) >= gib / 10 else ("MiB", 1024 ** 2)
+    unit, size = ("GiB", gib) if max(r.device for r in rows + [mine] * bool(mine)) >= gib / 10 else ("MiB", 1024 ** 2)
 
     def fmt(b: float) -> str:
         return f"{b / size:,.3f}"
 
     lines = [f"{shape.num_params:,} parameters, {world_size} process(es), {PRECISION_NAMES[precision]}, optimizer "
-             f"{optimizer}; {unit} per rank (device peak = states not offloaded + activations "
-             f"{fmt(mine.activations)} {unit})",
+             f"{optimizer}; {unit} per rank",
+             f"assumed per rank: {assumed}: activations {fmt(rows[0].activations)} {unit} (device peak = states not "
+             f"offloaded + activations)",
              f"{'strategy':<26}{'params':>12}{'grads':>12}{'optim+master':>14}{'host (CPU)':>12}{'device peak':>13}"]
     for r in rows:
         lines.append(f"{r.strategy:<26}{fmt(r.params):>12}{fmt(r.grads):>12}{fmt(r.optimizer):>14}"
@@ -142,14 +229,18 @@ def report(shape: ModelShape, rows: list[Estimate], mine: Estimate, world_size: 
                      f"{unit})" if fitting else
                      "nothing fits: add processes, or shrink the model, the micro-batch or the sequence length "
                      "(--gradient_checkpointing cuts activations)")
-        verdict = (f"; fits, {fmt(usable - mine.device)} {unit} to spare" if mine.device <= usable else
-                   f"; does not fit: {fmt(mine.device - usable)} {unit} over")
-    lines.append(f"this launch ({mine.strategy}, {world_size} process(es)): {fmt(mine.state)} {unit} of model state "
-                 f"per rank, device peak {fmt(mine.device)} {unit}{verdict}")
+        verdict = "" if mine is None else (f"; fits, {fmt(usable - mine.device)} {unit} to spare"
+                                           if mine.device <= usable else
+                                           f"; does not fit: {fmt(mine.device - usable)} {unit} over")
+    if mine is None:
+        lines.append("no launch chosen: with --accelerate_config FILE (or under accelerate launch) the last line "
+                     "is that config's")
+    else:
+        lines.append(f"this launch ({mine.strategy}, {world_size} process(es)): {fmt(mine.state)} {unit} of model "
+                     f"state per rank, device peak {fmt(mine.device)} {unit}{verdict}")
     return "\n".join(lines)
 
 
-def run_activations(shape: ModelShape, cfg: TrainConfig, precision: str) -> int:
-    """Activation bytes for this run; recipes with seq_len/heads fields get the transformer formula."""
-    return activation_bytes(shape, cfg.batch_size, getattr(cfg, "seq_len", None), getattr(cfg, "heads", None),
-                            precision, getattr(cfg, "gradient_checkpointing", False))
+def run_activations(shape: ModelShape, cfg: TrainConfig, seq_len: int | None, precision: str) -> int:
+    """Activation bytes for this run (seq_len: the recipe's tokens per sample)."""
+    return activation_bytes(shape, cfg.batch_size, seq_len, precision, getattr(cfg, "gradient_checkpointing", False))

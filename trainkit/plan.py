@@ -27,7 +27,16 @@ from trainkit.config import (
 )
 from trainkit.data import global_batch_size
 from trainkit.errors import ConfigError, Problem
-from trainkit.estimate import Estimate, ModelShape, meta_model, model_shape, report, run_activations
+from trainkit.estimate import (
+    PRECISION_NAMES,
+    Estimate,
+    ModelShape,
+    attention_note,
+    meta_model,
+    model_shape,
+    report,
+    run_activations,
+)
 from trainkit.hosts import check_hosts, environment_note, rendezvous_note
 from trainkit.launch import Launch, check_machine, check_yaml
 from trainkit.metrics import FlopCount, check_trackers, count_flops
@@ -89,7 +98,7 @@ def make_plan(options: RunOptions, overrides: list[tuple[str, str, str]]) -> Pla
     if problems := strategy.check_model(model):  # a split the model does not declare, for example
         raise ConfigError(problems)
     shape = model_shape(recipe, cfg, model)
-    activations = run_activations(shape, cfg, launch.mixed_precision)
+    activations = run_activations(shape, cfg, recipe.tokens_per_sample(cfg), launch.mixed_precision)
     estimate = strategy.estimate(shape, options.num_processes or launch.world_size, activations)
     flops = count_flops(model, recipe.tokens_per_sample(cfg))
     resolved = resolved_config(recipe, cfg, sources, launch, strategy, estimate, flops, run_option_values(options))
@@ -144,7 +153,13 @@ def estimate_report(plan: Plan) -> str:
     plain = dataclasses.replace(plan.cfg, pipeline_stages=1)
     candidates = [for_launch(dataclasses.replace(launch, **resized), plain, {})
                   for launch in shipped_strategies().values()]
-    activations = run_activations(plan.shape, plan.cfg, precision)
+    seq_len = plan.recipe.tokens_per_sample(plan.cfg)
+    activations = run_activations(plan.shape, plan.cfg, seq_len, precision)
     rows = [s.estimate(plan.shape, world_size, activations) for s in sorted(candidates, key=lambda s: s.speed_rank)]
-    return report(plan.shape, rows, mine.estimate(plan.shape, world_size, activations), world_size, precision,
-                  plan.cfg.optimizer, plan.options.device_memory)
+    launched = plan.launch.source != "no launcher"  # a launcher's environment, or --accelerate_config's YAML
+    checkpointing = getattr(plan.cfg, "gradient_checkpointing", False)
+    assumed = (f"micro-batch {plan.cfg.batch_size}" + (f" x {seq_len} tokens" if seq_len else "")
+               + f" (--batch_size{', --seq_len' if seq_len else ''}), {PRECISION_NAMES[precision]}, "
+               + f"{attention_note(plan.shape)}, gradient checkpointing {'on' if checkpointing else 'off'}")
+    return report(plan.shape, rows, mine.estimate(plan.shape, world_size, activations) if launched else None,
+                  world_size, precision, plan.cfg.optimizer, plan.options.device_memory, assumed)
