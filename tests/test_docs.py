@@ -118,6 +118,6 @@ def test_every_documented_command_runs_as_printed(page, tmp_path):
                               timeout=600)
         print(f"\nexit {done.returncode}: {shlex.join(args)}")
         if done.returncode != 0:
-            errors = [line for line in done.stderr.splitlines() if line.startswith("error")]
-            failures.append(f"{command}\n  -> exit {done.returncode}: {errors or done.stderr[-1500:]}")
+            errors = [line for line in (done.stdout + done.stderr).splitlines() if "error" in line or "FAILED" in line]
+            failures.append(f"{command}\n  -> exit {done.returncode}: {errors or (done.stdout + done.stderr)[-1500:]}")
     assert not failures, "\n".join(failures)
