@@ -61,6 +61,7 @@ class Settings:
     repeats: int  # peers: runs of each tool, alternating; the median run counts
     markdown: Path
     images: Path
+    peer_strategies: tuple[str, ...] = ()  # peers: a subset of PEER_STRATEGIES; empty: all
 
     @property
     def window(self) -> str:
@@ -278,7 +279,8 @@ TOOLS = {"trainkit": "trainkit", "hf_trainer": "HF Trainer", "accelerate_loop": 
 
 def section_peers(settings: Settings, tmp: Path) -> tuple[str, Callable]:
     micro = MICRO_BATCH["tiny_transformer"]
-    strategies = ("single", "deepspeed_zero2", "fsdp") if settings.quick else PEER_STRATEGIES
+    strategies = ("single", "deepspeed_zero2", "fsdp") if settings.quick else settings.peer_strategies or \
+        PEER_STRATEGIES
     base = ["--recipe", "tiny_transformer", "--batch_size", str(micro)]
     results: dict[str, dict[str, Result]] = {}
     median: dict[str, dict[str, float | None]] = {}  # the median run's throughput of each tool
@@ -322,7 +324,8 @@ def section_peers(settings: Settings, tmp: Path) -> tuple[str, Callable]:
             f"{ratio('single', 'torch_loop', median)} | {ratio('single', 'torch_loop', best)} |"]
     text = (f"Tiny transformer (recipes/tiny_transformer.py's build_model), 128-token blocks of the same data, "
             f"micro-batch {micro} per process, fp32, AdamW (lr 3e-3, weight decay 0.01 on matrices, betas (0.9, "
-            "0.999), eps 1e-8), warm-up + cosine schedule, clipping at 1.0; all three in one run of this script, "
+            "0.999), eps 1e-8; torch's fused kernel in every tool, the Trainer's default adamw_torch_fused), warm-up "
+            "+ cosine schedule, clipping at 1.0; all three in one run of this script, "
             f"each run {settings.repeats} time(s) in turn and the run of median throughput shown (on this machine the "
             "same command varies by up to 30% from run to run). The fastest-step columns compare each tool's fastest "
             "step over all its runs: a busy spell of the machine only slows steps, so the fastest step is what a step "
@@ -525,7 +528,9 @@ def write_section(settings: Settings, name: str, body: str, png: Path, seconds: 
     title = SECTIONS[name][0]
     start, end = f"<!-- throughput {name}: written by bench/throughput.py -->", f"<!-- end of throughput {name} -->"
     command = (f"python bench/throughput.py --section {name}" + (" --quick" if settings.quick else "")
-               + (f" --repeats {settings.repeats}" if name == "peers" and settings.repeats != REPEATS else ""))
+               + (f" --repeats {settings.repeats}" if name == "peers" and settings.repeats != REPEATS else "")
+               + (f" --peer_strategies {','.join(settings.peer_strategies)}" if name == "peers" and
+                  settings.peer_strategies else ""))
     image = os.path.relpath(png, settings.markdown.parent)
     section = (f"{start}\n## {title}\n\n"
                f"Command: `{command}` ({settings.steps} optimizer steps per run, evaluation only at the end, "
@@ -543,12 +548,14 @@ def main() -> None:
                         help="peers: runs of each tool, taken in turn (this machine varies by up to 30%% from run to "
                         "run); the median counts")
     parser.add_argument("--quick", action="store_true", help="a few configs, 8 steps: a check, not a measurement")
+    parser.add_argument("--peer_strategies", default="",
+                        help=f"peers: comma-separated, of {', '.join(PEER_STRATEGIES)} (default: all)")
     parser.add_argument("--markdown", type=Path, default=ROOT / "BENCHMARKS.md", help="the file the sections go to")
     parser.add_argument("--images", type=Path, default=ROOT / "docs" / "images", help="where the charts go")
     args = parser.parse_args()
     settings = Settings(8 if args.quick else 24, 4 if args.quick else 7, args.quick,
                         1 if args.quick else args.repeats, args.markdown.resolve(),
-                        args.images.resolve())
+                        args.images.resolve(), tuple(s for s in args.peer_strategies.split(",") if s))
     import matplotlib
 
     matplotlib.use("Agg")

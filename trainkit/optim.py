@@ -10,13 +10,20 @@ from trainkit.config import TrainConfig
 
 def build_optimizer(cfg: TrainConfig, model: torch.nn.Module,
                     adam_class: type[torch.optim.Optimizer] = torch.optim.AdamW) -> torch.optim.Optimizer:
-    """AdamW (or a drop-in such as DeepSpeed's CPU Adam) with weight decay on matrices only, or plain SGD."""
+    """AdamW (or a drop-in such as DeepSpeed's CPU Adam) with weight decay on matrices only, or plain SGD.
+
+    torch's AdamW runs its fused kernel (what the Hugging Face Trainer's default, adamw_torch_fused, selects): on a
+    CPU torch's default is the one-tensor-at-a-time loop, measured 4.8x slower per step on the tiny transformer's 38
+    tensors (3.1 vs 0.65 ms) and 4.0x on the cpu preset's (72 vs 18 ms). It rounds a little differently (3.6e-7
+    after 23 steps); every strategy and the one-process reference use it alike, so the parity bounds hold.
+    """
     params = [p for p in model.parameters() if p.requires_grad]
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(params, lr=cfg.lr)
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    return adam_class([g for g in groups if g["params"]], lr=cfg.lr)
+    fused = {"fused": True} if adam_class is torch.optim.AdamW else {}
+    return adam_class([g for g in groups if g["params"]], lr=cfg.lr, **fused)
 
 
 def build_scheduler(cfg: TrainConfig, optimizer: torch.optim.Optimizer):

@@ -70,7 +70,7 @@ def main() -> None:
         training_args = TrainingArguments(
             output_dir=out, per_device_train_batch_size=cfg.batch_size, gradient_accumulation_steps=cfg.grad_accum,
             max_steps=cfg.max_steps, learning_rate=cfg.lr, weight_decay=cfg.weight_decay, adam_beta1=0.9,
-            adam_beta2=0.999, adam_epsilon=1e-8, optim="adamw_torch", warmup_steps=cfg.warmup_steps,
+            adam_beta2=0.999, adam_epsilon=1e-8, optim="adamw_torch_fused", warmup_steps=cfg.warmup_steps,
             lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr_rate": cfg.min_lr_ratio},
             max_grad_norm=cfg.max_grad_norm, seed=cfg.seed, dataloader_drop_last=True,
             # DeepSpeed must not get use_cpu (Accelerate would then train DDP): the Trainer's documented way.
