@@ -271,6 +271,7 @@ def test_a_resumed_launch_keeps_saving_as_the_run_was_started_to(run_dir):
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step_15", "step_20"]
 
 
+@pytest.mark.slow
 def test_resuming_a_run_that_finished_without_checkpoints_keeps_its_final(check_only, run_dir):
     """--overwrite would delete final/: the advice names the weights and a new folder instead."""
     out = run_dir("out")

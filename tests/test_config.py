@@ -178,6 +178,7 @@ def test_an_exception_from_a_library_called_by_the_users_loss_names_the_users_li
     assert "Traceback" not in run.stderr
 
 
+@pytest.mark.slow
 def test_an_error_while_the_progress_bar_is_drawn_starts_a_line_of_its_own(tmp_path):
     """The recipe fails at step 3, with the bar on screen: `grep '^error:'` must find the error line (it was glued to
     the bar's `... 2/20 [00:01 ...]`); and the bar's postfix shows the step just done."""

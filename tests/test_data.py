@@ -180,6 +180,7 @@ def test_a_data_file_mistake_is_named_by_the_dry_run(check_only, tmp_path, recip
     assert_refused(run, message.format(path=path))
 
 
+@pytest.mark.slow
 def test_a_mistake_past_what_the_dry_run_reads_is_named_when_the_run_loads_it(run_dir, tmp_path):
     """The dry run reads a file's first MiB; the line at fault further on is found when the run loads the file,
     named the same way (not as datasets' DatasetGenerationError blamed on the recipe)."""
@@ -195,9 +196,38 @@ def test_a_mistake_past_what_the_dry_run_reads_is_named_when_the_run_loads_it(ru
     assert run.stderr.count("error: ") == 1 and "Failed to load JSON" not in run.stderr
 
 
+@pytest.mark.slow
 def test_too_little_text_says_so_naming_the_data(run_dir, tmp_path):
     path = tmp_path / "short.txt"
     path.write_text("hello\n")
     assert_refused(launch(run_dir("run"), "--recipe", "tiny_transformer", "--data", str(path)),
                    f"too little text: --data {path} gives 0 blocks of 128 tokens, and a training and a held-out split "
                    f"need 2 at least (--data {path}): pass more text, or a smaller --seq_len")
+
+
+def test_a_held_out_split_smaller_than_a_global_batch_is_evaluated_whole_in_smaller_micro_batches():
+    from trainkit.data import eval_layout
+
+    layout = BatchLayout(micro_batch=16, grad_accum=4, rank=1, world_size=1)  # the pipeline page's: 64 per step
+    small = eval_layout(layout, 62)
+    assert (small.micro_batch, small.grad_accum, small.global_batch) == (15, 4, 60)
+    assert eval_layout(layout, 64) is layout and eval_layout(layout, 3) is None
+    two = eval_layout(BatchLayout(micro_batch=16, grad_accum=2, rank=1, world_size=2), 50)
+    assert two.global_batch == 48 and two.micro_slices() == [slice(24, 36), slice(36, 48)]
+
+
+@pytest.mark.slow
+def test_a_small_held_out_split_gives_one_process_eval_loss(run_dir):
+    """2 processes x 16 x 2 (a global batch of 64) with 50 held-out samples: the first 48 evaluated, in 2 x 2
+    micro-batches of 12, give the eval loss of one process that trains on the same global batches (16 x 4) and
+    evaluates the same 48 in 4 x 12; too few to give every micro-batch a sample is refused naming the split."""
+    args = ["--recipe", "mlp", "--max_steps", "3", "--eval_every", "0", "--eval_samples", "50"]
+    ddp = launch(run_dir("ddp"), *args, "--batch_size", "16", "--grad_accum", "2", config="ddp").check()
+    assert "note: the held-out split (50 samples) is smaller than one global batch (64): evaluated as one batch " \
+           "of 48 (micro-batch 12)" in ddp.stderr
+    one = launch(run_dir("one"), *args, "--batch_size", "16", "--grad_accum", "4").check()
+    assert "evaluated as one batch of 48 (micro-batch 12)" in one.stderr
+    assert abs(ddp.metrics[-1]["eval_loss"] - one.metrics[-1]["eval_loss"]) <= 1e-5 * one.metrics[-1]["eval_loss"]
+    assert_refused(launch(run_dir("few"), "--recipe", "mlp", "--max_steps", "1", "--eval_samples", "3",
+                          "--batch_size", "2", "--grad_accum", "2", config="ddp"),
+                   "the held-out split has 3 samples, fewer than 4: one per micro-batch of every data-parallel rank")

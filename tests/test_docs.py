@@ -1,10 +1,11 @@
 """Every command that README.md, docs/ and recipes/README.md print runs as printed, so that a page cannot rot.
 
 A command is taken from the pages' code blocks (continuation lines joined) and from inline code that is a whole
-command (one without a placeholder such as NAME, <path> or ...). Each runs from the repository root, in page order,
-with a limit on its training steps and an output folder of its own (a resume reuses the folder of the run before it
-on its page). What cannot run here (another machine, a GPU) is listed in NOT_HERE with the reason, and the test fails
-on a command that is in neither: a new page's example is run from the day it is written.
+command (one without a placeholder such as NAME, <path> or ...). Each runs from the repository root, with a limit on
+its training steps and an output folder of its own, two at a time (a resume, or a plot of earlier runs, after the
+commands of its page that it reads). What cannot run here (another machine, the network, the user's own recipe) is
+listed in NOT_HERE with the reason and where it is covered; every other command runs, so a new page's example is
+run from the day it is written.
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ def runs_training(args: list[str]) -> bool:
 
 def prepared(page_commands: list[str], tmp: Path) -> list[tuple[str, list[str] | None, str]]:
     """(command, argv or None, why not) for one page's commands, in order."""
+    tmp.mkdir(parents=True, exist_ok=True)
     last_dir, result = None, []
     for i, command in enumerate(page_commands):
         reason = next((why for key, why in NOT_HERE.items() if key in command), None)
@@ -97,6 +99,38 @@ def prepared(page_commands: list[str], tmp: Path) -> list[tuple[str, list[str] |
     return result
 
 
+def chains(prepared_page: list[tuple[str, list[str] | None, str]]) -> list[list[tuple[str, list[str]]]]:
+    """A page's runnable commands as chains that may run beside each other: a command that reads what an earlier
+    one wrote (a resume, a plot of earlier runs) joins the chains of those before it on its page."""
+    result: list[list[tuple[str, list[str]]]] = []
+    for command, args, _ in prepared_page:
+        if args is None:
+            continue
+        if "--resume" in args or args[:3] == ["python", "-m", "trainkit.plot"]:
+            result = [[step for chain in result for step in chain] + [(command, args)]]
+        else:
+            result.append([(command, args)])
+    return result
+
+
+def side_by_side(args: list[str]) -> list[str]:
+    """Two launches at once on one machine need a port each: `--main_process_port 0`, as the README says."""
+    return [*args[:2], "--main_process_port", "0", *args[2:]] if args[:2] == ["accelerate", "launch"] else args
+
+
+def run_chain(chain: list[tuple[str, list[str]]]) -> list[str]:
+    failures = []
+    for command, args in chain:
+        done = subprocess.run(side_by_side(args), cwd=ROOT, env={**os.environ, **TEST_ENV}, capture_output=True,
+                              text=True, timeout=600)
+        print(f"\nexit {done.returncode}: {shlex.join(args)}")
+        if done.returncode != 0:
+            said = [line for line in (done.stdout + done.stderr).splitlines() if "error" in line or "FAILED" in line]
+            failures.append(f"{command}\n  -> exit {done.returncode}: {said or (done.stdout + done.stderr)[-1500:]}")
+            break  # what comes after it on its chain reads what it did not write
+    return failures
+
+
 COMMANDS = documented_commands()
 BY_PAGE = {page: [c for p, c in COMMANDS if p == page] for page, _ in COMMANDS}
 
@@ -107,17 +141,18 @@ def test_the_pages_print_commands_to_run():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("page", sorted(BY_PAGE))
-def test_every_documented_command_runs_as_printed(page, tmp_path):
-    failures = []
-    for command, args, reason in prepared(BY_PAGE[page], tmp_path):
-        if args is None:
-            print(f"\nnot run here: {command}: needs {reason}")
-            continue
-        done = subprocess.run(args, cwd=ROOT, env={**os.environ, **TEST_ENV}, capture_output=True, text=True,
-                              timeout=600)
-        print(f"\nexit {done.returncode}: {shlex.join(args)}")
-        if done.returncode != 0:
-            errors = [line for line in (done.stdout + done.stderr).splitlines() if "error" in line or "FAILED" in line]
-            failures.append(f"{command}\n  -> exit {done.returncode}: {errors or (done.stdout + done.stderr)[-1500:]}")
+def test_every_documented_command_runs_as_printed(tmp_path):
+    """Two at a time (each launch spends most of its seconds starting Python processes, one core each)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    work = []
+    for i, page in enumerate(sorted(BY_PAGE)):
+        prepared_page = prepared(BY_PAGE[page], tmp_path / f"page{i}")
+        for command, _, reason in prepared_page:
+            if reason:
+                print(f"\nnot run here ({page}): {command}: needs {reason}")
+        work += chains(prepared_page)
+    work.sort(key=len, reverse=True)  # the long chains first: the two lanes end together
+    with ThreadPoolExecutor(max_workers=2) as lanes:
+        failures = [f for found in lanes.map(run_chain, work) for f in found]
     assert not failures, "\n".join(failures)

@@ -195,6 +195,7 @@ def test_a_model_folder_without_weights_is_named_with_what_it_holds(check_only, 
         assert "allow_pickle" not in run.stderr
 
 
+@pytest.mark.slow
 def test_the_tokenizer_that_trains_is_the_one_saved_in_the_folder(tmp_path):
     """A PreTrainedTokenizerFast saved beside a Qwen2 config loads through AutoTokenizer as Qwen2Tokenizer, which
     splits digits: "123" is one id in the saved tokenizer and three in the loaded one. The run refuses, saying so;
