@@ -37,6 +37,10 @@ class FSDP2(Strategy):
         return is_true(self.launch.settings.get("fsdp_offload_params", False))
 
     @property
+    def reshard_after_forward(self) -> bool:
+        return is_true(self.launch.settings.get("fsdp_reshard_after_forward", True))
+
+    @property
     def activation_checkpointing(self) -> bool:
         return is_true(self.launch.settings.get("fsdp_activation_checkpointing", False))
 
@@ -156,7 +160,7 @@ class FSDP2(Strategy):
             mp_policy=MixedPrecisionPolicy(param_dtype=dtypes.get(self.launch.mixed_precision),
                                            reduce_dtype=torch.float32),
             offload_policy=CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if self.offload else OffloadPolicy(),
-            reshard_after_forward=is_true(self.launch.settings.get("fsdp_reshard_after_forward", True)),
+            reshard_after_forward=self.reshard_after_forward,
             mesh=self.fsdp_mesh(),
         )
         blocks = self.blocks(model)
@@ -193,14 +197,22 @@ class FSDP2(Strategy):
 
     @contextlib.contextmanager
     def gradient_sync(self, last: bool) -> Iterator[None]:
-        """One reduce-scatter per step, not one per micro-batch: on all but the last micro-batch FSDP2 keeps each
-        block's unsharded gradient and adds the next one to it (`set_requires_gradient_sync(False)`), and keeps the
-        gathered parameters after backward (`set_reshard_after_backward(False)`), so that the next micro-batch's
-        forward needs no all-gather of the blocks last seen in backward. The cost, during accumulation only: the
-        unsharded gradients of every block and the gathered parameters stay in memory until the last micro-batch,
-        whose backward reduce-scatters and reshards as without accumulation (HSDP: its all-reduce too)."""
+        """One reduce-scatter and the all-gathers of one micro-batch per step, not per micro-batch: on all but the
+        last micro-batch FSDP2 keeps each block's unsharded gradient and adds the next one to it
+        (`set_requires_gradient_sync(False)`), and keeps the gathered parameters after forward and after backward
+        (`set_reshard_after_forward(False)` on the blocks, `set_reshard_after_backward(False)`), so that the next
+        micro-batch gathers nothing. The last micro-batch reshards as without accumulation (HSDP: its all-reduce
+        too). The cost, during accumulation only: the blocks' gathered parameters and unsharded gradients stay in
+        memory until the last micro-batch, as DDP holds them. Tests: the accumulation parity and exact resume of
+        tests/test_strategies.py."""
         self.model.set_requires_gradient_sync(last)
         self.model.set_reshard_after_backward(last)
+        if self.cfg.grad_accum > 1:
+            from torch.distributed.fsdp import FSDPModule
+
+            for block in self.model.modules():  # not the root, whose own setting (False) FSDP2 chose
+                if isinstance(block, FSDPModule) and block is not self.model:
+                    block.set_reshard_after_forward(last and self.reshard_after_forward, recurse=False)
         yield
 
     def clip_grad_norm(self) -> torch.Tensor:
