@@ -181,9 +181,10 @@ def test_a_data_file_mistake_is_named_by_the_dry_run(check_only, tmp_path, recip
 
 
 @pytest.mark.slow
-def test_a_mistake_past_what_the_dry_run_reads_is_named_when_the_run_loads_it(run_dir, tmp_path):
+@pytest.mark.parametrize("config", [None, "ddp"])
+def test_a_mistake_past_what_the_dry_run_reads_is_named_when_the_run_loads_it(run_dir, tmp_path, config):
     """The dry run reads a file's first MiB; the line at fault further on is found when the run loads the file,
-    named the same way (not as datasets' DatasetGenerationError blamed on the recipe)."""
+    named the same way (not as datasets' DatasetGenerationError blamed on the recipe), once, under a launch too."""
     lines = [json.dumps({"text": f"document {i} " * 40}) for i in range(3000)]  # about 1.5 MB
     lines[2500] = lines[2500][:40]
     path = tmp_path / "big.jsonl"
@@ -191,7 +192,7 @@ def test_a_mistake_past_what_the_dry_run_reads_is_named_when_the_run_loads_it(ru
     assert path.stat().st_size > text.CHECKED_BYTES
     args = ["--recipe", "tiny_transformer", "--data", str(path), "--max_steps", "2"]
     assert launch(run_dir("dry"), *args, "--dry_run").returncode == 0
-    run = launch(run_dir("run"), *args)
+    run = launch(run_dir("run"), *args, config=config)
     assert_refused(run, f"{path}:2501 is not valid JSON (Unterminated string starting at, column 10) (--data {path})")
     assert run.stderr.count("error: ") == 1 and "Failed to load JSON" not in run.stderr
 
