@@ -23,8 +23,8 @@ from accelerate.utils import set_seed
 
 from trainkit.checkpoint import Checkpointer, check_folder_shared, clear_outputs, export_final
 from trainkit.config import parse_command_line
-from trainkit.data import BatchLayout, TrainStream, eval_batches, eval_layout
-from trainkit.errors import ConfigError, Problem, TrainingError, failure_in_user_code, out_of_memory
+from trainkit.data import BatchLayout, TrainStream, eval_batches, split_layouts
+from trainkit.errors import ConfigError, TrainingError, failure_in_user_code, out_of_memory
 from trainkit.guards import FiniteCheck, StopSignal
 from trainkit.hardware import Compute
 from trainkit.hosts import exposed_secrets
@@ -123,19 +123,8 @@ def build(plan: Plan) -> Run:
     with accelerator.local_main_process_first():  # one process per machine builds the data caches
         train_set, eval_set = recipe.make_datasets(cfg, options.cache_dir)
     layout = BatchLayout(cfg.batch_size, cfg.grad_accum, strategy.data_parallel_rank, strategy.data_parallel_size)
-    held_out = eval_layout(layout, len(eval_set))
-    if len(train_set) < layout.global_batch or held_out is None:
-        name, size, least = ("training", len(train_set), layout.global_batch) if len(train_set) < layout.global_batch \
-            else ("held-out", len(eval_set), layout.grad_accum * layout.world_size)
-        raise ConfigError([Problem(f"the {name} split has {size} samples, fewer than {least}: one global batch"
-                                   if name == "training" else f"the held-out split has {size} samples, fewer than "
-                                   f"{least}: one per micro-batch of every data-parallel rank",
-                                   "batch_size x grad_accum x data-parallel size",
-                                   "use a smaller --batch_size or --grad_accum, or more data")])
-    if held_out is not layout:
-        strategy.notes.append(f"the held-out split ({len(eval_set)} samples) is smaller than one global batch "
-                              f"({layout.global_batch}): evaluated as one batch of {held_out.global_batch} "
-                              f"(micro-batch {held_out.micro_batch})")
+    held_out, note = split_layouts(layout, len(train_set), len(eval_set))  # refuses splits too small
+    strategy.notes.extend([note] if note else [])
     set_seed(cfg.seed)  # the same initial weights on every rank and in a one-process run
     model = recipe.make_model(cfg)
     checkpointer = Checkpointer(strategy, options.output_dir, options.keep_last)

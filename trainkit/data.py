@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from trainkit.errors import ConfigError, Problem
+
 
 def global_batch_size(micro_batch: int, grad_accum: int, world_size: int) -> int:
     """Samples per optimizer step over all ranks: what the data order, the schedule and the curves are defined by."""
@@ -137,6 +139,25 @@ def eval_layout(layout: BatchLayout, num_samples: int) -> BatchLayout | None:
         return layout
     micro_batch = num_samples // (layout.grad_accum * layout.world_size)
     return dataclasses.replace(layout, micro_batch=micro_batch) if micro_batch else None
+
+
+def split_layouts(layout: BatchLayout, train_samples: int, eval_samples: int) -> tuple[BatchLayout, str | None]:
+    """The held-out split's layout (eval_layout) and a note when it is smaller than the training's; a training split
+    without one global batch, or a held-out one without a sample per micro-batch, is refused."""
+    held_out = eval_layout(layout, eval_samples)
+    where = "batch_size x grad_accum x data-parallel size"
+    fix = "use a smaller --batch_size or --grad_accum, or more data"
+    if train_samples < layout.global_batch:
+        raise ConfigError([Problem(f"the training split has {train_samples} samples, fewer than "
+                                   f"{layout.global_batch}: one global batch", where, fix)])
+    if held_out is None:
+        raise ConfigError([Problem(f"the held-out split has {eval_samples} samples, fewer than "
+                                   f"{layout.grad_accum * layout.world_size}: one per micro-batch of every "
+                                   f"data-parallel rank", where, fix)])
+    note = None if held_out is layout else (
+        f"the held-out split ({eval_samples} samples) is smaller than one global batch ({layout.global_batch}): "
+        f"evaluated as one batch of {held_out.global_batch} (micro-batch {held_out.micro_batch})")
+    return held_out, note
 
 
 def eval_batches(dataset: Dataset, layout: BatchLayout, num_global_batches: int) -> Iterator:
