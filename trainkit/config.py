@@ -319,8 +319,8 @@ def trackers(report_to: str) -> list[str]:
 
 def run_option_values(options: RunOptions) -> dict[str, Any]:
     """The RESUMED_OPTIONS as resolved_config.json holds them (report_to as its command-line text)."""
-    return {"save_every": options.save_every, "keep_last": options.keep_last,
-            "report_to": ",".join(options.report_to) or "none"}
+    values = {name: getattr(options, name) for name in RESUMED_OPTIONS}
+    return {**values, "report_to": ",".join(options.report_to) or "none"}
 
 
 def restore_run_options(options: RunOptions, saved: Mapping[str, Any]) -> tuple[RunOptions, list[str]]:

@@ -201,7 +201,8 @@ def report(shape: ModelShape, rows: list[Estimate], mine: Estimate | None, world
     and whether this launch's strategy (`mine`; None when no launch was chosen) fits. `assumed`: the micro-batch,
     sequence length and attention that the activations were counted for. One unit throughout."""
     gib = 1024 ** 3
-    unit, size = ("GiB", gib) if max(r.device for r in rows + [mine] * bool(mine)) >= gib / 10 else ("MiB", 1024 ** 2)
+    shown = [*rows, mine] if mine else rows
+    unit, size = ("GiB", gib) if max(r.device for r in shown) >= gib / 10 else ("MiB", 1024 ** 2)
 
     def fmt(b: float) -> str:
         return f"{b / size:,.3f}"
@@ -229,15 +230,13 @@ def report(shape: ModelShape, rows: list[Estimate], mine: Estimate | None, world
                      f"{unit})" if fitting else
                      "nothing fits: add processes, or shrink the model, the micro-batch or the sequence length "
                      "(--gradient_checkpointing cuts activations)")
-        verdict = "" if mine is None else (f"; fits, {fmt(usable - mine.device)} {unit} to spare"
-                                           if mine.device <= usable else
-                                           f"; does not fit: {fmt(mine.device - usable)} {unit} over")
-    if mine is None:
-        lines.append("no launch chosen: with --accelerate_config FILE (or under accelerate launch) the last line "
-                     "is that config's")
-    else:
-        lines.append(f"this launch ({mine.strategy}, {world_size} process(es)): {fmt(mine.state)} {unit} of model "
-                     f"state per rank, device peak {fmt(mine.device)} {unit}{verdict}")
+        if mine:
+            verdict = (f"; fits, {fmt(usable - mine.device)} {unit} to spare" if mine.device <= usable else
+                       f"; does not fit: {fmt(mine.device - usable)} {unit} over")
+    lines.append(f"this launch ({mine.strategy}, {world_size} process(es)): {fmt(mine.state)} {unit} of model state "
+                 f"per rank, device peak {fmt(mine.device)} {unit}{verdict}" if mine else
+                 "no launch chosen: with --accelerate_config FILE (or under accelerate launch) the last line is that "
+                 "config's")
     return "\n".join(lines)
 
 

@@ -273,8 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     env, dropped = allowed_environment(os.environ)
     env[HOSTS_LAUNCH] = "1"
     leftover = Path(".deepspeed_env")
-    if leftover.is_file() and (names := secret_names(dict(
-            line.partition("=")[::2] for line in leftover.read_text(errors="replace").splitlines() if "=" in line))):
+    if leftover.is_file() and (names := secret_names(dict.fromkeys(
+            line.partition("=")[0] for line in leftover.read_text(errors="replace").splitlines()))):
         print(f"note: {leftover.absolute()} is left from an earlier `accelerate launch` of a hostfile YAML and holds "
               f"{', '.join(names)} in plain text; this launch does not read it: delete it (rm {leftover})",
               file=sys.stderr, flush=True)

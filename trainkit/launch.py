@@ -65,6 +65,9 @@ PARALLELISM_ENV = {name: f"PARALLELISM_CONFIG_{name.upper()}_SIZE" for name in (
                                                                                  "cp", "sp")}
 
 
+NO_LAUNCHER = "no launcher"  # Launch.source of `python train.py` with no --accelerate_config
+
+
 def is_true(value: Any) -> bool:
     """A YAML or environment boolean: true, 1, yes (any case)."""
     return str(value).lower() in ("1", "true", "yes")
@@ -94,6 +97,11 @@ class Launch:
     # that can differ from what it started: Accelerate's one-process launcher ignores the count (requested_processes)
     asked: tuple[int, str] | None = None
 
+    @property
+    def chosen(self) -> bool:
+        """Whether a launch was chosen: a launcher's environment, or the YAML --accelerate_config names."""
+        return self.source != NO_LAUNCHER
+
     @classmethod
     def from_env(cls) -> Launch:
         """The launch as torchrun (`accelerate launch`, one per machine) or DeepSpeed's launcher (a hostfile) set it up.
@@ -119,7 +127,7 @@ class Launch:
                        if var in env} if is_true(env.get("ACCELERATE_USE_PARALLELISM_CONFIG")) else {}
         return cls(distributed_type=distributed_type, world_size=world_size, num_machines=num_machines,
                    mixed_precision=env.get("ACCELERATE_MIXED_PRECISION", "no").lower(),
-                   source="the launcher's environment" if "ACCELERATE_MIXED_PRECISION" in env else "no launcher",
+                   source="the launcher's environment" if "ACCELERATE_MIXED_PRECISION" in env else NO_LAUNCHER,
                    settings=settings, block_keys=tuple(dict.fromkeys([*settings, *written])),
                    dist_timeout_s=dist_timeout(), main_process_ip=env.get("MASTER_ADDR"), parallelism=parallelism,
                    asked=requested_processes(_launcher_argv()) if _one_process_launcher(env) else None)

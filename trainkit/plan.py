@@ -16,6 +16,7 @@ from typing import Any
 
 from trainkit.checkpoint import Found, check_output_dir, find_checkpoint, lock_output_dir, resume_problems
 from trainkit.config import (
+    RESUMED_OPTIONS,
     RunOptions,
     TrainConfig,
     build_config,
@@ -69,7 +70,7 @@ def make_plan(options: RunOptions, overrides: list[tuple[str, str, str]]) -> Pla
     cfg = build_config(recipe.Config, overrides, restored=saved, flags=run_flags())
     sources = field_sources(cfg, overrides, saved, f"checkpoint {resume.path}" if resume else "")
     sources.update({name: f"--{name}" if name in options.given else f"checkpoint {resume.path}"
-                    if resume and name in restored else "default" for name in run_option_values(options)})
+                    if resume and name in restored else "default" for name in RESUMED_OPTIONS})
     problems: list[Problem] = []
     if options.accelerate_config:
         problems += check_yaml(options.accelerate_config)
@@ -98,9 +99,10 @@ def make_plan(options: RunOptions, overrides: list[tuple[str, str, str]]) -> Pla
     if problems := strategy.check_model(model):  # a split the model does not declare, for example
         raise ConfigError(problems)
     shape = model_shape(recipe, cfg, model)
-    activations = run_activations(shape, cfg, recipe.tokens_per_sample(cfg), launch.mixed_precision)
+    tokens = recipe.tokens_per_sample(cfg)
+    activations = run_activations(shape, cfg, tokens, launch.mixed_precision)
     estimate = strategy.estimate(shape, options.num_processes or launch.world_size, activations)
-    flops = count_flops(model, recipe.tokens_per_sample(cfg))
+    flops = count_flops(model, tokens)
     resolved = resolved_config(recipe, cfg, sources, launch, strategy, estimate, flops, run_option_values(options))
     if restored:  # said on screen: a resumed run that saves (or not) as its first launch did is no surprise
         strategy.notes.append("run options from the checkpoint: " + ", ".join(
@@ -156,10 +158,9 @@ def estimate_report(plan: Plan) -> str:
     seq_len = plan.recipe.tokens_per_sample(plan.cfg)
     activations = run_activations(plan.shape, plan.cfg, seq_len, precision)
     rows = [s.estimate(plan.shape, world_size, activations) for s in sorted(candidates, key=lambda s: s.speed_rank)]
-    launched = plan.launch.source != "no launcher"  # a launcher's environment, or --accelerate_config's YAML
     checkpointing = getattr(plan.cfg, "gradient_checkpointing", False)
     assumed = (f"micro-batch {plan.cfg.batch_size}" + (f" x {seq_len} tokens" if seq_len else "")
                + f" (--batch_size{', --seq_len' if seq_len else ''}), {PRECISION_NAMES[precision]}, "
                + f"{attention_note(plan.shape)}, gradient checkpointing {'on' if checkpointing else 'off'}")
-    return report(plan.shape, rows, mine.estimate(plan.shape, world_size, activations) if launched else None,
+    return report(plan.shape, rows, mine.estimate(plan.shape, world_size, activations) if plan.launch.chosen else None,
                   world_size, precision, plan.cfg.optimizer, plan.options.device_memory, assumed)

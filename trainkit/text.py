@@ -95,10 +95,11 @@ def file_problem(path: Path, text_field: str | None, limit: int | None = None) -
             return Problem(f"{path}:{line} is not UTF-8 text (byte {e.start})", where, "save the file as UTF-8")
         content = raw[:e.start].decode("utf-8")
     lines = content.splitlines()[:-1] if cut else content.splitlines()
+    blank = None if cut or any(line.strip() for line in lines) else \
+        Problem(f"{path} holds only blank lines", where, "pass a file that holds the text to train on")
     kind = LOCAL_FORMATS[path.suffix]
     if kind == "text":
-        return None if cut or any(line.strip() for line in lines) else \
-            Problem(f"{path} holds only blank lines", where, "pass a file that holds the text to train on")
+        return blank
     if kind == "csv":
         rows = csv.reader(io.StringIO("\n".join(lines)))
         header = next(rows, [])
@@ -129,8 +130,7 @@ def file_problem(path: Path, text_field: str | None, limit: int | None = None) -
                            "fix that line: each line holds one JSON object, such as {\"text\": \"...\"}")
         if problem := _record_problem(record, path, number, text_field, where):
             return problem
-    return None if cut or any(line.strip() for line in lines) else \
-        Problem(f"{path} holds only blank lines", where, "pass a file that holds the text to train on")
+    return blank
 
 
 def _record_problem(record, path: Path, line: int, text_field: str | None, where: str) -> Problem | None:
