@@ -267,6 +267,11 @@ def window_note(settings: Settings) -> str:
     return f"median of {settings.window}"
 
 
+def paired_ratios(ours: list[Result], theirs: list[Result]) -> list[float]:
+    """trainkit's throughput over a peer's, round by round, where both ran."""
+    return [a.rate / b.rate for a, b in zip(ours, theirs, strict=True) if a.rate and b.rate]
+
+
 def median_run(results: list[Result]) -> Result:
     """The run of median throughput (the lower middle one of an even count); a failed run if none has a rate."""
     timed = sorted((r for r in results if r.rate is not None), key=lambda r: r.rate)
@@ -285,6 +290,7 @@ def section_peers(settings: Settings, tmp: Path) -> tuple[str, Callable]:
     results: dict[str, dict[str, Result]] = {}
     median: dict[str, dict[str, float | None]] = {}  # the median run's throughput of each tool
     best: dict[str, dict[str, float | None]] = {}  # each tool's fastest step over all its runs
+    paired: dict[str, dict[str, list[float]]] = {}  # trainkit / tool, round by round (neighbours in time)
     for strategy in strategies:
         processes = 1 if strategy == "single" else 2
         tools = [*TOOLS, *(["torch_loop"] if strategy == "single" else [])]
@@ -294,6 +300,7 @@ def section_peers(settings: Settings, tmp: Path) -> tuple[str, Callable]:
                 runs[tool].append(trainkit(settings, tmp, f"peers-{strategy}-{i}",
                                            None if strategy == "single" else strategy, base, processes)
                                   if tool == "trainkit" else peer(settings, tmp, tool, strategy, processes, micro))
+        paired[strategy] = {tool: paired_ratios(runs["trainkit"], r) for tool, r in runs.items() if tool != "trainkit"}
         results[strategy] = {tool: median_run(r) for tool, r in runs.items()}
         median[strategy] = {tool: r.rate for tool, r in results[strategy].items()}
         best[strategy] = {tool: max((x.best for x in r if x.best), default=None) for tool, r in runs.items()}
@@ -322,6 +329,14 @@ def section_peers(settings: Settings, tmp: Path) -> tuple[str, Callable]:
             "|---:|---:|---:|---:|",
             f"| {single['trainkit'].cell()} | {single['torch_loop'].cell()} | "
             f"{ratio('single', 'torch_loop', median)} | {ratio('single', 'torch_loop', best)} |"]
+    rounds = ["| strategy | against | median of the rounds' ratios | lowest | highest | rounds at or above 1.0x |",
+              "|---|---|---:|---:|---:|---:|"]
+    for strategy, tools in paired.items():
+        for tool, ratios in tools.items():
+            if ratios:
+                rounds.append(f"| {strategy} | {({**TOOLS, 'torch_loop': 'bare PyTorch loop'})[tool]} | "
+                              f"{statistics.median(ratios):.2f}x | {min(ratios):.2f}x | {max(ratios):.2f}x | "
+                              f"{sum(r >= 1.0 for r in ratios)} of {len(ratios)} |")
     text = (f"Tiny transformer (recipes/tiny_transformer.py's build_model), 128-token blocks of the same data, "
             f"micro-batch {micro} per process, fp32, AdamW (lr 3e-3, weight decay 0.01 on matrices, betas (0.9, "
             "0.999), eps 1e-8; torch's fused kernel in every tool, the Trainer's default adamw_torch_fused), warm-up "
@@ -341,7 +356,10 @@ def section_peers(settings: Settings, tmp: Path) -> tuple[str, Callable]:
             "every step that the loops do not: one all-reduce of the mean loss and the stop flag, one transfer to the "
             "host that also brings the gradient norm, the finite checks, and a metrics.jsonl line.\n\n"
             + "\n".join(table) + "\n\nThe runner against a bare PyTorch loop (bench/peers/torch_loop.py: the same "
-            "model, data, AdamW, schedule and clipping, nothing else), one process:\n\n" + "\n".join(bare))
+            "model, data, AdamW, schedule and clipping, nothing else), one process:\n\n" + "\n".join(bare)
+            + "\n\nRound by round: in each round every tool runs once, one after the other, so a round's ratio "
+            "compares neighbours in time; a ratio below 1.0x in every round is a gap, rounds on both sides are "
+            "noise:\n\n" + "\n".join(rounds))
 
     def chart(png: Path) -> None:
         import matplotlib.pyplot as plt

@@ -138,6 +138,45 @@ def test_bad_thread_count_is_refused():
         hardware.choose_cpu_threads({"TRAINKIT_CPU_THREADS": "0"}, cores=2)
 
 
+def test_threads_are_set_only_to_change_them(monkeypatch):
+    """torch.set_num_threads also pins MKL's threads and turns its own choice off (trainkit/hardware.py: a slower
+    step on small products), so the runner calls it only when the count changes."""
+    calls = []
+    monkeypatch.setattr(torch, "set_num_threads", calls.append)
+    monkeypatch.setenv("TRAINKIT_CPU_THREADS", str(torch.get_num_threads()))
+    assert hardware.use_cpu_threads().count == torch.get_num_threads() and calls == []
+    monkeypatch.setenv("TRAINKIT_CPU_THREADS", str(torch.get_num_threads() + 1))
+    assert calls == [hardware.use_cpu_threads().count] == [torch.get_num_threads() + 1]
+
+
+KEEP_FREED = """
+import resource, sys, torch
+from trainkit.hardware import keep_freed_memory
+kept = keep_freed_memory() if sys.argv[1] == "keep" else None
+model = torch.nn.Sequential(torch.nn.Linear(256, 2048), torch.nn.GELU(), torch.nn.Linear(2048, 256))
+x = torch.randn(2048, 256)  # activations of 2-16 MiB, allocated and freed in every step
+for step in range(20):
+    if step == 2:  # from the third step on: the steady state
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    model(x).square().mean().backward()
+print(kept, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="glibc's malloc: Linux only")
+def test_freed_memory_is_kept_for_the_next_step():
+    """glibc's defaults give large freed blocks back to the kernel, so the next step's activations arrive as fresh
+    pages (measured: 50,000-120,000 page faults over 18 steps of this MLP); with keep_freed_memory the freed blocks
+    are reused (0-8,200: glibc now and then still extends its heap for an aligned block)."""
+    faults = {}
+    for mode in ("default", "keep"):
+        out = subprocess.run([sys.executable, "-c", KEEP_FREED, mode], cwd=ROOT, capture_output=True, text=True,
+                             env={**os.environ, "PYTHONPATH": str(ROOT)}, check=True).stdout.split()
+        assert out[0] == {"default": "None", "keep": "True"}[mode]
+        faults[mode] = int(out[1])
+    assert faults["default"] > 4 * faults["keep"] + 10_000, faults
+
+
 @pytest.mark.parametrize("allowed, env, says", [
     ({0, 1}, {"OMP_PROC_BIND": "close", "LOCAL_RANK": "0"}, None),  # every CPU: nothing to say
     ({0}, {"OMP_PROC_BIND": "close", "OMP_NUM_THREADS": "2"}, None),  # python train.py, the count given: one

@@ -10,15 +10,29 @@ is the count; otherwise an OMP_NUM_THREADS other than 1 is the user's and kept, 
 (`python train.py`); otherwise (1 under a launcher, or unset) each process takes its share of the cores: cores /
 processes on this machine. GPU machines are left exactly as the launcher set them.
 
+torch.set_num_threads is called only to change the count: it also pins MKL to that many threads and turns off MKL's
+own choice of fewer threads for small matrix products (`mkl_set_num_threads_local`, `mkl_set_dynamic(0)` in
+torch's ParallelOpenMP.cpp), after which the tiny transformer's small products run on both threads and their
+OpenMP barriers sleep and wake through the kernel: 4.5x the futex calls per second and a slower step than the same
+process without the call, which is how the Trainer and a bare loop run (BENCHMARKS.md).
+
 Peak. GPUs: the dense bf16 tensor-core peak from a table of known models. CPUs: measured here, per machine (CPU
 model), thread count, dtype and torch version: the best rate of square matmuls (a second or two), cached as JSON in
 the cache directory. A busy second lowers a measurement (114 to 206 GFLOP/s within minutes on a shared 2-core
 machine), and a low peak would raise every MFU read against it, so the first PEAK_MEASUREMENTS runs each measure once
 and the cache keeps the best; every later run reads it. `--peak_flops` overrides both.
+
+Memory. A CPU run's activations and gradients are allocated and freed every step. glibc's malloc gives large blocks
+back to the kernel when they are freed (mmap'd blocks, and the top of the heap once 128 KiB-256 KiB are free), so the
+next step gets fresh pages, each zeroed by the kernel on first touch: measured on the tiny transformer, about 6,000
+page faults and 14 ms of system time in a 150 ms step, during which the other OpenMP thread waits at its barrier.
+keep_freed_memory keeps freed blocks up to 32 MiB (glibc's largest mmap threshold) in the heap and the heap's top
+up to 2 GiB, as jemalloc or tcmalloc would: 0 faults per step, the same peak resident memory (BENCHMARKS.md).
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import json
 import os
@@ -123,12 +137,28 @@ def _positive(value: str, name: str) -> int:
 
 
 def use_cpu_threads() -> CpuThreads | None:
-    """Set this process's torch threads by the rule above; None (nothing changed) on a machine with GPUs."""
+    """Set this process's torch threads by the rule above, and keep its freed memory (keep_freed_memory); None
+    (nothing changed) on a machine with GPUs."""
     if torch.cuda.is_available():
         return None
     threads = choose_cpu_threads(os.environ, cpu_cores())
-    torch.set_num_threads(threads.count)
+    if torch.get_num_threads() != threads.count:  # only a change: the call also fixes MKL's thread count (below)
+        torch.set_num_threads(threads.count)
+    keep_freed_memory()
     return threads
+
+
+MALLOC_MMAP_LIMIT = 32 * 2**20  # glibc's largest M_MMAP_THRESHOLD on 64-bit machines: blocks up to it stay in the heap
+MALLOC_TRIM_LIMIT = 2**31 - 1  # M_TRIM_THRESHOLD: free memory at the heap's top up to 2 GiB is kept (an int)
+
+
+def keep_freed_memory() -> bool:
+    """Tell glibc's malloc to keep freed blocks for the next step instead of returning them to the kernel (the module
+    docstring says why). False where the C library is not glibc (nothing changed)."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    mallopt = ctypes.CDLL(None).mallopt
+    return bool(mallopt(-3, MALLOC_MMAP_LIMIT) and mallopt(-1, MALLOC_TRIM_LIMIT))  # M_MMAP_, M_TRIM_THRESHOLD
 
 
 def cpu_model() -> str:
