@@ -3,6 +3,7 @@ that equal the trained weights. (Exact resume under every shipped config: tests/
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -15,6 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import ROOT, TEST_ENV, assert_refused, kill_tree, launch, launch_command, max_rel_diff
+from trainkit.errors import write_failure
 
 MLP = ["--recipe", "mlp", "--max_steps", "12", "--eval_every", "0", "--batch_size", "8"]
 # GPT-2 style with dropout on: the resume must also restore every rank's RNG exactly.
@@ -233,6 +235,18 @@ def test_a_full_disk_stops_the_run_with_the_intact_checkpoint_named(small_disk):
     assert f"could not write checkpoint {out / 'checkpoints'}/step_" in run.stderr
     assert f"{out / 'checkpoints' / latest} is intact; free space and continue with --resume latest" in run.stderr
     assert not list((out / "checkpoints").glob("*.tmp")) and "Traceback" not in run.stderr
+
+
+@pytest.mark.parametrize("code, fix", [
+    (errno.EACCES, "make {folder} writable"),  # freeing space would not help: the advice before
+    (errno.EROFS, "make {folder} writable"),
+    (errno.EIO, "remove the cause"),
+])
+def test_a_failed_write_gets_the_fix_for_its_cause(tmp_path, code, fix):
+    """The refusal after a failed checkpoint or metrics write names its cause and the fix for that cause (the full
+    disk, measured for real above, is the one where "free space" is right)."""
+    what, said = write_failure(OSError(code, os.strerror(code)), tmp_path / "out" / "checkpoints")
+    assert os.strerror(code) in what and said == fix.format(folder=tmp_path)
 
 
 @pytest.mark.slow

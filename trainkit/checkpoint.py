@@ -119,9 +119,10 @@ class Checkpointer:
                 raise
             shutil.rmtree(tmp, ignore_errors=True)
             newest = next(iter(_checkpoints(self.root)), None)
-            raise TrainingError(f"could not write checkpoint {final}: {write_failure(e, self.root)}",
-                                f"{newest} is intact; free space and continue with --resume latest" if newest else
-                                "no checkpoint was written before it; free space and start again (--overwrite)"
+            what, fix = write_failure(e, self.root)
+            raise TrainingError(f"could not write checkpoint {final}: {what}",
+                                f"{newest} is intact; {fix} and continue with --resume latest" if newest else
+                                f"no checkpoint was written before it; {fix} and start again (--overwrite)"
                                 ) from None
         if acc.is_main_process:
             self._prune(step)

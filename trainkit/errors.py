@@ -60,14 +60,18 @@ class TrainingError(Exception):
         return [str(self)]
 
 
-def write_failure(error: BaseException, where: Path) -> str:
-    """What went wrong when writing under `where`, in words; a full disk is said as such (torch.save's own message
-    for it is "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")."""
+def write_failure(error: BaseException, where: Path) -> tuple[str, str]:
+    """What went wrong when writing under `where`, in words, and what to do first. A full disk is said as such
+    (torch.save's own message for it is "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598");
+    freeing space would not help a folder that cannot be written."""
     existing = next(p for p in (where, *where.absolute().parents) if p.exists())
     free = shutil.disk_usage(existing).free
-    if getattr(error, "errno", None) == errno.ENOSPC or free < 64 * 1024 ** 2:
-        return f"the disk is full ({free / 1024 ** 2:.1f} MiB free on {existing})"
-    return said(error)
+    code = getattr(error, "errno", None)
+    if code == errno.ENOSPC or free < 64 * 1024 ** 2:
+        return f"the disk is full ({free / 1024 ** 2:.1f} MiB free on {existing})", "free space"
+    if code in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return said(error), f"make {existing} writable"
+    return said(error), "remove the cause"
 
 
 def said(error: BaseException) -> str:

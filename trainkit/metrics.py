@@ -147,10 +147,10 @@ class MetricsLog:
                 self.file.write(json.dumps(finite, allow_nan=False) + "\n")
                 self.file.flush()
             except OSError as e:
-                raise TrainingError(f"could not write {self.file.name}: {write_failure(e, Path(self.file.name))}",
-                                    "free space and continue with --resume latest (the checkpoints written so far "
-                                    "are whole), or start again (--overwrite) if there is none"
-                                    ) from None
+                what, fix = write_failure(e, Path(self.file.name))
+                raise TrainingError(f"could not write {self.file.name}: {what}",
+                                    f"{fix} and continue with --resume latest (the checkpoints written so far are "
+                                    "whole), or start again (--overwrite) if there is none") from None
         self.accelerator.log({k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"},
                              step=record["step"])
         # the postfix first: update() draws the bar, which then shows this step's loss and lr, not the step before's

@@ -193,8 +193,9 @@ def save(figure: Figure, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         figure.savefig(path, dpi=80)
     except OSError as e:
-        raise ConfigError([Problem(f"could not write the picture: {write_failure(e, path)}", str(path),
-                                   "pass --png a path you can write")]) from None
+        what, fix = write_failure(e, path)
+        raise ConfigError([Problem(f"could not write the picture: {what}", str(path),
+                                   f"{fix}, or pass --png a path you can write")]) from None
 
 
 def main(argv: list[str] | None = None) -> int:
