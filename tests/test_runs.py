@@ -101,12 +101,6 @@ def test_an_unreachable_dataset_is_refused(run_dir):
                    "could not load the Hugging Face dataset 'someone/no_such_dataset'")
 
 
-def test_fp16_on_cpu_is_refused(run_dir):
-    run = launch(run_dir("out"), "--recipe", "mlp", config="ddp", extra_launch=("--mixed_precision", "fp16"))
-    assert_refused(run, "fp16 needs a GPU; this machine has none")
-    assert "use --mixed_precision bf16" in run.stderr and not run.output_dir.exists()
-
-
 def test_a_second_run_in_a_folder_a_run_is_writing_is_refused(check_only, run_dir):
     """The folder's lock is held (here by this test, as a running launch's first process holds it): a second run,
     even with --overwrite, which would delete the first one's checkpoints, is refused and deletes nothing."""
@@ -183,7 +177,7 @@ def test_diverging_loss_stops_before_the_step(run_dir):
 
 def test_under_fp16_only_a_loss_that_stays_non_finite_stops_the_run():
     """fp16's loss scaler skips a step with a non-finite loss or gradient and the run goes on; 3 non-finite losses in
-    a row stop it (the GPU check in test_gpu.py counts the skipped steps; fp16 needs a GPU, this logic does not)."""
+    a row stop it (tests/test_fp16.py runs it: forced overflows on a CPU)."""
     from trainkit.errors import TrainingError
     from trainkit.guards import FiniteCheck
 

@@ -38,6 +38,9 @@ class TrainConfig:
     optimizer: str = "adamw"  # adamw | sgd (sgd: plain, no momentum; the classic data-parallel check)
     max_steps: int = 100
     max_grad_norm: float = 1.0  # one max-norm for every strategy; 0 turns clipping off
+    # fp16's first loss scale (torch's GradScaler: one process, DDP, FSDP2; DeepSpeed's fp16 takes its JSON's
+    # initial_scale_power). It halves on every overflow and doubles after 2000 steps without one.
+    loss_scale: float = 2.0 ** 16
     eval_every: int = 50  # optimizer steps between evaluations; 0 evaluates only at the end
     eval_batches: int = 4  # global batches of the held-out split per evaluation
     seed: int = 0
@@ -86,6 +89,7 @@ class TrainConfig:
             ("optimizer", self.optimizer in ("adamw", "sgd"), "adamw or sgd", "use --set optimizer=adamw"),
             ("max_steps", self.max_steps >= 1, ">= 1", "pass --max_steps 1 or more"),
             ("max_grad_norm", self.max_grad_norm >= 0, ">= 0 (0 = no clipping)", "use --set max_grad_norm=1.0"),
+            ("loss_scale", self.loss_scale > 0, "> 0", "use --set loss_scale=65536 (torch's default)"),
             ("eval_every", self.eval_every >= 0, ">= 0", "use --set eval_every=0 to evaluate only at the end"),
             ("eval_batches", self.eval_batches >= 1, ">= 1", "use --set eval_batches=1 or more"),
             # numpy's seeding (accelerate's set_seed) takes 0 ... 2**32 - 1 and fails otherwise, mid-setup

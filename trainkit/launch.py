@@ -5,7 +5,8 @@ or from an Accelerate YAML for `--dry_run --accelerate_config`. Either way the s
 `deepspeed_config` or `fsdp_config`) arrives under the YAML's key names in `Launch.settings`, and the sizes of its
 `parallelism_config` block (tensor parallelism, hybrid sharding) in `Launch.parallelism`, so a strategy reads one form
 whichever way the launch came. `check_yaml` lints a YAML file; `check_machine` refuses what this machine cannot
-run (fp16 without a GPU, more processes than GPUs) and a launch that starts fewer processes than it was asked for.
+run (bf16 on a GPU that only emulates it, more processes than GPUs) and a launch that starts fewer processes than
+it was asked for. fp16 on a CPU is the strategy's to allow or refuse (Strategy.cpu_fp16_refusal).
 """
 
 from __future__ import annotations
@@ -344,11 +345,6 @@ def check_machine(launch: Launch) -> list[Problem]:
     if launch.mixed_precision not in PRECISIONS:
         problems.append(Problem(f"unknown precision {launch.mixed_precision!r}", where,
                                 f"use one of {', '.join(PRECISIONS)}"))
-    if launch.mixed_precision == "fp16" and not on_gpu:
-        # Accelerate gives fp16 on CPU neither autocast nor a loss scaler (silently fp32), and DeepSpeed fails with
-        # "Type fp16 is not supported on your device".
-        problems.append(Problem("fp16 needs a GPU; this machine has none", where,
-                                "use --mixed_precision bf16 (or no) on CPU"))
     if launch.mixed_precision == "bf16" and on_gpu and not torch.cuda.is_bf16_supported(including_emulation=False):
         # Accelerate and DeepSpeed accept it (torch emulates bf16 there), and the run is many times slower than fp16.
         problems.append(Problem(f"bf16 needs a GPU with bf16 arithmetic (Ampere or newer); "

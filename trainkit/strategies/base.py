@@ -74,17 +74,33 @@ class Strategy:
     def check(self) -> list[Problem]:
         """What this strategy refuses in the launch and the config, every problem at once (a subclass adds its own
         to these)."""
-        refusal = self.compile_refusal() if self.cfg.compile else None
-        if refusal is None:
-            return []
-        return [Problem(f"--compile does not work under {self.label}: {refusal}",
-                        f"--compile with {self.launch.source}",
-                        "drop --compile (it changes speed, not the numbers), or train under a config it works "
-                        "under: ddp.yaml, deepspeed_zero2.yaml, fsdp.yaml, ... (docs/strategies.md#torchcompile)")]
+        problems = []
+        if self.cfg.compile and (refusal := self.compile_refusal()) is not None:
+            problems.append(Problem(f"--compile does not work under {self.label}: {refusal}",
+                                    f"--compile with {self.launch.source}",
+                                    "drop --compile (it changes speed, not the numbers), or train under a config it "
+                                    "works under: ddp.yaml, deepspeed_zero2.yaml, fsdp.yaml, ... "
+                                    "(docs/strategies.md#torchcompile)"))
+        if self.cpu_fp16 and (refusal := self.cpu_fp16_refusal()) is not None:
+            problems.append(Problem(f"fp16 on a CPU does not work under {self.label}: {refusal}",
+                                    f"mixed_precision from {self.launch.source}",
+                                    "on a CPU, test fp16's loss scaler under single.yaml, ddp.yaml or fsdp.yaml, and "
+                                    "train in bf16 (--mixed_precision bf16) or fp32 (docs/strategies.md#precision)"))
+        return problems
 
     def compile_refusal(self) -> str | None:
         """Why torch.compile does not work under this strategy (--compile is refused before anything is built), or
         None where it does."""
+        return None
+
+    @property
+    def cpu_fp16(self) -> bool:
+        """fp16 on a machine without GPUs: torch's CPU autocast and loss scaler, which the runner supplies
+        (use_cpu_fp16); a way to run the loss-scaler logic in CI, not a way to train faster."""
+        return self.launch.mixed_precision == "fp16" and not torch.cuda.is_available()
+
+    def cpu_fp16_refusal(self) -> str | None:
+        """Why fp16 on a CPU does not work under this strategy (refused before anything is built), or None."""
         return None
 
     def check_model(self, model: torch.nn.Module) -> list[Problem]:
@@ -149,21 +165,36 @@ class Strategy:
     def build_accelerator(self, output_dir: Path, report_to: list[str]):
         """An Accelerator that does what the launch asked for on this machine, verified before it is returned."""
         from accelerate import Accelerator
-        from accelerate.utils import InitProcessGroupKwargs
+        from accelerate.utils import GradScalerKwargs, InitProcessGroupKwargs
 
         init = self.process_group_kwargs()
+        scaler = [GradScalerKwargs(init_scale=self.cfg.loss_scale)] if self.launch.mixed_precision == "fp16" else []
         accelerator = Accelerator(
             gradient_accumulation_steps=self.cfg.grad_accum,
             # The schedule is defined in optimizer steps; a prepared scheduler otherwise steps once per process.
             step_scheduler_with_optimizer=False,
             log_with=report_to or None,
             project_dir=str(output_dir),
-            kwargs_handlers=([InitProcessGroupKwargs(**init)] if init else []) + self.wrapper_kwargs(),
+            kwargs_handlers=([InitProcessGroupKwargs(**init)] if init else []) + self.wrapper_kwargs() + scaler,
             **self.accelerator_kwargs(),
         )
         self.verify(accelerator)
+        if self.cpu_fp16:
+            self.use_cpu_fp16(accelerator)
         self.accelerator = accelerator
         return accelerator
+
+    def use_cpu_fp16(self, accelerator) -> None:
+        """Give a CPU run what Accelerate gives a GPU run under fp16 and skips on a CPU (accelerator.py: fp16 "and
+        self.device.type != 'cpu'"): native autocast, which prepare() then wraps the model's forward in
+        (torch.autocast("cpu", dtype=float16)), and a loss scaler, which backward, clip_grad_norm_, the prepared
+        optimizer's step and the checkpoint then use exactly as on a GPU. FSDP2 takes the same plain GradScaler
+        there (Accelerate's get_fsdp2_grad_scaler): its DTensor gradients agree on an overflow across the mesh."""
+        accelerator.native_amp = True
+        accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=self.cfg.loss_scale)
+        self.notes.append("fp16 on a CPU: torch's CPU autocast and GradScaler('cpu'), which Accelerate gives only "
+                          "GPUs; it runs the loss scaler's logic (skipped steps, the scale, its checkpoint), slower "
+                          "than fp32 here: for tests, not for speed")
 
     def verify(self, accelerator) -> None:
         """Refuse to train unless Accelerate does what the launch asked (N unsynchronised copies: the worst failure)."""
@@ -292,15 +323,21 @@ class Strategy:
 
     def optimizer_step(self, loss: float, grad_norm: float | None, stop: bool) -> StepResult:
         lr = self.scheduler.get_last_lr()[0]
+        scaler = self.accelerator.scaler
+        scale = scaler.get_scale() if scaler is not None else None
         self.optimizer.step()
-        skipped = self.step_was_skipped()
+        skipped = scaler.get_scale() < scale if scaler is not None else self.step_was_skipped()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=False)  # keep gradient buffers: state_bytes counts them as held
         return StepResult(loss, grad_norm, lr, skipped, stop)
 
     def step_was_skipped(self) -> bool:
-        """fp16's loss scaler skips steps that overflowed; a normal event, counted in metrics."""
-        return self.accelerator.optimizer_step_was_skipped
+        """Whether the step just taken was skipped, where no torch loss scaler ran (a library's own scaler, as
+        DeepSpeed's). Under torch's GradScaler the runner reads the scale instead: it halves exactly when the scaler
+        found an overflow and skipped. Accelerate's own `optimizer_step_was_skipped` misses that skip with a fused
+        optimizer (which the runner uses): GradScaler hands the overflow flag to the fused kernel, which skips inside
+        an optimizer.step() that Accelerate then counts as taken (measured: always False)."""
+        return False
 
     def cast_batch(self, batch: Any) -> Any:
         from accelerate.utils import send_to_device

@@ -93,6 +93,9 @@ class DeepSpeed(Strategy):
     def check(self) -> list[Problem]:
         return super().check() + self.resolved.problems
 
+    def cpu_fp16_refusal(self) -> str | None:
+        return "DeepSpeed's own fp16 engine needs a GPU (it fails with \"Type fp16 is not supported on your device\")"
+
     def compile_refusal(self) -> str | None:
         if self.stage != 3:
             return None

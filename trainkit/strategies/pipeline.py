@@ -80,7 +80,12 @@ class Pipeline(Strategy):
 
     def check(self) -> list[Problem]:
         cfg, launch, where = self.cfg, self.launch, "--pipeline_stages"
-        problems = super().check()
+        problems = super().check() if launch.mixed_precision != "fp16" else [
+            # Measured on a CPU, and so on a GPU: torch's schedule runs each stage's backward itself, on the
+            # unscaled loss, and the scaler's step then fails ("Attempted step but _scale is None").
+            Problem("fp16 does not work with pipeline stages: the pipeline schedule runs each stage's backward "
+                    "itself, without the loss scaler", f"{where} with mixed_precision from {launch.source}",
+                    "train the pipeline in bf16 (--mixed_precision bf16) or fp32")]
         if launch.distributed_type not in ("MULTI_GPU", "MULTI_CPU", "NO"):
             problems.append(Problem(f"pipeline stages compose with data parallelism only, not with "
                                     f"{launch.distributed_type}", f"{where} with {launch.source}",
