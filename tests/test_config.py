@@ -271,6 +271,22 @@ def test_flags_take_dashes_and_typos_get_advice_that_matches(check_only, tmp_pat
         assert_refused(run, f"unknown config field {typo[2:]!r} ({typo}): {advice}")
 
 
+def test_an_output_dir_on_a_read_only_mount_is_refused_with_the_fix_for_it(check_only, tmp_path):
+    """A real read-only file system (a tmpfs mounted ro): fixing permissions would not help, so the advice differs."""
+    mount = tmp_path / "ro"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,ro", "tmpfs", str(mount)], capture_output=True,
+                          text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.strip()}")
+    try:
+        assert_refused(check_only(mount / "run", "--recipe", "mlp"),
+                       f"cannot write in {mount}: its file system is mounted read-only (--output_dir): pass an "
+                       "--output_dir on a writable file system")
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
 def test_an_output_dir_that_cannot_be_written_is_refused(check_only, tmp_path, monkeypatch):
     """Faked (the tests may run as root, for whom every folder is writable): os.access says no."""
     import trainkit.checkpoint

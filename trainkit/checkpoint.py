@@ -219,6 +219,9 @@ def check_output_dir(output_dir: Path, resume: str | None, overwrite: bool) -> l
                         "pass the path of a folder (it is created if missing)")]
     writable = next(p for p in (output_dir, *output_dir.absolute().parents) if p.exists())
     if not os.access(writable, os.W_OK | os.X_OK):
+        if os.statvfs(writable).f_flag & os.ST_RDONLY:  # no permission mends a read-only mount
+            return [Problem(f"cannot write in {writable}: its file system is mounted read-only", "--output_dir",
+                            "pass an --output_dir on a writable file system")]
         return [Problem(f"cannot write in {writable}", "--output_dir",
                         "pass a folder you can write to, or fix its permissions")]
     if resume is not None:
