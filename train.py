@@ -54,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
         if plan.options.dry_run:
             for note in plan.strategy.notes:
                 print(f"note: {note}", file=sys.stderr)
+            if shown := plan.recipe.preview(plan.cfg, plan.options.cache_dir):  # the data as the model reads it
+                print(f"note: {shown}", file=sys.stderr)
             print(json.dumps(plan.resolved, indent=2))
             return 0
         run = build(plan)

@@ -4,7 +4,9 @@ Trains: the model and tokenizer that --model_name_or_path names, on --data: CPyt
 local .txt/.jsonl/.csv files (comma-separated; --text_field names the column), or a Hugging Face dataset name.
 Each document is cut into samples of seq_len tokens, the last piece padded with the tokenizer's pad token (its end
 of text when it has none); the loss is each sample's mean over its real tokens (padding masked out), averaged over
-the samples, so that every split of a global batch gives the same loss. Reports eval_token_accuracy.
+the samples, so that every split of a global batch gives the same loss. Instruction and chat data (prompt/completion,
+chat messages, Alpaca, ShareGPT: trainkit/sft.py) train one example per sample with the loss on the answers only.
+Reports eval_token_accuracy.
 Output: final/ loads with AutoModelForCausalLM / AutoTokenizer.from_pretrained exactly as the input did (the
 weights as safetensors; the tokenizer with its special tokens and chat template).
 
@@ -30,7 +32,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from trainkit import text
+from trainkit import sft, text
 from trainkit.config import TrainConfig
 from trainkit.errors import ConfigError, Problem
 
@@ -51,6 +53,11 @@ class Config(TrainConfig):
     data: str = "pydoc"
     data_config: str = ""
     text_field: str = "text"
+    # The records' layout (trainkit/sft.py): auto (from the first record's fields), text, prompt_completion,
+    # messages, alpaca or sharegpt. Every layout but text learns only the answers unless train_on is "all".
+    data_format: str = "auto"
+    train_on: str = "answers"  # answers | all (prompts, system and user turns too)
+    chat_template: str = ""  # the tokenizer's own; chatml, or a Jinja file, for one that has none
     seq_len: int = 128
     eval_fraction: float = 0.05
     # Training (overrides of TrainConfig's defaults: fine-tuning takes small steps)
@@ -91,7 +98,22 @@ class Config(TrainConfig):
                                         "config field model_name_or_path",
                                         "pass --allow_pickle true to read pytorch_model.bin if you trust the file, "
                                         "or convert it to safetensors"))
-        return problems + text.check_data(self.data, self.text_field)
+        if self.data_format not in ("auto", *sft.FORMATS):
+            problems.append(Problem(f"unknown data_format {self.data_format!r}", "config field data_format",
+                                    f"use auto or one of {', '.join(sft.FORMATS)}"))
+        if self.train_on not in ("answers", "all"):
+            problems.append(Problem(f"train_on must be answers or all, got {self.train_on!r}",
+                                    "config field train_on", "use --train_on answers"))
+        plain = self.data_format == "text" or self.data_format == "auto" and self.layout() == "text"
+        return problems + text.check_data(self.data, self.text_field if plain else None)
+
+    def layout(self) -> str:
+        """The data's layout: data_format, or the one its first local record's fields show (text where they cannot
+        be read cheaply: a Hub name is detected when it loads)."""
+        if self.data_format != "auto":
+            return self.data_format
+        fields = text.first_fields(self.data)
+        return "text" if fields is None else sft.detect(fields, self.text_field)
 
 
 def _load(what: str, cfg: Config, load):
@@ -146,11 +168,15 @@ def tokenizer_of(cfg: Config):
 
 
 def build_datasets(cfg: Config, cache_dir: Path):
+    layout = cfg.layout()
+    if cfg.data_format == "auto" and text.local_files(cfg.data) is None and cfg.data != "pydoc":  # a Hub name
+        layout = sft.detect(text.load_records(cfg.data, cfg.data_config, None, cache_dir).column_names,
+                            cfg.text_field)
+    if layout != "text":
+        return _examples(cfg, layout, cache_dir)
     docs = text.load_documents(cfg.data, cfg.data_config, cfg.text_field, cache_dir)
     tokenizer = tokenizer_of(cfg)
-    # Many causal LMs have no pad token; which token fills the padding does not matter, it is masked out of the loss.
-    end, length = tokenizer.eos_token_id, cfg.seq_len
-    pad = end if tokenizer.pad_token_id is None else tokenizer.pad_token_id
+    end, length, pad = tokenizer.eos_token_id, cfg.seq_len, _pad(tokenizer)
 
     def cut(batch):
         ids_out, mask_out = [], []
@@ -166,13 +192,67 @@ def build_datasets(cfg: Config, cache_dir: Path):
     return text.split_held_out(samples, cfg.eval_fraction, cfg.data, f"samples of {cfg.seq_len} tokens")
 
 
+def _pad(tokenizer) -> int:
+    """Many causal LMs have no pad token; which token fills the padding does not matter, it is masked out of the
+    loss."""
+    return tokenizer.eos_token_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id
+
+
+def _examples(cfg: Config, layout: str, cache_dir: Path):
+    """Instruction or chat records, one sample each (cut to seq_len), with labels only on what is learned; examples
+    left with nothing to learn (their answers cut away) are dropped, and all of them dropped is refused."""
+    records = text.load_records(cfg.data, cfg.data_config, None, cache_dir)
+    missing = [f for f in sft.FIELDS[layout] if f not in records.column_names]
+    if missing:
+        raise ConfigError([Problem(f"the {layout} layout needs the field(s) {', '.join(missing)}; the data has "
+                                   f"{', '.join(records.column_names)}", f"--data {cfg.data}",
+                                   "pass --data_format for the layout the data has (docs/recipes.md)")])
+    tokenizer = tokenizer_of(cfg)
+    template, pad, length = sft.chat_template(tokenizer, cfg.chat_template), _pad(tokenizer), cfg.seq_len
+
+    def encode(batch):
+        rows = {"input_ids": [], "attention_mask": [], "labels": [], "learned": []}
+        for record in ({k: batch[k][i] for k in batch} for i in range(len(next(iter(batch.values()))))):
+            ids, labels = sft.encode(*sft.render(record, layout, tokenizer, template), tokenizer, length,
+                                     cfg.train_on == "all")
+            rows["input_ids"].append(ids + [pad] * (length - len(ids)))
+            rows["attention_mask"].append([1] * len(ids) + [0] * (length - len(ids)))
+            rows["labels"].append(labels + [sft.IGNORE] * (length - len(ids)))
+            rows["learned"].append(sft.learned_count(labels))
+        return rows
+
+    samples = records.map(encode, batched=True, remove_columns=records.column_names)
+    kept = samples.filter(lambda learned: [n > 0 for n in learned], input_columns="learned", batched=True)
+    if len(kept) == 0:
+        raise ConfigError([Problem(f"none of the {len(samples)} examples of {cfg.data} has a token left to learn "
+                                   f"from within --seq_len {length} (the answers come after it)", "--seq_len",
+                                   "pass a larger --seq_len, or --train_on all")])
+    return text.split_held_out(kept.remove_columns("learned"), cfg.eval_fraction, cfg.data,
+                               "examples with something to learn")
+
+
+def preview(cfg: Config, cache_dir: Path) -> str | None:
+    """--dry_run's view of the data: the first example as the model reads it, the learned tokens between [[ and ]]
+    (instruction and chat layouts only)."""
+    layout = cfg.layout()
+    if layout == "text":
+        return None
+    record = text.load_records(cfg.data, cfg.data_config, None, cache_dir)[0]
+    tokenizer = tokenizer_of(cfg)
+    rendered = sft.render(record, layout, tokenizer, sft.chat_template(tokenizer, cfg.chat_template))
+    ids, labels = sft.encode(*rendered, tokenizer, cfg.seq_len, cfg.train_on == "all")
+    return (f"the first example ({layout}, {sft.learned_count(labels)} of {len(ids)} tokens learned, between "
+            f"[[ and ]]):\n{sft.preview(ids, labels, tokenizer)}")
+
+
 def _per_sample(model: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each sample's mean next-token loss over its real tokens, and its share of correctly predicted tokens."""
+    """Each sample's mean next-token loss over its learned tokens (the real ones of plain text; the answers of
+    instruction and chat data), and its share of correctly predicted tokens."""
     ids, mask = batch["input_ids"], batch["attention_mask"]
     # No KV cache: in training it would only copy every layer's keys and values (generate() still uses one).
     logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, :-1].float()
     targets = ids[:, 1:]
-    real = mask[:, 1:].bool()
+    real = batch["labels"][:, 1:] != sft.IGNORE if "labels" in batch else mask[:, 1:].bool()
     token_loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
                                              reduction="none").view_as(targets)
     count = real.sum(dim=1).clamp(min=1)

@@ -18,6 +18,8 @@ and optionally (the defaults are `Recipe`'s):
                                     the mean over every held-out sample of every rank; default none
     export(model, state_dict, cfg, cache_dir, out_dir)
                                     writes final/; default model.safetensors + config.json (the run's config)
+    preview(cfg, cache_dir)         -> str or None: what --dry_run shows of the data (one example as the model
+                                    reads it, what is learned marked); default none
 
 and, to train under pipeline parallelism (--pipeline_stages; all three or none):
 
@@ -64,6 +66,10 @@ def no_metrics(model: torch.nn.Module, batch: Any) -> dict[str, torch.Tensor]:
     return {}
 
 
+def no_preview(cfg: TrainConfig, cache_dir: Path) -> str | None:
+    return None
+
+
 def export_safetensors(model: torch.nn.Module, state_dict: dict[str, torch.Tensor], cfg: TrainConfig,
                        cache_dir: Path, out_dir: Path) -> None:
     """final/model.safetensors and final/config.json (the run's config, to rebuild the model with build_model).
@@ -94,6 +100,7 @@ class Recipe:
     summary: Callable[[Any, Path], dict[str, float]] = no_summary
     eval_metrics: Callable[[torch.nn.Module, Any], dict[str, torch.Tensor]] = no_metrics
     export: Callable[[torch.nn.Module, dict, Any, Path, Path], None] = export_safetensors
+    preview: Callable[[Any, Path], str | None] = no_preview
     pipeline_layers: Callable[[torch.nn.Module], Any] | None = None
     pipeline_stage: Callable[[torch.nn.Module, range, bool, bool], torch.nn.Module] | None = None
     pipeline_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None

@@ -155,6 +155,42 @@ def _json_type(value) -> str:
 
 def load_documents(data: str, data_config: str, text_field: str, cache_dir: Path):
     """A `datasets.Dataset` with a `text` column, from the default corpus, local files, or a hub dataset."""
+    ds, where = load_records(data, data_config, text_field, cache_dir), f"--data {data}"
+    if text_field not in ds.column_names:
+        raise ConfigError([Problem(f"the data has no column {text_field!r} (columns: {', '.join(ds.column_names)})",
+                                   where, "name the text column with --text_field")])
+    kind = getattr(ds.features[text_field], "dtype", None)
+    if kind not in ("string", "large_string"):
+        raise ConfigError([Problem(f"the data's column {text_field!r} holds {kind or ds.features[text_field]}, not "
+                                   f"text", where, "name the text column with --text_field")])
+    return ds.select_columns([text_field]).rename_column(text_field, "text") if text_field != "text" else \
+        ds.select_columns(["text"])
+
+
+def first_fields(data: str) -> list[str] | None:
+    """The fields of the first record of --data's first local JSON or CSV file (what a layout is detected from), or
+    None where that cannot be read cheaply (a Hub name, plain text)."""
+    import csv
+
+    files = local_files(data)
+    if not files or not files[0].is_file() or LOCAL_FORMATS.get(files[0].suffix) not in ("json", "csv"):
+        return None
+    with open(files[0], encoding="utf-8", errors="replace") as f:
+        if files[0].suffix == ".csv":
+            return next(csv.reader(f), [])
+        for line in f:
+            if line.strip():
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    return None  # check_data names the line
+                return list(record) if isinstance(record, dict) else None
+    return None
+
+
+def load_records(data: str, data_config: str, text_field: str | None, cache_dir: Path):
+    """A `datasets.Dataset` of --data's records with every field, from the default corpus, local files, or a hub
+    dataset; text_field is the field check_data looks for in local files (None: none)."""
     import datasets
 
     datasets.disable_progress_bars()
@@ -187,15 +223,7 @@ def load_documents(data: str, data_config: str, text_field: str, cache_dir: Path
                                        f"{str(e).splitlines()[0] if str(e) else ''}", where,
                                        "check the name and the network, or pass local .txt/.jsonl/.csv files")]
                               ) from None
-    if text_field not in ds.column_names:
-        raise ConfigError([Problem(f"the data has no column {text_field!r} (columns: {', '.join(ds.column_names)})",
-                                   where, "name the text column with --text_field")])
-    kind = getattr(ds.features[text_field], "dtype", None)
-    if kind not in ("string", "large_string"):
-        raise ConfigError([Problem(f"the data's column {text_field!r} holds {kind or ds.features[text_field]}, not "
-                                   f"text", where, "name the text column with --text_field")])
-    return ds.select_columns([text_field]).rename_column(text_field, "text") if text_field != "text" else \
-        ds.select_columns(["text"])
+    return ds
 
 
 def split_held_out(samples, eval_fraction: float, data: str, units: str):

@@ -1,0 +1,160 @@
+"""Instruction and chat data (trainkit/sft.py through recipes/causal_lm.py): every layout learns exactly its answers,
+the dry run shows them, mistakes are named, and a chat fine-tune trains under DDP like one process.
+
+The model is a Qwen2 built from a config, with a byte-level BPE tokenizer trained here on the conversations: it has
+no chat template of its own, so the runs pass `--chat_template chatml`, and ChatML's markers are plain text to it.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import PARITY_BOUND, assert_refused, launch, max_rel_diff
+from trainkit import sft
+from trainkit.errors import ConfigError
+from trainkit.recipes import load_recipe
+
+EXAMPLES = 120
+
+
+def conversation(i: int) -> list[dict[str, str]]:
+    a, b = i % 7 + 2, i % 5 + 3
+    return [{"role": "system", "content": "You add numbers."},
+            {"role": "user", "content": f"What is {a} plus {b}?"},
+            {"role": "assistant", "content": f"{a} plus {b} is {a + b}."},
+            {"role": "user", "content": "And doubled?"},
+            {"role": "assistant", "content": f"Doubled it is {2 * (a + b)}."}]
+
+
+@pytest.fixture(scope="module")
+def chat(tmp_path_factory):
+    """(model folder, chat.jsonl): a Qwen2 with its own tokenizer, and EXAMPLES two-turn conversations."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    root = tmp_path_factory.mktemp("sft")
+    chats = [{"messages": conversation(i)} for i in range(EXAMPLES)]
+    data = root / "chat.jsonl"
+    data.write_text("".join(json.dumps(c) + "\n" for c in chats))
+    texts = [m["content"] for c in chats for m in c["messages"]] + ["<|im_start|>assistant\n<|im_end|>\n system user"]
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    bpe.train_from_iterator(texts * 5, trainer=trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    folder = root / "qwen2"
+    Qwen2ForCausalLM(Qwen2Config(vocab_size=400, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2)).save_pretrained(folder)
+    PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>").save_pretrained(folder)
+    return folder, data
+
+
+@pytest.fixture(scope="module")
+def tokenizer(chat):
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast.from_pretrained(chat[0])
+
+
+TURNS = "2 plus 3 is 5.<|im_end|>\nDoubled it is 10.<|im_end|>\n"  # conversation(0)'s answers, each turn's end too
+
+
+@pytest.mark.parametrize("layout, record, learned", [
+    # the prompt's last space merges with the answer's first character into one token: learned with the answer
+    ("prompt_completion", {"prompt": "What is 2 plus 3? ", "completion": "5."}, " 5.<|endoftext|>"),
+    ("messages", {"messages": conversation(0)}, TURNS),
+    ("alpaca", {"instruction": "Add the numbers.", "input": "2 and 3", "output": "5."}, "5.<|im_end|>\n"),
+    ("alpaca", {"instruction": "Add 2 and 3.", "input": "", "output": "5."}, "5.<|im_end|>\n"),
+    ("sharegpt", {"conversations": [{"from": {"user": "human", "assistant": "gpt"}.get(m["role"], m["role"]),
+                                     "value": m["content"]} for m in conversation(0)]}, TURNS),
+])
+def test_each_layout_learns_exactly_its_answers(tokenizer, layout, record, learned):
+    """The tokens with a label decode to the answers (with the end of each turn, which the model must learn to
+    say), every other token is masked; the ids are the whole text's, as if it were trained on whole."""
+    text, spans = sft.render(record, layout, tokenizer, sft.CHATML)
+    ids, labels = sft.encode(text, spans, tokenizer, 512, train_on_all=False)
+    assert ids == tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert tokenizer.decode([t for t, label in zip(ids, labels, strict=True) if label != sft.IGNORE]) == learned
+    assert labels[0] == sft.IGNORE and sft.learned_count(labels) == len(tokenizer(learned)["input_ids"])
+    if layout == "alpaca":
+        assert ("\n\n2 and 3" in text) == bool(record["input"])  # the input after a blank line, when there is one
+    _, everything = sft.encode(text, spans, tokenizer, 512, train_on_all=True)
+    assert everything == ids
+
+
+def test_a_sharegpt_turn_from_an_unknown_speaker_is_named(tokenizer):
+    record = {"conversations": [{"from": "human", "value": "Hi"}, {"from": "bot", "value": "Hello"}]}
+    with pytest.raises(ConfigError, match=r"a ShareGPT conversation has turns from bot \(--data_format sharegpt\): "
+                                          r"use human, user, gpt, assistant, system in 'from'"):
+        sft.render(record, "sharegpt", tokenizer, sft.CHATML)
+
+
+def test_an_answer_cut_by_seq_len_keeps_what_fits(tokenizer):
+    text, spans = sft.render({"messages": conversation(0)}, "messages", tokenizer, sft.CHATML)
+    full_ids, full_labels = sft.encode(text, spans, tokenizer, 512, train_on_all=False)
+    cut = full_labels.index(next(t for t in full_labels if t != sft.IGNORE)) + 3  # 3 tokens into the first answer
+    ids, labels = sft.encode(text, spans, tokenizer, cut, train_on_all=False)
+    assert ids == full_ids[:cut] and labels == full_labels[:cut] and sft.learned_count(labels) == 3
+
+
+def test_the_dry_run_shows_the_first_example_with_the_learned_tokens_marked(check_only, chat, tmp_path):
+    folder, data = chat
+    run = check_only(tmp_path / "out", "--recipe", "causal_lm", "--model_name_or_path", str(folder), "--tokenizer",
+                     "saved", "--data", str(data), "--chat_template", "chatml", "--dry_run")
+    assert run.returncode == 0, run.stderr
+    assert "note: the first example (messages, 23 of 92 tokens learned, between [[ and ]]):\n" in run.stderr
+    assert ("<|im_start|>assistant\n[[2 plus 3 is 5.<|im_end|>\n]]<|im_start|>user\nAnd doubled?<|im_end|>\n"
+            "<|im_start|>assistant\n[[Doubled it is 10.<|im_end|>\n]]") in run.stderr
+    assert json.loads(run.stdout)["data_format"] == "auto"
+
+
+def test_chat_data_mistakes_are_named_with_the_fix(check_only, chat, tmp_path):
+    folder, data = chat
+    base = ["--recipe", "causal_lm", "--model_name_or_path", str(folder), "--tokenizer", "saved", "--dry_run"]
+    assert_refused(check_only(tmp_path / "a", *base, "--data", str(data)),
+                   "the tokenizer has no chat template to render messages data with (--chat_template): pass "
+                   "--chat_template chatml")
+    odd = tmp_path / "odd.jsonl"
+    odd.write_text(json.dumps({"question": "2+3?", "answer": "5"}) + "\n")
+    assert_refused(check_only(tmp_path / "b", *base, "--data", str(odd)),  # no layout's fields: taken as text
+                   f"{odd}:1 has no field 'text' (its fields: question, answer) (--data {odd}): name the text field "
+                   "with --text_field")
+    assert_refused(check_only(tmp_path / "c", *base, "--data", str(data), "--data_format", "chat"),
+                   "unknown data_format 'chat' (config field data_format): use auto or one of text, "
+                   "prompt_completion, messages, alpaca, sharegpt")
+    assert_refused(check_only(tmp_path / "d", *base, "--data", str(data), "--chat_template", "vicuna"),
+                   "no chat template 'vicuna' (--chat_template): pass chatml, or the path of a Jinja template file")
+
+
+def test_data_with_nothing_left_to_learn_is_refused(chat, test_env, tmp_path):
+    """seq_len 16 ends every conversation before its first answer: refused, not trained on nothing."""
+    folder, data = chat
+    recipe = load_recipe("causal_lm")
+    cfg = recipe.Config(model_name_or_path=str(folder), tokenizer="saved", data=str(data), chat_template="chatml",
+                        seq_len=16)
+    with pytest.raises(ConfigError, match=rf"none of the {EXAMPLES} examples of {data} has a token left to learn "
+                                          r"from within --seq_len 16 .*: pass a larger --seq_len, or --train_on all"):
+        recipe.make_datasets(cfg, tmp_path)
+    cfg = recipe.Config(model_name_or_path=str(folder), tokenizer="saved", data=str(data), chat_template="chatml",
+                        seq_len=60)  # the first answer fits, the second is cut: every example kept
+    train, held_out = recipe.make_datasets(cfg, tmp_path)
+    assert len(train) + len(held_out) == EXAMPLES and set(train[0]) == {"input_ids", "attention_mask", "labels"}
+
+
+@pytest.mark.slow
+def test_chat_fine_tuning_under_ddp_matches_one_process(chat, run_dir):
+    """The loss on the answers only, the same curve under DDP as in one process, and final/ loads as it was."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, data = chat
+    args = ["--recipe", "causal_lm", "--model_name_or_path", str(folder), "--tokenizer", "saved", "--data",
+            str(data), "--chat_template", "chatml", "--seq_len", "96", "--max_steps", "8", "--eval_every", "0",
+            "--lr", "3e-3"]
+    one = launch(run_dir("one"), *args, "--batch_size", "8").check()
+    ddp = launch(run_dir("ddp"), *args, "--batch_size", "4", config="ddp").check()
+    assert max_rel_diff(ddp.losses, one.losses) < PARITY_BOUND and one.losses[-1] < one.losses[0]
+    assert AutoModelForCausalLM.from_pretrained(one.output_dir / "final").config.vocab_size == 400
+    assert AutoTokenizer.from_pretrained(one.output_dir / "final")("2 plus 3").input_ids
+

@@ -1,0 +1,132 @@
+"""Instruction and chat data for supervised fine-tuning: records to token ids with the loss only on the answers.
+
+The layouts a user's file comes in (`--data_format`, or detected from the first record's fields):
+
+    text               {"text": ...}: every token learned (the plain-text path of recipes/causal_lm.py)
+    prompt_completion  {"prompt": ..., "completion": ...}: the completion and the end-of-text token learned
+    messages           {"messages": [{"role": ..., "content": ...}, ...]}: rendered with the tokenizer's chat
+                       template; every assistant turn learned, with the template's end of turn
+    alpaca             {"instruction": ..., "input": ..., "output": ...}: a user turn (the instruction, then the input
+                       after a blank line when there is one) and the output as the assistant's turn
+    sharegpt           {"conversations": [{"from": "human" | "gpt" | "system", "value": ...}, ...]}
+
+Which tokens are learned is decided on characters, then carried to tokens through the tokenizer's offsets: the
+template renders the conversation up to each assistant turn (with the generation prompt) and up to its end, and the
+characters between the two are that turn's answer. Tokenising the whole text once and marking the tokens that overlap
+an answer gives the same ids as training on the whole text, whatever the tokenizer merges across a boundary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from trainkit.errors import ConfigError, Problem
+
+FORMATS = ("text", "prompt_completion", "messages", "alpaca", "sharegpt")
+FIELDS = {"text": ("text",), "prompt_completion": ("prompt", "completion"), "messages": ("messages",),
+          "alpaca": ("instruction", "output"), "sharegpt": ("conversations",)}
+IGNORE = -100  # the label of a token the loss skips (torch's cross_entropy ignore_index)
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+
+# ChatML (the layout of Qwen's and many other chat models' templates), for a tokenizer without a template of its own:
+# `--chat_template chatml`.
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
+          "'<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+TEMPLATES = {"chatml": CHATML}
+
+
+def detect(columns: Sequence[str], text_field: str) -> str:
+    """The layout whose fields the data has: the plain-text field first, and text where none matches (the text
+    checks then name the missing field)."""
+    return next((name for name in ("messages", "prompt_completion", "alpaca", "sharegpt")
+                 if text_field not in columns and all(field in columns for field in FIELDS[name])), "text")
+
+
+def chat_template(tokenizer, choice: str) -> str | None:
+    """--chat_template: "" the tokenizer's own, a name from TEMPLATES, or a Jinja file."""
+    if not choice:
+        return tokenizer.chat_template
+    if choice in TEMPLATES:
+        return TEMPLATES[choice]
+    path = Path(choice)
+    if not path.is_file():
+        raise ConfigError([Problem(f"no chat template {choice!r}", "--chat_template",
+                                   f"pass {' or '.join(TEMPLATES)}, or the path of a Jinja template file")])
+    return path.read_text()
+
+
+def to_messages(record: Mapping[str, Any], layout: str) -> list[dict[str, str]]:
+    """A conversation as role/content messages, from any of the chat-like layouts."""
+    if layout == "messages":
+        return [{"role": m["role"], "content": m["content"]} for m in record["messages"]]
+    if layout == "alpaca":
+        prompt = record["instruction"] + (f"\n\n{record['input']}" if record.get("input") else "")
+        return [{"role": "user", "content": prompt}, {"role": "assistant", "content": record["output"]}]
+    turns = record["conversations"]
+    unknown = {t["from"] for t in turns} - set(SHAREGPT_ROLES)
+    if unknown:
+        raise ConfigError([Problem(f"a ShareGPT conversation has turns from {', '.join(sorted(unknown))}",
+                                   "--data_format sharegpt", f"use {', '.join(SHAREGPT_ROLES)} in 'from'")])
+    return [{"role": SHAREGPT_ROLES[t["from"]], "content": t["value"]} for t in turns]
+
+
+def render(record: Mapping[str, Any], layout: str, tokenizer,
+           template: str | None) -> tuple[str, list[tuple[int, int]]]:
+    """The text the model reads and the character spans it learns (every answer), for every layout but text (the
+    recipe cuts plain text into blocks instead)."""
+    if layout == "prompt_completion":
+        text = record["prompt"] + record["completion"] + tokenizer.eos_token
+        return text, [(len(record["prompt"]), len(text))]
+    if template is None:
+        raise ConfigError([Problem(f"the tokenizer has no chat template to render {layout} data with",
+                                   "--chat_template", f"pass --chat_template {' or '.join(TEMPLATES)} or a Jinja "
+                                   "file (the template the model will be asked with later)")])
+    messages = to_messages(record, layout)
+
+    def text_of(turns: list, prompt: bool) -> str:
+        return tokenizer.apply_chat_template(turns, chat_template=template, tokenize=False,
+                                             add_generation_prompt=prompt)
+
+    whole, spans = text_of(messages, False), []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        start, end = len(text_of(messages[:i], True)), len(text_of(messages[:i + 1], False))
+        if not (whole.startswith(text_of(messages[:i], True)) and whole.startswith(text_of(messages[:i + 1], False))):
+            raise ConfigError([Problem("the chat template renders a conversation's beginning otherwise than the "
+                                       "whole conversation, so its answers cannot be found in the text",
+                                       "--chat_template", "use a template that renders each turn the same whatever "
+                                       "follows it (chatml does), or --train_on all")])
+        spans.append((start, end))
+    return whole, spans
+
+
+def encode(text: str, spans: list[tuple[int, int]], tokenizer, seq_len: int,
+           train_on_all: bool) -> tuple[list[int], list[int]]:
+    """Token ids and labels (IGNORE where nothing is learned), cut to seq_len."""
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = encoded["input_ids"][:seq_len]
+    # A token that overlaps an answer is learned: the space that ends a prompt and merges with the answer's first
+    # word into one token (" 5") is predicted as part of the answer.
+    learned = [train_on_all or any(start < b and a < end for a, b in spans)
+               for start, end in encoded["offset_mapping"]]
+    return ids, [t if keep else IGNORE for t, keep in zip(ids, learned, strict=False)]
+
+
+def learned_count(labels: Sequence[int]) -> int:
+    """Tokens the loss learns from: each label but the first predicts it from the tokens before."""
+    return sum(1 for label in labels[1:] if label != IGNORE)
+
+
+def preview(ids: Sequence[int], labels: Sequence[int], tokenizer) -> str:
+    """One example as the model sees it, the learned tokens between [[ and ]] (what --dry_run shows)."""
+    out, inside = [], False
+    for i, token in enumerate(ids):
+        learn = i > 0 and labels[i] != IGNORE
+        if learn != inside:
+            out.append("[[" if learn else "]]")
+            inside = learn
+        out.append(tokenizer.decode([token]))
+    return "".join(out) + ("]]" if inside else "")
