@@ -3,8 +3,9 @@
 Trains: the model and tokenizer that --model_name_or_path names, on --data: CPython's pydoc topics by default,
 local .txt/.jsonl/.csv files (comma-separated; --text_field names the column), or a Hugging Face dataset name.
 Each document is cut into samples of seq_len tokens, the last piece padded with the tokenizer's pad token (its end
-of text when it has none); the loss is each sample's mean over its real tokens (padding masked out), averaged over
-the samples, so that every split of a global batch gives the same loss. Instruction and chat data (prompt/completion,
+of text when it has none); the loss of a step is the mean over every learned token of the global batch (padding
+masked out; the runner weighs each micro-batch by its learned tokens: loss_weight), so that every split of a global
+batch gives the same loss however unevenly the tokens fall. Instruction and chat data (prompt/completion,
 chat messages, Alpaca, ShareGPT: trainkit/sft.py) train one example per sample with the loss on the answers only.
 Reports eval_token_accuracy.
 Output: final/ loads with AutoModelForCausalLM / AutoTokenizer.from_pretrained exactly as the input did (the
@@ -245,27 +246,40 @@ def preview(cfg: Config, cache_dir: Path) -> str | None:
             f"[[ and ]]):\n{sft.preview(ids, labels, tokenizer)}")
 
 
-def _per_sample(model: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each sample's mean next-token loss over its learned tokens (the real ones of plain text; the answers of
-    instruction and chat data), and its share of correctly predicted tokens."""
+def _learned(batch: dict) -> torch.Tensor:
+    """Which next-token predictions the loss learns from: the real tokens of plain text, the answers of instruction
+    and chat data."""
+    return batch["labels"][:, 1:] != sft.IGNORE if "labels" in batch else batch["attention_mask"][:, 1:].bool()
+
+
+def _per_sample(model: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each sample's summed next-token loss over its learned tokens, its count of them, and its share of correctly
+    predicted ones."""
     ids, mask = batch["input_ids"], batch["attention_mask"]
     # No KV cache: in training it would only copy every layer's keys and values (generate() still uses one).
     logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, :-1].float()
-    targets = ids[:, 1:]
-    real = batch["labels"][:, 1:] != sft.IGNORE if "labels" in batch else mask[:, 1:].bool()
+    targets, real = ids[:, 1:], _learned(batch)
     token_loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
                                              reduction="none").view_as(targets)
-    count = real.sum(dim=1).clamp(min=1)
+    count = real.sum(dim=1)
     correct = (logits.argmax(dim=-1) == targets) & real
-    return (token_loss * real).sum(dim=1) / count, correct.sum(dim=1) / count
+    return (token_loss * real).sum(dim=1), count, correct.sum(dim=1) / count.clamp(min=1)
 
 
 def loss(model: nn.Module, batch: dict) -> torch.Tensor:
-    return _per_sample(model, batch)[0].mean()
+    """The micro-batch's mean over its learned tokens; with loss_weight the runner makes a step's loss the mean over
+    every learned token of the global batch, however they fall across micro-batches and ranks."""
+    summed, count, _ = _per_sample(model, batch)
+    return summed.sum() / count.sum().clamp(min=1)
+
+
+def loss_weight(cfg: Config, batch: dict) -> int:
+    """The learned tokens the micro-batch's mean is over."""
+    return int(_learned(batch).sum())
 
 
 def eval_metrics(model: nn.Module, batch: dict) -> dict[str, torch.Tensor]:
-    return {"token_accuracy": _per_sample(model, batch)[1].sum()}
+    return {"token_accuracy": _per_sample(model, batch)[2].sum()}
 
 
 def tokens_per_sample(cfg: Config) -> int:

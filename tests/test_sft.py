@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from conftest import PARITY_BOUND, assert_refused, launch, max_rel_diff
+from conftest import PARITY_BOUND, assert_refused, entry, launch, max_rel_diff
 from trainkit import sft
 from trainkit.errors import ConfigError
 from trainkit.recipes import load_recipe
@@ -19,18 +19,19 @@ from trainkit.recipes import load_recipe
 EXAMPLES = 120
 
 
-def conversation(i: int) -> list[dict[str, str]]:
+def conversation(i: int, repeats: int = 1) -> list[dict[str, str]]:
     a, b = i % 7 + 2, i % 5 + 3
     return [{"role": "system", "content": "You add numbers."},
             {"role": "user", "content": f"What is {a} plus {b}?"},
-            {"role": "assistant", "content": f"{a} plus {b} is {a + b}."},
+            {"role": "assistant", "content": " ".join([f"{a} plus {b} is {a + b}."] * repeats)},
             {"role": "user", "content": "And doubled?"},
             {"role": "assistant", "content": f"Doubled it is {2 * (a + b)}."}]
 
 
 @pytest.fixture(scope="module")
 def chat(tmp_path_factory):
-    """(model folder, chat.jsonl): a Qwen2 with its own tokenizer, and EXAMPLES two-turn conversations."""
+    """(model folder, chat.jsonl): a Qwen2 with its own tokenizer, and EXAMPLES two-turn conversations; beside
+    them uneven.jsonl, whose first answers repeat 1 to 10 times (learned tokens per example from 16 to 97)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
@@ -38,6 +39,8 @@ def chat(tmp_path_factory):
     chats = [{"messages": conversation(i)} for i in range(EXAMPLES)]
     data = root / "chat.jsonl"
     data.write_text("".join(json.dumps(c) + "\n" for c in chats))
+    (root / "uneven.jsonl").write_text("".join(json.dumps({"messages": conversation(i, i % 10 + 1)}) + "\n"
+                                               for i in range(EXAMPLES)))
     texts = [m["content"] for c in chats for m in c["messages"]] + ["<|im_start|>assistant\n<|im_end|>\n system user"]
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
@@ -158,3 +161,37 @@ def test_chat_fine_tuning_under_ddp_matches_one_process(chat, run_dir):
     assert AutoModelForCausalLM.from_pretrained(one.output_dir / "final").config.vocab_size == 400
     assert AutoTokenizer.from_pretrained(one.output_dir / "final")("2 plus 3").input_ids
 
+
+
+UNEVEN = ["--tokenizer", "saved", "--chat_template", "chatml", "--seq_len", "192", "--max_steps", "4", "--eval_every",
+          "0", "--lr", "3e-3"]
+
+
+@pytest.fixture(scope="module")
+def uneven_reference(chat, tmp_path_factory):
+    """One process, the whole global batch of 16 in one micro-batch, on examples that learn 16 to 97 tokens."""
+    folder, data = chat
+    return launch(tmp_path_factory.mktemp("uneven") / "ref", "--recipe", "causal_lm", "--model_name_or_path",
+                  str(folder), "--data", str(data.parent / "uneven.jsonl"), *UNEVEN, "--batch_size", "16").check()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("split", [
+    ("single", "1 process x 2 micro-batches of 8", ["--batch_size", "8", "--grad_accum", "2"]),
+    ("ddp", "2 processes x 2 micro-batches of 4", ["--batch_size", "4", "--grad_accum", "2"]),
+    *[(name, name, entry(name, 16)[1]) for name in ("deepspeed_zero2", "deepspeed_zero3_offload", "fsdp", "tp")],
+], ids=lambda split: split[0])
+def test_every_split_of_the_global_batch_gives_the_same_token_mean_loss(chat, uneven_reference, run_dir, split):
+    """The loss of a step is the sum over every learned token of the global batch over their count: micro-batches
+    whose learned tokens differ several-fold (answers 1 to 10 times as long) weigh by their tokens, so the loss and
+    the gradient norm are the one-micro-batch run's to 1e-6 under every split and strategy. Averaging each
+    micro-batch's mean instead (the recipe without loss_weight) misses by 6.7e-5 in the loss and 4.2e-3 in the
+    gradient norm (measured at 1 process x 2 micro-batches of 8; weighed: 2.4e-7 and 8.2e-8)."""
+    folder, data = chat
+    config, _, flags = split
+    run = launch(run_dir("out"), "--recipe", "causal_lm", "--model_name_or_path", str(folder), "--data",
+                 str(data.parent / "uneven.jsonl"), *UNEVEN, *flags, config=None if config == "single" else config)
+    run.check()
+    assert max_rel_diff(run.losses, uneven_reference.losses) < 1e-6
+    assert max_rel_diff([m["grad_norm"] for m in run.metrics],
+                        [m["grad_norm"] for m in uneven_reference.metrics]) < 1e-6

@@ -20,6 +20,10 @@ and optionally (the defaults are `Recipe`'s):
                                     writes final/; default model.safetensors + config.json (the run's config)
     preview(cfg, cache_dir)         -> str or None: what --dry_run shows of the data (one example as the model
                                     reads it, what is learned marked); default none
+    loss_weight(cfg, batch)         -> number: how many units (learned tokens) the micro-batch's mean loss
+                                    averages over. The runner then weighs every micro-batch by it, so that a step's
+                                    loss is the mean over every unit of the global batch, however they fall across
+                                    micro-batches and ranks; default none (every micro-batch weighs the same)
 
 and, to train under pipeline parallelism (--pipeline_stages; all three or none):
 
@@ -101,6 +105,7 @@ class Recipe:
     eval_metrics: Callable[[torch.nn.Module, Any], dict[str, torch.Tensor]] = no_metrics
     export: Callable[[torch.nn.Module, dict, Any, Path, Path], None] = export_safetensors
     preview: Callable[[Any, Path], str | None] = no_preview
+    loss_weight: Callable[[Any, Any], Any] | None = None
     pipeline_layers: Callable[[torch.nn.Module], Any] | None = None
     pipeline_stage: Callable[[torch.nn.Module, range, bool, bool], torch.nn.Module] | None = None
     pipeline_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None

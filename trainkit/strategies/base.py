@@ -272,9 +272,10 @@ class Strategy:
         accelerator, model = self.accelerator, self.model
         self.hold_gradients()
         loss_sum = torch.zeros(1, device=accelerator.device)  # 1-element: gloo cannot reduce 0-d tensors
+        weights = self.loss_weights(micro_batches)
         for i, batch in enumerate(micro_batches):
             with accelerator.accumulate(model), self.gradient_sync(last=i == len(micro_batches) - 1):
-                loss = loss_fn(model, self.cast_batch(batch))
+                loss = loss_fn(model, self.cast_batch(batch)) * weights[i]
                 loss_sum += loss.detach().float()
                 accelerator.backward(loss)
         loss_value, stop, grad_norm, _ = self.agree(loss_sum / len(micro_batches), stop_requested,
@@ -282,6 +283,20 @@ class Strategy:
         finite.loss(step, loss_value)
         finite.grad_norm(step, grad_norm)
         return self.optimizer_step(loss_value, grad_norm, stop)
+
+    def loss_weights(self, micro_batches: list) -> list[float]:
+        """The factor on each micro-batch's mean loss, 1 each unless the recipe weighs them (its loss_weight: the
+        learned tokens a mean is over). Then micro-batch m's factor is w_m x A x D / N, with A micro-batches per
+        rank, D data-parallel ranks and N the units of the whole global batch (one all-reduce, before the first
+        forward): Accelerate's backward divides by A and the gradient reduction averages over D, so the step's
+        gradient and loss are the sum over every unit divided by N, whatever the split."""
+        weigh = self.recipe.loss_weight if self.recipe is not None else None
+        if weigh is None:
+            return [1.0] * len(micro_batches)
+        local = [float(weigh(self.cfg, batch)) for batch in micro_batches]
+        total = self.accelerator.reduce(torch.tensor([sum(local)], device=self.accelerator.device), "sum").item()
+        total *= self.data_parallel_size / self.accelerator.num_processes  # ranks that share a batch count it once
+        return [w * len(micro_batches) * self.data_parallel_size / total if total else 0.0 for w in local]
 
     def hold_gradients(self) -> None:
         """Give every trainable parameter a gradient before its first step (zeros; kept between steps).
@@ -347,27 +362,31 @@ class Strategy:
     def evaluate(self, batches: Iterator, loss_fn: LossFn, metrics_fn: MetricsFn) -> dict[str, float]:
         """eval_loss and eval_<metric> over every rank's held-out micro-batches, with one collective.
 
-        The loss is the mean of the micro-batch means (equal micro-batches: that is the mean); each recipe metric
-        is a sum over a micro-batch's samples, divided here by the number of samples evaluated on all ranks.
+        The loss is the mean of the micro-batch means (equal micro-batches: that is the mean), or with the recipe's
+        loss_weight the mean over every unit evaluated; each recipe metric is a sum over a micro-batch's samples,
+        divided here by the number of samples evaluated on all ranks.
         """
         model = self.model
         model.eval()
+        weigh = self.recipe.loss_weight if self.recipe is not None else None
         loss_sum, batch_count, sample_count, sums = 0.0, 0, 0, {}
         with torch.no_grad():
             for batch in batches:
+                weight = 1.0 if weigh is None else float(weigh(self.cfg, batch))
                 batch = self.cast_batch(batch)
-                loss_sum = loss_sum + loss_fn(model, batch).detach().float()
+                loss_sum = loss_sum + loss_fn(model, batch).detach().float() * weight
                 for name, value in metrics_fn(model, batch).items():
                     sums[name] = sums.get(name, 0.0) + value.detach().float()
-                batch_count += 1
+                batch_count += weight
                 sample_count += _samples(batch)
         model.train()
         device = self.accelerator.device
         local = torch.stack([torch.as_tensor(v, dtype=torch.float32, device=device).reshape(()) for v in
-                             (loss_sum / batch_count, sample_count, *sums.values())])
-        totals = self.accelerator.reduce(local, "sum").tolist()
-        loss, samples, *metric_sums = totals
-        return {"eval_loss": loss / self.accelerator.num_processes,
+                             (loss_sum / batch_count, loss_sum, batch_count, sample_count, *sums.values())])
+        mean_of_means, loss_total, weight_total, samples, *metric_sums = self.accelerator.reduce(local, "sum").tolist()
+        # The mean of the ranks' means (their batches weigh the same), or, weighed, the mean over every unit evaluated
+        eval_loss = mean_of_means / self.accelerator.num_processes if weigh is None else loss_total / weight_total
+        return {"eval_loss": eval_loss,
                 **{f"eval_{name}": total / samples for name, total in zip(sums, metric_sums, strict=True)}}
 
     def report(self) -> str | None:

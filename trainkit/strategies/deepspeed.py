@@ -191,9 +191,10 @@ class DeepSpeed(Strategy):
         parameters again in each micro-batch's forward and backward."""
         accelerator, model = self.accelerator, self.model
         loss_sum = torch.zeros(1, device=accelerator.device)
+        weights = self.loss_weights(micro_batches)
         for i, batch in enumerate(micro_batches):
             with accelerator.accumulate(model):
-                loss = loss_fn(model, self.cast_batch(batch))
+                loss = loss_fn(model, self.cast_batch(batch)) * weights[i]
                 loss_sum += loss.detach().float()
                 if i == len(micro_batches) - 1:
                     loss_value, stop, _, _ = self.agree(loss_sum / len(micro_batches), stop_requested)
