@@ -59,6 +59,9 @@ class Config(TrainConfig):
     data_format: str = "auto"
     train_on: str = "answers"  # answers | all (prompts, system and user turns too)
     chat_template: str = ""  # the tokenizer's own; chatml, or a Jinja file, for one that has none
+    # Instruction and chat examples packed into seq_len rows (best fit), each attending only to itself (a
+    # block-diagonal causal mask, position_ids restarting per example) instead of one padded example per row.
+    packing: bool = False
     seq_len: int = 128
     eval_fraction: float = 0.05
     # Training (overrides of TrainConfig's defaults: fine-tuning takes small steps)
@@ -106,6 +109,10 @@ class Config(TrainConfig):
             problems.append(Problem(f"train_on must be answers or all, got {self.train_on!r}",
                                     "config field train_on", "use --train_on answers"))
         plain = self.data_format == "text" or self.data_format == "auto" and self.layout() == "text"
+        if self.packing and plain:
+            problems.append(Problem("--packing packs instruction and chat examples; plain text is cut into full "
+                                    "seq_len blocks already (only each document's last piece is padded)",
+                                    "config field packing", "drop --packing, or pass chat or instruction data"))
         return problems + text.check_data(self.data, self.text_field if plain else None)
 
     def layout(self) -> str:
@@ -212,24 +219,51 @@ def _examples(cfg: Config, layout: str, cache_dir: Path):
     template, pad, length = sft.chat_template(tokenizer, cfg.chat_template), _pad(tokenizer), cfg.seq_len
 
     def encode(batch):
-        rows = {"input_ids": [], "attention_mask": [], "labels": [], "learned": []}
+        rows = {"input_ids": [], "labels": [], "learned": []}
         for record in ({k: batch[k][i] for k in batch} for i in range(len(next(iter(batch.values()))))):
             ids, labels = sft.encode(*sft.render(record, layout, tokenizer, template), tokenizer, length,
                                      cfg.train_on == "all")
-            rows["input_ids"].append(ids + [pad] * (length - len(ids)))
-            rows["attention_mask"].append([1] * len(ids) + [0] * (length - len(ids)))
-            rows["labels"].append(labels + [sft.IGNORE] * (length - len(ids)))
+            rows["input_ids"].append(ids)
+            rows["labels"].append(labels)
             rows["learned"].append(sft.learned_count(labels))
         return rows
 
-    samples = records.map(encode, batched=True, remove_columns=records.column_names)
-    kept = samples.filter(lambda learned: [n > 0 for n in learned], input_columns="learned", batched=True)
+    encoded = records.map(encode, batched=True, remove_columns=records.column_names)
+    kept = encoded.filter(lambda learned: [n > 0 for n in learned], input_columns="learned", batched=True)
     if len(kept) == 0:
-        raise ConfigError([Problem(f"none of the {len(samples)} examples of {cfg.data} has a token left to learn "
+        raise ConfigError([Problem(f"none of the {len(encoded)} examples of {cfg.data} has a token left to learn "
                                    f"from within --seq_len {length} (the answers come after it)", "--seq_len",
                                    "pass a larger --seq_len, or --train_on all")])
-    return text.split_held_out(kept.remove_columns("learned"), cfg.eval_fraction, cfg.data,
-                               "examples with something to learn")
+    samples = _packed(kept, length, pad) if cfg.packing else kept.map(lambda ids, labels: {
+        "input_ids": ids + [pad] * (length - len(ids)), "attention_mask": [1] * len(ids) + [0] * (length - len(ids)),
+        "labels": labels + [sft.IGNORE] * (length - len(ids))}, input_columns=["input_ids", "labels"],
+        remove_columns=["learned"])
+    return text.split_held_out(samples, cfg.eval_fraction, cfg.data, "examples with something to learn")
+
+
+def _packed(examples, length: int, pad: int):
+    """Rows of seq_len tokens, each holding whole examples (sft.pack), with position_ids that restart per example
+    and each token's example number (`segment`, from 1; 0 is padding) for the block-diagonal mask. Each example's
+    first label is dropped: in a row it would be predicted from the example before it (alone, nothing predicts it)."""
+    from datasets import Dataset
+
+    ids_of, labels_of = examples["input_ids"], examples["labels"]
+    rows = {"input_ids": [], "attention_mask": [], "labels": [], "position_ids": [], "segment": []}
+    for members in sft.pack([len(ids) for ids in ids_of], length):
+        row = {key: [] for key in rows}
+        for number, i in enumerate(members, start=1):
+            n = len(ids_of[i])
+            row["input_ids"] += ids_of[i]
+            row["labels"] += [sft.IGNORE] + labels_of[i][1:]
+            row["position_ids"] += list(range(n))
+            row["segment"] += [number] * n
+        fill = length - len(row["input_ids"])
+        row["attention_mask"] = [1] * len(row["input_ids"]) + [0] * fill
+        for key, value in (("input_ids", pad), ("labels", sft.IGNORE), ("position_ids", 0), ("segment", 0)):
+            row[key] += [value] * fill
+        for key in rows:
+            rows[key].append(row[key])
+    return Dataset.from_dict(rows)
 
 
 def preview(cfg: Config, cache_dir: Path) -> str | None:
@@ -252,18 +286,34 @@ def _learned(batch: dict) -> torch.Tensor:
     return batch["labels"][:, 1:] != sft.IGNORE if "labels" in batch else batch["attention_mask"][:, 1:].bool()
 
 
-def _per_sample(model: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Each sample's summed next-token loss over its learned tokens, its count of them, and its share of correctly
-    predicted ones."""
-    ids, mask = batch["input_ids"], batch["attention_mask"]
+def _token_losses(model: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every position's next-token loss, whether it is learned, and whether the model's top guess is right."""
+    ids, mask, positions = batch["input_ids"], batch["attention_mask"], batch.get("position_ids")
+    if "segment" in batch:  # packed rows: each example attends only to itself
+        attention = _attention_of(model)
+        # flash attention's variable-length path finds the examples from the restarting position_ids alone
+        mask = None if attention.startswith("flash") else sft.block_mask(batch["segment"], attention == "eager")
     # No KV cache: in training it would only copy every layer's keys and values (generate() still uses one).
-    logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, :-1].float()
-    targets, real = ids[:, 1:], _learned(batch)
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits[:, :-1].float()
+    targets = ids[:, 1:]
     token_loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
                                              reduction="none").view_as(targets)
+    return token_loss, _learned(batch), logits.argmax(dim=-1) == targets
+
+
+def _per_sample(model: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each sample's (row's) summed next-token loss over its learned tokens, its count of them, and its share of
+    correctly predicted ones."""
+    token_loss, real, right = _token_losses(model, batch)
     count = real.sum(dim=1)
-    correct = (logits.argmax(dim=-1) == targets) & real
-    return (token_loss * real).sum(dim=1), count, correct.sum(dim=1) / count.clamp(min=1)
+    return (token_loss * real).sum(dim=1), count, (right & real).sum(dim=1) / count.clamp(min=1)
+
+
+def _attention_of(model: nn.Module) -> str:
+    """The attention implementation of the (possibly wrapped) model: eager takes an additive mask."""
+    from accelerate.utils import extract_model_from_parallel
+
+    return getattr(getattr(extract_model_from_parallel(model), "config", None), "_attn_implementation", "sdpa")
 
 
 def loss(model: nn.Module, batch: dict) -> torch.Tensor:

@@ -8,6 +8,7 @@ no chat template of its own, so the runs pass `--chat_template chatml`, and Chat
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -147,15 +148,17 @@ def test_data_with_nothing_left_to_learn_is_refused(chat, test_env, tmp_path):
 
 
 @pytest.mark.slow
-def test_chat_fine_tuning_under_ddp_matches_one_process(chat, run_dir):
-    """The loss on the answers only, the same curve under DDP as in one process, and final/ loads as it was."""
+@pytest.mark.parametrize("packing", [["--seq_len", "96"], ["--packing", "--seq_len", "192"]], ids=["padded", "packed"])
+def test_chat_fine_tuning_under_ddp_matches_one_process(chat, run_dir, packing):
+    """The loss on the answers only, the same curve under DDP as in one process (padded, and packed two examples to
+    a row), and final/ loads as it was."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder, data = chat
     args = ["--recipe", "causal_lm", "--model_name_or_path", str(folder), "--tokenizer", "saved", "--data",
-            str(data), "--chat_template", "chatml", "--seq_len", "96", "--max_steps", "8", "--eval_every", "0",
-            "--lr", "3e-3"]
+            str(data), "--chat_template", "chatml", "--max_steps", "8", "--eval_every", "0", "--lr", "3e-3", *packing]
     one = launch(run_dir("one"), *args, "--batch_size", "8").check()
+    assert one.resolved["packing"] == ("--packing" in packing)
     ddp = launch(run_dir("ddp"), *args, "--batch_size", "4", config="ddp").check()
     assert max_rel_diff(ddp.losses, one.losses) < PARITY_BOUND and one.losses[-1] < one.losses[0]
     assert AutoModelForCausalLM.from_pretrained(one.output_dir / "final").config.vocab_size == 400
@@ -195,3 +198,64 @@ def test_every_split_of_the_global_batch_gives_the_same_token_mean_loss(chat, un
     assert max_rel_diff(run.losses, uneven_reference.losses) < 1e-6
     assert max_rel_diff([m["grad_norm"] for m in run.metrics],
                         [m["grad_norm"] for m in uneven_reference.metrics]) < 1e-6
+
+
+def architecture(name: str, attention: str):
+    """A small untrained model of each architecture the packing test uses, on the fixture's 400-token vocabulary:
+    Qwen2 (untied), Llama with tied embeddings, GPT-NeoX (rotary on a part of each head, parallel residual)."""
+    from transformers import (
+        GPTNeoXConfig,
+        GPTNeoXForCausalLM,
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
+
+    sizes = {"vocab_size": 400, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "attn_implementation": attention}
+    if name == "qwen2":
+        return Qwen2ForCausalLM(Qwen2Config(**sizes, num_key_value_heads=2))
+    if name == "llama":
+        return LlamaForCausalLM(LlamaConfig(**sizes, num_key_value_heads=2, tie_word_embeddings=True))
+    return GPTNeoXForCausalLM(GPTNeoXConfig(**sizes))
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("name", ["qwen2", "llama", "gpt_neox"])
+def test_packed_examples_see_only_themselves(chat, test_env, tmp_path, name, attention):
+    """Every example of a packed row has the per-token losses it has alone, to 1e-6 (position_ids restarting per
+    example are not enough under sdpa or eager: the block-diagonal mask isolates them), and packing keeps every
+    learned token: the rows hold the same examples and learn as many tokens."""
+    import torch
+
+    folder, data = chat
+    torch.manual_seed(0)
+    architecture(name, attention).save_pretrained(tmp_path / name)
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name / file).write_bytes((folder / file).read_bytes())
+    recipe = load_recipe("causal_lm")
+    token_losses = sys.modules["recipe_causal_lm"]._token_losses  # the recipe's own, as its loss calls it
+    settings = {"model_name_or_path": str(tmp_path / name), "tokenizer": "saved", "data": str(data.parent /
+                "uneven.jsonl"), "chat_template": "chatml", "seq_len": 384, "eval_fraction": 0.25}
+    packed = recipe.make_datasets(recipe.Config(**settings, packing=True), tmp_path)
+    alone = recipe.make_datasets(recipe.Config(**settings), tmp_path)
+    examples = [row for split in alone for row in split]
+    rows = [row for split in packed for row in split]
+    assert len(rows) < len(examples) / 2  # short examples share rows
+    learned = sum(int((r["labels"][1:] != sft.IGNORE).sum()) for r in examples)
+    assert sum(int((r["labels"][1:] != sft.IGNORE).sum()) for r in rows) == learned
+    model = recipe.build_model(recipe.Config(**settings)).eval()
+    with torch.no_grad():
+        for row in rows[:3]:
+            losses, real, _ = token_losses(model, {k: v[None] for k, v in row.items()})
+            for number in range(1, int(row["segment"].max()) + 1):
+                where = (row["segment"] == number).nonzero().flatten()
+                start, end = int(where[0]), int(where[-1]) + 1
+                ids = row["input_ids"][start:end]
+                match = next(e for e in examples if torch.equal(e["input_ids"][:end - start], ids)
+                             and int(e["attention_mask"].sum()) == end - start)
+                own, own_real, _ = token_losses(model, {k: v[None] for k, v in match.items()})
+                n = end - start - 1  # predictions inside the example; its last one is the next example's
+                assert torch.equal(real[0, start:start + n], own_real[0, :n])
+                assert (losses[0, start:start + n] - own[0, :n]).abs().max() < 1e-6
