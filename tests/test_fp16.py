@@ -64,6 +64,7 @@ def fp16_runs(tmp_path_factory):
     return plain, forced
 
 
+@pytest.mark.slow
 def test_an_overflow_is_skipped_counted_and_leaves_the_weights_as_they_were(fp16_runs):
     plain, forced = fp16_runs
     k = OVERFLOW_STEP

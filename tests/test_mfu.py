@@ -163,6 +163,7 @@ print(kept, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(sys.platform != "linux", reason="glibc's malloc: Linux only")
 def test_freed_memory_is_kept_for_the_next_step():
     """glibc's defaults give large freed blocks back to the kernel, so the next step's activations arrive as fresh
