@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -121,6 +123,20 @@ def assert_refused(run: Run, message: str, code: int = 2) -> None:
     assert run.returncode == code or (code and run.returncode != 0 and "ChildFailedError" in run.stderr), run.stderr
     assert f"error: {message}" in run.stderr or message in run.stderr and "error: " in run.stderr, run.stderr
     assert 'train.py", line' not in run.stderr and "trainkit/" not in run.stderr, run.stderr
+
+
+@contextlib.contextmanager
+def tmpfs(mount: Path, options: str):
+    """A tmpfs mounted at `mount` (made here) with mount(8)'s options, unmounted after; the test is skipped where it
+    cannot be mounted (not root)."""
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mount)], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 @pytest.fixture

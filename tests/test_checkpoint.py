@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT, TEST_ENV, assert_refused, kill_tree, launch, launch_command, max_rel_diff
+from conftest import ROOT, TEST_ENV, assert_refused, kill_tree, launch, launch_command, max_rel_diff, tmpfs
 from trainkit.errors import write_failure
 
 MLP = ["--recipe", "mlp", "--max_steps", "12", "--eval_every", "0", "--batch_size", "8"]
@@ -213,16 +213,8 @@ def test_a_checkpoint_that_does_not_load_says_which_and_what_to_do(run_dir):
 @pytest.fixture
 def small_disk(tmp_path):
     """A 3 MB file system (tmpfs), mounted for the test and unmounted after it."""
-    mount = tmp_path / "small"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mount)], capture_output=True,
-                          text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here (needs root): {done.stderr.strip()}")
-    try:
+    with tmpfs(tmp_path / "small", "size=3m") as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 def test_a_full_disk_stops_the_run_with_the_intact_checkpoint_named(small_disk):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, assert_refused, launch
+from conftest import ROOT, assert_refused, launch, tmpfs
 from trainkit.config import ConfigError, build_config, parse_command_line
 from trainkit.recipes import load_recipe
 
@@ -273,18 +273,10 @@ def test_flags_take_dashes_and_typos_get_advice_that_matches(check_only, tmp_pat
 
 def test_an_output_dir_on_a_read_only_mount_is_refused_with_the_fix_for_it(check_only, tmp_path):
     """A real read-only file system (a tmpfs mounted ro): fixing permissions would not help, so the advice differs."""
-    mount = tmp_path / "ro"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,ro", "tmpfs", str(mount)], capture_output=True,
-                          text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.strip()}")
-    try:
+    with tmpfs(tmp_path / "ro", "size=1m,ro") as mount:
         assert_refused(check_only(mount / "run", "--recipe", "mlp"),
                        f"cannot write in {mount}: its file system is mounted read-only (--output_dir): pass an "
                        "--output_dir on a writable file system")
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 def test_an_output_dir_that_cannot_be_written_is_refused(check_only, tmp_path, monkeypatch):
