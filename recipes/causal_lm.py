@@ -62,6 +62,10 @@ class Config(TrainConfig):
     # Instruction and chat examples packed into seq_len rows (best fit), each attending only to itself (a
     # block-diagonal causal mask, position_ids restarting per example) instead of one padded example per row.
     packing: bool = False
+    # The loss of a step: "tokens", the mean over every learned token of the global batch (an example weighs as many
+    # tokens as it learns); "samples", the mean over its examples of each one's own mean (a short answer weighs as
+    # much as a long one), another objective. Either way every split of the global batch gives the same loss.
+    loss_average: str = "tokens"
     seq_len: int = 128
     eval_fraction: float = 0.05
     # Training (overrides of TrainConfig's defaults: fine-tuning takes small steps)
@@ -105,6 +109,9 @@ class Config(TrainConfig):
         if self.data_format not in ("auto", *sft.FORMATS):
             problems.append(Problem(f"unknown data_format {self.data_format!r}", "config field data_format",
                                     f"use auto or one of {', '.join(sft.FORMATS)}"))
+        if self.loss_average not in ("tokens", "samples"):
+            problems.append(Problem(f"loss_average must be tokens or samples, got {self.loss_average!r}",
+                                    "config field loss_average", "use --loss_average tokens"))
         if self.train_on not in ("answers", "all"):
             problems.append(Problem(f"train_on must be answers or all, got {self.train_on!r}",
                                     "config field train_on", "use --train_on answers"))
@@ -187,17 +194,26 @@ def build_datasets(cfg: Config, cache_dir: Path):
     end, length, pad = tokenizer.eos_token_id, cfg.seq_len, _pad(tokenizer)
 
     def cut(batch):
-        ids_out, mask_out = [], []
+        rows = {"input_ids": [], "attention_mask": [], **({"weight": []} if cfg.loss_average == "samples" else {})}
         for ids in tokenizer(batch["text"], add_special_tokens=False)["input_ids"]:
             ids = ids + [end]
             for start in range(0, len(ids) - 1, length):  # a piece needs two real tokens: one to predict
                 piece = ids[start:start + length]
-                ids_out.append(piece + [pad] * (length - len(piece)))
-                mask_out.append([1] * len(piece) + [0] * (length - len(piece)))
-        return {"input_ids": ids_out, "attention_mask": mask_out}
+                rows["input_ids"].append(piece + [pad] * (length - len(piece)))
+                rows["attention_mask"].append([1] * len(piece) + [0] * (length - len(piece)))
+                if "weight" in rows:
+                    rows["weight"].append(_sample_weights([0] + [1] * (len(piece) - 1), length))
+        return rows
 
     samples = docs.map(cut, batched=True, remove_columns=docs.column_names)
     return text.split_held_out(samples, cfg.eval_fraction, cfg.data, f"samples of {cfg.seq_len} tokens")
+
+
+def _sample_weights(learned: list[int], length: int) -> list[float]:
+    """loss_average samples: each learned position (1 in `learned`) weighs 1 / the example's learned count, so the
+    example's weights sum to 1 and a batch's weighed mean is the mean of its examples' means; padded to length."""
+    share = 1.0 / max(1, sum(learned))
+    return [share * flag for flag in learned] + [0.0] * (length - len(learned))
 
 
 def _pad(tokenizer) -> int:
@@ -226,6 +242,9 @@ def _examples(cfg: Config, layout: str, cache_dir: Path):
             rows["input_ids"].append(ids)
             rows["labels"].append(labels)
             rows["learned"].append(sft.learned_count(labels))
+            if cfg.loss_average == "samples":
+                rows.setdefault("weight", []).append(_sample_weights(
+                    [0] + [int(label != sft.IGNORE) for label in labels[1:]], len(ids)))
         return rows
 
     encoded = records.map(encode, batched=True, remove_columns=records.column_names)
@@ -234,9 +253,11 @@ def _examples(cfg: Config, layout: str, cache_dir: Path):
         raise ConfigError([Problem(f"none of the {len(encoded)} examples of {cfg.data} has a token left to learn "
                                    f"from within --seq_len {length} (the answers come after it)", "--seq_len",
                                    "pass a larger --seq_len, or --train_on all")])
-    samples = _packed(kept, length, pad) if cfg.packing else kept.map(lambda ids, labels: {
-        "input_ids": ids + [pad] * (length - len(ids)), "attention_mask": [1] * len(ids) + [0] * (length - len(ids)),
-        "labels": labels + [sft.IGNORE] * (length - len(ids))}, input_columns=["input_ids", "labels"],
+    samples = _packed(kept, length, pad) if cfg.packing else kept.map(lambda row: {
+        "input_ids": row["input_ids"] + [pad] * (length - len(row["input_ids"])),
+        "attention_mask": [1] * len(row["input_ids"]) + [0] * (length - len(row["input_ids"])),
+        "labels": row["labels"] + [sft.IGNORE] * (length - len(row["labels"])),
+        **({"weight": row["weight"] + [0.0] * (length - len(row["weight"]))} if "weight" in row else {})},
         remove_columns=["learned"])
     return text.split_held_out(samples, cfg.eval_fraction, cfg.data, "examples with something to learn")
 
@@ -248,7 +269,9 @@ def _packed(examples, length: int, pad: int):
     from datasets import Dataset
 
     ids_of, labels_of = examples["input_ids"], examples["labels"]
-    rows = {"input_ids": [], "attention_mask": [], "labels": [], "position_ids": [], "segment": []}
+    weights_of = examples["weight"] if "weight" in examples.column_names else None
+    rows = {"input_ids": [], "attention_mask": [], "labels": [], "position_ids": [], "segment": [],
+            **({"weight": []} if weights_of else {})}
     for members in sft.pack([len(ids) for ids in ids_of], length):
         row = {key: [] for key in rows}
         for number, i in enumerate(members, start=1):
@@ -257,9 +280,12 @@ def _packed(examples, length: int, pad: int):
             row["labels"] += [sft.IGNORE] + labels_of[i][1:]
             row["position_ids"] += list(range(n))
             row["segment"] += [number] * n
+            if weights_of:
+                row["weight"] += [0.0] + weights_of[i][1:]  # its first position is the example before's target
         fill = length - len(row["input_ids"])
         row["attention_mask"] = [1] * len(row["input_ids"]) + [0] * fill
-        for key, value in (("input_ids", pad), ("labels", sft.IGNORE), ("position_ids", 0), ("segment", 0)):
+        for key, value in (("input_ids", pad), ("labels", sft.IGNORE), ("position_ids", 0), ("segment", 0),
+                           *((("weight", 0.0),) if weights_of else ())):
             row[key] += [value] * fill
         for key in rows:
             rows[key].append(row[key])
@@ -317,15 +343,20 @@ def _attention_of(model: nn.Module) -> str:
 
 
 def loss(model: nn.Module, batch: dict) -> torch.Tensor:
-    """The micro-batch's mean over its learned tokens; with loss_weight the runner makes a step's loss the mean over
-    every learned token of the global batch, however they fall across micro-batches and ranks."""
+    """The micro-batch's mean over its learned tokens, or (loss_average samples: the batch's `weight`, each
+    example's learned positions summing to 1) over its examples of each one's mean. With loss_weight the runner makes
+    a step's loss that mean over the whole global batch, however it falls across micro-batches and ranks."""
+    if "weight" in batch:
+        token_loss, _, _ = _token_losses(model, batch)
+        weight = batch["weight"][:, 1:].float()
+        return (token_loss * weight).sum() / weight.sum().clamp(min=1e-12)
     summed, count, _ = _per_sample(model, batch)
     return summed.sum() / count.sum().clamp(min=1)
 
 
-def loss_weight(cfg: Config, batch: dict) -> int:
-    """The learned tokens the micro-batch's mean is over."""
-    return int(_learned(batch).sum())
+def loss_weight(cfg: Config, batch: dict) -> float:
+    """What the micro-batch's mean is over: its learned tokens, or (loss_average samples) its examples."""
+    return float(batch["weight"][:, 1:].sum()) if "weight" in batch else int(_learned(batch).sum())
 
 
 def eval_metrics(model: nn.Module, batch: dict) -> dict[str, torch.Tensor]:

@@ -259,3 +259,44 @@ def test_packed_examples_see_only_themselves(chat, test_env, tmp_path, name, att
                 n = end - start - 1  # predictions inside the example; its last one is the next example's
                 assert torch.equal(real[0, start:start + n], own_real[0, :n])
                 assert (losses[0, start:start + n] - own[0, :n]).abs().max() < 1e-6
+
+
+@pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
+def test_the_samples_average_is_the_mean_of_each_examples_own_mean(chat, test_env, tmp_path, packing):
+    """--loss_average samples, the other objective: a micro-batch's loss is the mean over its examples (rows, or a
+    packed row's examples) of each one's mean over its learned tokens, and it weighs as many examples as it holds;
+    the tokens average differs from it on these uneven examples."""
+    import torch
+    from torch.utils.data import default_collate
+
+    folder, data = chat
+    recipe, module = load_recipe("causal_lm"), sys.modules["recipe_causal_lm"]
+    settings = {"model_name_or_path": str(folder), "tokenizer": "saved", "data": str(data.parent / "uneven.jsonl"),
+                "chat_template": "chatml", "seq_len": 384, "packing": packing}
+    samples = recipe.Config(**settings, loss_average="samples")
+    batch = default_collate([recipe.make_datasets(samples, tmp_path)[0][i] for i in range(4)])
+    torch.manual_seed(0)
+    model = recipe.build_model(samples).eval()
+    with torch.no_grad():
+        token_loss, real, _ = module._token_losses(model, batch)
+        owner = batch["segment"][:, 1:] if packing else torch.ones_like(real, dtype=torch.long)
+        means = [token_loss[b][real[b] & (owner[b] == k)].mean() for b in range(len(real))
+                 for k in owner[b][real[b]].unique()]
+        expected = float(torch.stack(means).mean())
+        assert abs(float(module.loss(model, batch)) - expected) < 1e-6 * expected  # relative: 1/n in float32
+        assert module.loss_weight(samples, batch) == pytest.approx(len(means)) and len(means) > 4 * packing
+        tokens = recipe.Config(**settings)
+        plain = default_collate([recipe.make_datasets(tokens, tmp_path)[0][i] for i in range(4)])
+        assert abs(float(module.loss(model, plain)) - float((token_loss * real).sum() / real.sum())) < 1e-6 * expected
+        assert abs(float(module.loss(model, plain)) - float(module.loss(model, batch))) > 1e-4  # measured 7.5e-4 packed
+
+
+@pytest.mark.slow
+def test_the_samples_average_is_the_same_for_every_split(chat, run_dir):
+    folder, data = chat
+    args = ["--recipe", "causal_lm", "--model_name_or_path", str(folder), "--data", str(data.parent / "uneven.jsonl"),
+            *UNEVEN, "--loss_average", "samples"]
+    one = launch(run_dir("one"), *args, "--batch_size", "16").check()
+    ddp = launch(run_dir("ddp"), *args, "--batch_size", "4", "--grad_accum", "2", config="ddp").check()
+    assert max_rel_diff(ddp.losses, one.losses) < 1e-6
+    assert max_rel_diff([m["grad_norm"] for m in ddp.metrics], [m["grad_norm"] for m in one.metrics]) < 1e-6
