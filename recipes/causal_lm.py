@@ -194,26 +194,35 @@ def build_datasets(cfg: Config, cache_dir: Path):
     end, length, pad = tokenizer.eos_token_id, cfg.seq_len, _pad(tokenizer)
 
     def cut(batch):
-        rows = {"input_ids": [], "attention_mask": [], **({"weight": []} if cfg.loss_average == "samples" else {})}
+        rows = []
         for ids in tokenizer(batch["text"], add_special_tokens=False)["input_ids"]:
             ids = ids + [end]
             for start in range(0, len(ids) - 1, length):  # a piece needs two real tokens: one to predict
                 piece = ids[start:start + length]
-                rows["input_ids"].append(piece + [pad] * (length - len(piece)))
-                rows["attention_mask"].append([1] * len(piece) + [0] * (length - len(piece)))
-                if "weight" in rows:
-                    rows["weight"].append(_sample_weights([0] + [1] * (len(piece) - 1), length))
-        return rows
+                weight = {"weight": _sample_weights([0] + [1] * (len(piece) - 1))} if cfg.loss_average == "samples" \
+                    else {}
+                rows.append(_padded({"input_ids": piece, **weight}, length, pad))
+        return {key: [row[key] for row in rows] for key in rows[0]} if rows else {"input_ids": [], "attention_mask": []}
 
     samples = docs.map(cut, batched=True, remove_columns=docs.column_names)
     return text.split_held_out(samples, cfg.eval_fraction, cfg.data, f"samples of {cfg.seq_len} tokens")
 
 
-def _sample_weights(learned: list[int], length: int) -> list[float]:
+def _sample_weights(learned: list[int]) -> list[float]:
     """loss_average samples: each learned position (1 in `learned`) weighs 1 / the example's learned count, so the
-    example's weights sum to 1 and a batch's weighed mean is the mean of its examples' means; padded to length."""
+    example's weights sum to 1 and a batch's weighed mean is the mean of its examples' means."""
     share = 1.0 / max(1, sum(learned))
-    return [share * flag for flag in learned] + [0.0] * (length - len(learned))
+    return [share * flag for flag in learned]
+
+
+FILL = {"labels": sft.IGNORE, "weight": 0.0, "position_ids": 0, "segment": 0}  # past a sample's tokens (ids: pad)
+
+
+def _padded(row: dict[str, list], length: int, pad: int) -> dict[str, list]:
+    """A sample of exactly `length` positions: every column filled past its tokens, attention_mask 1 on them."""
+    n = len(row["input_ids"])
+    return {**{key: values + [pad if key == "input_ids" else FILL[key]] * (length - n) for key, values in row.items()},
+            "attention_mask": [1] * n + [0] * (length - n)}
 
 
 def _pad(tokenizer) -> int:
@@ -244,7 +253,7 @@ def _examples(cfg: Config, layout: str, cache_dir: Path):
             rows["learned"].append(sft.learned_count(labels))
             if cfg.loss_average == "samples":
                 rows.setdefault("weight", []).append(_sample_weights(
-                    [0] + [int(label != sft.IGNORE) for label in labels[1:]], len(ids)))
+                    [0] + [int(label != sft.IGNORE) for label in labels[1:]]))
         return rows
 
     encoded = records.map(encode, batched=True, remove_columns=records.column_names)
@@ -253,12 +262,8 @@ def _examples(cfg: Config, layout: str, cache_dir: Path):
         raise ConfigError([Problem(f"none of the {len(encoded)} examples of {cfg.data} has a token left to learn "
                                    f"from within --seq_len {length} (the answers come after it)", "--seq_len",
                                    "pass a larger --seq_len, or --train_on all")])
-    samples = _packed(kept, length, pad) if cfg.packing else kept.map(lambda row: {
-        "input_ids": row["input_ids"] + [pad] * (length - len(row["input_ids"])),
-        "attention_mask": [1] * len(row["input_ids"]) + [0] * (length - len(row["input_ids"])),
-        "labels": row["labels"] + [sft.IGNORE] * (length - len(row["labels"])),
-        **({"weight": row["weight"] + [0.0] * (length - len(row["weight"]))} if "weight" in row else {})},
-        remove_columns=["learned"])
+    kept = kept.remove_columns("learned")
+    samples = _packed(kept, length, pad) if cfg.packing else kept.map(lambda row: _padded(row, length, pad))
     return text.split_held_out(samples, cfg.eval_fraction, cfg.data, "examples with something to learn")
 
 
@@ -270,10 +275,10 @@ def _packed(examples, length: int, pad: int):
 
     ids_of, labels_of = examples["input_ids"], examples["labels"]
     weights_of = examples["weight"] if "weight" in examples.column_names else None
-    rows = {"input_ids": [], "attention_mask": [], "labels": [], "position_ids": [], "segment": [],
-            **({"weight": []} if weights_of else {})}
+    rows = []
     for members in sft.pack([len(ids) for ids in ids_of], length):
-        row = {key: [] for key in rows}
+        row = {"input_ids": [], "labels": [], "position_ids": [], "segment": [],
+               **({"weight": []} if weights_of else {})}
         for number, i in enumerate(members, start=1):
             n = len(ids_of[i])
             row["input_ids"] += ids_of[i]
@@ -282,14 +287,8 @@ def _packed(examples, length: int, pad: int):
             row["segment"] += [number] * n
             if weights_of:
                 row["weight"] += [0.0] + weights_of[i][1:]  # its first position is the example before's target
-        fill = length - len(row["input_ids"])
-        row["attention_mask"] = [1] * len(row["input_ids"]) + [0] * fill
-        for key, value in (("input_ids", pad), ("labels", sft.IGNORE), ("position_ids", 0), ("segment", 0),
-                           *((("weight", 0.0),) if weights_of else ())):
-            row[key] += [value] * fill
-        for key in rows:
-            rows[key].append(row[key])
-    return Dataset.from_dict(rows)
+        rows.append(_padded(row, length, pad))
+    return Dataset.from_dict({key: [row[key] for row in rows] for key in rows[0]})
 
 
 def preview(cfg: Config, cache_dir: Path) -> str | None:
@@ -327,12 +326,10 @@ def _token_losses(model: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Te
     return token_loss, _learned(batch), logits.argmax(dim=-1) == targets
 
 
-def _per_sample(model: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Each sample's (row's) summed next-token loss over its learned tokens, its count of them, and its share of
-    correctly predicted ones."""
-    token_loss, real, right = _token_losses(model, batch)
-    count = real.sum(dim=1)
-    return (token_loss * real).sum(dim=1), count, (right & real).sum(dim=1) / count.clamp(min=1)
+def _weights(batch: dict) -> torch.Tensor:
+    """What each next-token loss weighs in the micro-batch's mean: 1 per learned token, or (loss_average samples)
+    the batch's `weight`, each example's learned positions summing to 1."""
+    return batch["weight"][:, 1:].float() if "weight" in batch else _learned(batch).float()
 
 
 def _attention_of(model: nn.Module) -> str:
@@ -343,24 +340,23 @@ def _attention_of(model: nn.Module) -> str:
 
 
 def loss(model: nn.Module, batch: dict) -> torch.Tensor:
-    """The micro-batch's mean over its learned tokens, or (loss_average samples: the batch's `weight`, each
-    example's learned positions summing to 1) over its examples of each one's mean. With loss_weight the runner makes
-    a step's loss that mean over the whole global batch, however it falls across micro-batches and ranks."""
-    if "weight" in batch:
-        token_loss, _, _ = _token_losses(model, batch)
-        weight = batch["weight"][:, 1:].float()
-        return (token_loss * weight).sum() / weight.sum().clamp(min=1e-12)
-    summed, count, _ = _per_sample(model, batch)
-    return summed.sum() / count.sum().clamp(min=1)
+    """The micro-batch's weighed mean (_weights): over its learned tokens, or over its examples of each one's mean.
+    With loss_weight the runner makes a step's loss that mean over the whole global batch, however it falls across
+    micro-batches and ranks."""
+    token_loss, _, _ = _token_losses(model, batch)
+    weight = _weights(batch)
+    return (token_loss * weight).sum() / weight.sum().clamp(min=1e-12)
 
 
 def loss_weight(cfg: Config, batch: dict) -> float:
     """What the micro-batch's mean is over: its learned tokens, or (loss_average samples) its examples."""
-    return float(batch["weight"][:, 1:].sum()) if "weight" in batch else int(_learned(batch).sum())
+    return float(_weights(batch).sum())
 
 
 def eval_metrics(model: nn.Module, batch: dict) -> dict[str, torch.Tensor]:
-    return {"token_accuracy": _per_sample(model, batch)[2].sum()}
+    """Each sample's share of its learned tokens that the model's top guess predicts, summed over the batch."""
+    _, real, right = _token_losses(model, batch)
+    return {"token_accuracy": ((right & real).sum(dim=1) / real.sum(dim=1).clamp(min=1)).sum()}
 
 
 def tokens_per_sample(cfg: Config) -> int:
