@@ -94,13 +94,13 @@ def render(record: Mapping[str, Any], layout: str, tokenizer,
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        start, end = len(text_of(messages[:i], True)), len(text_of(messages[:i + 1], False))
-        if not (whole.startswith(text_of(messages[:i], True)) and whole.startswith(text_of(messages[:i + 1], False))):
+        before, through = text_of(messages[:i], True), text_of(messages[:i + 1], False)
+        if not (whole.startswith(before) and whole.startswith(through)):
             raise ConfigError([Problem("the chat template renders a conversation's beginning otherwise than the "
                                        "whole conversation, so its answers cannot be found in the text",
                                        "--chat_template", "use a template that renders each turn the same whatever "
                                        "follows it (chatml does), or --train_on all")])
-        spans.append((start, end))
+        spans.append((len(before), len(through)))
     return whole, spans
 
 
