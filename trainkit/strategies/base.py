@@ -284,13 +284,18 @@ class Strategy:
         finite.grad_norm(step, grad_norm)
         return self.optimizer_step(loss_value, grad_norm, stop)
 
+    @property
+    def loss_weigher(self) -> Callable[[Any, Any], Any] | None:
+        """The recipe's loss_weight, or None: its micro-batches weigh alike."""
+        return self.recipe.loss_weight if self.recipe is not None else None
+
     def loss_weights(self, micro_batches: list) -> list[float]:
         """The factor on each micro-batch's mean loss, 1 each unless the recipe weighs them (its loss_weight: the
         learned tokens a mean is over). Then micro-batch m's factor is w_m x A x D / N, with A micro-batches per
         rank, D data-parallel ranks and N the units of the whole global batch (one all-reduce, before the first
         forward): Accelerate's backward divides by A and the gradient reduction averages over D, so the step's
         gradient and loss are the sum over every unit divided by N, whatever the split."""
-        weigh = self.recipe.loss_weight if self.recipe is not None else None
+        weigh = self.loss_weigher
         if weigh is None:
             return [1.0] * len(micro_batches)
         local = [float(weigh(self.cfg, batch)) for batch in micro_batches]
@@ -368,7 +373,7 @@ class Strategy:
         """
         model = self.model
         model.eval()
-        weigh = self.recipe.loss_weight if self.recipe is not None else None
+        weigh = self.loss_weigher
         loss_sum, batch_count, sample_count, sums = 0.0, 0, 0, {}
         with torch.no_grad():
             for batch in batches:

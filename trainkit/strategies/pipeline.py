@@ -86,7 +86,7 @@ class Pipeline(Strategy):
             Problem("fp16 does not work with pipeline stages: the pipeline schedule runs each stage's backward "
                     "itself, without the loss scaler", f"{where} with mixed_precision from {launch.source}",
                     "train the pipeline in bf16 (--mixed_precision bf16) or fp32")]
-        if self.recipe is not None and self.recipe.loss_weight is not None:
+        if self.loss_weigher is not None:
             problems.append(Problem(f"recipe {self.recipe.path.name} weighs its micro-batches (loss_weight), which the "
                                     "pipeline's schedule does not: each micro-batch's mean would count the same",
                                     where, "train it without --pipeline_stages"))
