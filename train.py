@@ -173,6 +173,7 @@ def loop(plan: Plan, run: Run) -> str | None:
         if step == cfg.max_steps or (cfg.eval_every and step % cfg.eval_every == 0):
             batches = eval_batches(run.eval_set, run.eval_layout, cfg.eval_batches)
             run.record.update(strategy.evaluate(batches, plan.recipe.compute_loss, plan.recipe.eval_metrics))
+            log.answers(step, strategy.generate(plan.recipe.generate, run.eval_set))
         log.step(run.record)
         if result.stop or step == options.stop_at:
             stopped_by = signal.name or "--stop_at"

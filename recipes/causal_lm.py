@@ -27,8 +27,10 @@ example `--trainable lm_head,model.layers.3` or `--trainable model.layers.` to f
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -50,6 +52,14 @@ class Config(TrainConfig):
     # types' own class whatever tokenizer_config.json says (a Qwen2 folder loads as Qwen2Tokenizer).
     tokenizer: str = ""
     gradient_checkpointing: bool = False
+    # LoRA (peft): the base model frozen, low-rank adapters trained beside its linear layers; lora_r 0 trains the
+    # model itself. The adapters add lora_alpha / lora_r times their product to each layer's output.
+    lora_r: int = 0
+    lora_alpha: float = 16.0
+    lora_dropout: float = 0.0
+    # peft's "all-linear" (every linear layer but the output head), or comma-separated module names (q_proj,v_proj)
+    lora_target_modules: str = "all-linear"
+    load_in_4bit: bool = False  # QLoRA: the frozen base quantised to 4 bits (NF4) by bitsandbytes; CUDA GPUs only
     # Data
     data: str = "pydoc"
     data_config: str = ""
@@ -75,6 +85,10 @@ class Config(TrainConfig):
     max_steps: int = 100
     eval_every: int = 50
     eval_batches: int = 2
+    # At each evaluation, the model's greedy answers to the prompts of the first eval_answers held-out examples (the
+    # text before their first learned token; plain text: a sample's first quarter), into generations.jsonl
+    eval_answers: int = 2
+    max_new_tokens: int = 32
 
     may_change_on_resume = TrainConfig.may_change_on_resume | {"gradient_checkpointing"}
 
@@ -106,6 +120,19 @@ class Config(TrainConfig):
                                         "config field model_name_or_path",
                                         "pass --allow_pickle true to read pytorch_model.bin if you trust the file, "
                                         "or convert it to safetensors"))
+        if self.lora_r < 0 or self.lora_r and (self.lora_alpha <= 0 or not 0 <= self.lora_dropout < 1):
+            problems.append(Problem(f"LoRA needs lora_r >= 0, lora_alpha > 0 and 0 <= lora_dropout < 1, got "
+                                    f"{self.lora_r}, {self.lora_alpha}, {self.lora_dropout}", "config field lora_r",
+                                    "use --lora_r 8 --lora_alpha 16 --lora_dropout 0.05"))
+        if self.load_in_4bit and not (self.lora_r and torch.cuda.is_available()):
+            problems.append(Problem("QLoRA (--load_in_4bit) needs a CUDA GPU and --lora_r: bitsandbytes' 4-bit layers "
+                                    "compute on CUDA, and a quantised base only trains through adapters",
+                                    "config field load_in_4bit",
+                                    "drop --load_in_4bit (LoRA on the full-precision base), or run on a GPU with "
+                                    "--lora_r 8"))
+        if self.lora_r and self.trainable:
+            problems.append(Problem("--trainable and --lora_r each choose what trains", "config field trainable",
+                                    "pass one: --lora_r trains adapters with the whole base frozen"))
         if self.data_format not in ("auto", *sft.FORMATS):
             problems.append(Problem(f"unknown data_format {self.data_format!r}", "config field data_format",
                                     f"use auto or one of {', '.join(sft.FORMATS)}"))
@@ -153,9 +180,14 @@ def build_model(cfg: Config) -> nn.Module:
 
     config = _load("model's config", cfg, AutoConfig.from_pretrained)
     if torch.get_default_device().type == "meta":  # --estimate and --dry_run: the shapes, no weights
-        return AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.trust_remote_code)
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.trust_remote_code)
+        return _with_lora(model, cfg) if cfg.lora_r else model
     model = _load("model", cfg, lambda path, **kw: AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, use_safetensors=None if cfg.allow_pickle else True, **kw))
+        path, dtype=torch.float32, use_safetensors=None if cfg.allow_pickle else True, **_quantised(cfg), **kw))
+    if cfg.load_in_4bit:
+        from peft import prepare_model_for_kbit_training
+
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=cfg.gradient_checkpointing)
     prefixes = [p.strip() for p in cfg.trainable.split(",") if p.strip()]
     if prefixes:
         chosen = {name for name, _ in model.named_parameters() if name.startswith(tuple(prefixes))}
@@ -166,7 +198,44 @@ def build_model(cfg: Config) -> nn.Module:
             param.requires_grad_(name in chosen)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return model
+    return _with_lora(model, cfg) if cfg.lora_r else model
+
+
+def _quantised(cfg: Config) -> dict:
+    """from_pretrained's arguments for QLoRA's 4-bit base (NF4, double quantisation, bf16 compute), on this process's
+    GPU; none otherwise."""
+    if not cfg.load_in_4bit:
+        return {}
+    import os
+
+    from transformers import BitsAndBytesConfig
+
+    return {"quantization_config": BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                      bnb_4bit_use_double_quant=True,
+                                                      bnb_4bit_compute_dtype=torch.bfloat16),
+            "device_map": {"": int(os.environ.get("LOCAL_RANK", "0"))}}
+
+
+def _lora_config(cfg: Config):
+    from peft import LoraConfig
+
+    targets = cfg.lora_target_modules
+    return LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout, task_type="CAUSAL_LM",
+                      target_modules=targets if targets == "all-linear" else [t.strip() for t in targets.split(",")])
+
+
+def _with_lora(model: nn.Module, cfg: Config) -> nn.Module:
+    """peft's PeftModel around the model: every base parameter frozen, adapters (B zero: the model unchanged at
+    step 0) on the target modules."""
+    from peft import get_peft_model
+
+    try:
+        return get_peft_model(model, _lora_config(cfg))
+    except ValueError as e:  # target modules that the model does not have
+        names = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)})
+        raise ConfigError([Problem(f"peft cannot put LoRA on this model: {' '.join(str(e).split())[:300]}",
+                                   "--lora_target_modules", f"use all-linear, or names of its linear layers: "
+                                   f"{', '.join(names)}")]) from None
 
 
 def tokenizer_of(cfg: Config):
@@ -359,10 +428,75 @@ def eval_metrics(model: nn.Module, batch: dict) -> dict[str, torch.Tensor]:
     return {"token_accuracy": ((right & real).sum(dim=1) / real.sum(dim=1).clamp(min=1)).sum()}
 
 
+def generate(model: nn.Module, cfg: Config, eval_set) -> list[dict[str, str]]:
+    """The answers of eval_answers: {prompt, answer (the model's), expected (the data's)}. Every rank generates the
+    same tokens; synced_gpus keeps the ranks stepping together where a forward is a collective (ZeRO-3, FSDP2)."""
+    import torch.distributed as dist
+
+    tokenizer, answers = _tokenizer(cfg), []
+    device = next(model.parameters()).device
+    for i in range(min(cfg.eval_answers, len(eval_set))):
+        row = {key: torch.as_tensor(value).tolist() for key, value in eval_set[i].items()}
+        ids = row["input_ids"][:sum(row["attention_mask"])]
+        if "segment" in row:  # a packed row: its first example
+            ids = ids[:row["segment"].count(1)]
+        learned = [j for j, label in enumerate(row.get("labels", [])[:len(ids)]) if label != sft.IGNORE]
+        cut = learned[0] if learned else max(1, len(ids) // 4)
+        output = model.generate(torch.tensor([ids[:cut]], device=device), max_new_tokens=cfg.max_new_tokens,
+                                do_sample=False, pad_token_id=_pad(tokenizer),
+                                synced_gpus=dist.is_initialized() and dist.get_world_size() > 1)
+        answers.append({"prompt": tokenizer.decode(ids[:cut]), "answer": tokenizer.decode(output[0, cut:]),
+                        "expected": tokenizer.decode(ids[cut:])})
+    return answers
+
+
+@functools.cache
+def _tokenizer_of(fields: tuple) -> Any:
+    return tokenizer_of(Config(**dict(fields)))
+
+
+def _tokenizer(cfg: Config):
+    """tokenizer_of, loaded once per run (generate runs at every evaluation)."""
+    return _tokenizer_of(tuple((k, getattr(cfg, k)) for k in ("model_name_or_path", "tokenizer", "trust_remote_code")))
+
+
 def tokens_per_sample(cfg: Config) -> int:
     return cfg.seq_len
 
 
 def export(model, state_dict: dict, cfg: Config, cache_dir: Path, out_dir: Path) -> None:
+    """final/: the model as from_pretrained loads it, with its tokenizer (and the run's --chat_template); under LoRA
+    that model has the adapters merged into its weights, and final/adapter/ holds them alone in peft's layout
+    (PeftModel.from_pretrained(base, "final/adapter") over the base model it was trained on)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = tokenizer_of(cfg)
+    if cfg.chat_template:  # the template the run rendered its conversations with goes along (trainkit/ask.py)
+        tokenizer.chat_template = sft.chat_template(tokenizer, cfg.chat_template)
+    if cfg.lora_r:
+        model.save_pretrained(str(out_dir / "adapter"), state_dict=state_dict)  # peft keeps only the adapters' keys
+        tokenizer.save_pretrained(str(out_dir / "adapter"))
+        # QLoRA's base is 4-bit in training: the adapters merge into the full-precision base it was quantised from
+        model = _merged(model, state_dict) if not cfg.load_in_4bit else _load("model", cfg, lambda path, **kw: (
+            PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path, **kw), str(out_dir / "adapter"))
+            .merge_and_unload()))
+        state_dict = None
     model.save_pretrained(str(out_dir), state_dict=state_dict)
-    tokenizer_of(cfg).save_pretrained(str(out_dir))
+    tokenizer.save_pretrained(str(out_dir))
+
+
+def _merged(model, state_dict: dict) -> nn.Module:
+    """A plain transformers model with the adapters merged in (peft's merge_and_unload), built from the gathered
+    state dict: the trained model may be sharded (ZeRO-3, FSDP2), so a copy is made on the meta device and takes
+    the state dict's tensors as its own (no second copy of the weights)."""
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        copy = get_peft_model(AutoModelForCausalLM.from_config(model.get_base_model().config),
+                              model.peft_config["default"])
+    copy.load_state_dict(state_dict, strict=True, assign=True)
+    merged = copy.merge_and_unload()
+    merged.tie_weights()  # the tied output head names the embedding again after assign
+    return merged

@@ -14,8 +14,9 @@ from trainkit.launch import shipped_configs
 from trainkit.recipes import load_recipe
 from trainkit.strategies import Strategy, for_launch, shipped_strategies
 
-__all__ = ["FLAG_STRATEGIES", "LAUNCHES", "LM", "ROOT", "TEST_ENV", "Run", "assert_refused", "entry", "kill_tree",
-           "launch", "launch_command", "max_rel_diff", "PARITY_BOUND", "strategy_of", "write_yaml", "zero2_json"]
+__all__ = ["EXAMPLES", "FLAG_STRATEGIES", "LAUNCHES", "LM", "ROOT", "TEST_ENV", "Run", "architecture", "assert_refused",
+           "conversation", "entry", "kill_tree", "launch", "launch_command", "max_rel_diff", "PARITY_BOUND",
+           "strategy_of", "write_yaml", "zero2_json"]
 
 # What every run in the tests gets: their own data cache, one thread per process (TRAINKIT_CPU_THREADS: under a
 # launcher OMP_NUM_THREADS=1 reads as the launcher's default, trainkit/hardware.py), no network.
@@ -137,6 +138,74 @@ def tmpfs(mount: Path, options: str):
         yield mount
     finally:
         subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+# Chat fine-tuning (tests/test_sft.py, tests/test_lora.py)
+
+EXAMPLES = 120
+
+
+def conversation(i: int, repeats: int = 1) -> list[dict[str, str]]:
+    a, b = i % 7 + 2, i % 5 + 3
+    return [{"role": "system", "content": "You add numbers."},
+            {"role": "user", "content": f"What is {a} plus {b}?"},
+            {"role": "assistant", "content": " ".join([f"{a} plus {b} is {a + b}."] * repeats)},
+            {"role": "user", "content": "And doubled?"},
+            {"role": "assistant", "content": f"Doubled it is {2 * (a + b)}."}]
+
+
+@pytest.fixture(scope="session")
+def chat(tmp_path_factory):
+    """(model folder, chat.jsonl): a Qwen2 with its own tokenizer, and EXAMPLES two-turn conversations; beside
+    them uneven.jsonl, whose first answers repeat 1 to 10 times (learned tokens per example from 16 to 97)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    root = tmp_path_factory.mktemp("sft")
+    chats = [{"messages": conversation(i)} for i in range(EXAMPLES)]
+    data = root / "chat.jsonl"
+    data.write_text("".join(json.dumps(c) + "\n" for c in chats))
+    (root / "uneven.jsonl").write_text("".join(json.dumps({"messages": conversation(i, i % 10 + 1)}) + "\n"
+                                               for i in range(EXAMPLES)))
+    texts = [m["content"] for c in chats for m in c["messages"]] + ["<|im_start|>assistant\n<|im_end|>\n system user"]
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    bpe.train_from_iterator(texts * 5, trainer=trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    folder = root / "qwen2"
+    Qwen2ForCausalLM(Qwen2Config(vocab_size=400, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2)).save_pretrained(folder)
+    PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>").save_pretrained(folder)
+    return folder, data
+
+
+def architecture(name: str, attention: str):
+    """A small untrained model of each architecture the fine-tuning tests use, on the chat fixture's 400-token
+    vocabulary: Qwen2 (untied), Llama with tied embeddings, GPT-NeoX (rotary on a part of each head, parallel
+    residual, one fused query-key-value layer), GPT-2 (tied, its linear layers transformers' Conv1D)."""
+    from transformers import (
+        GPT2Config,
+        GPT2LMHeadModel,
+        GPTNeoXConfig,
+        GPTNeoXForCausalLM,
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
+
+    sizes = {"vocab_size": 400, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "attn_implementation": attention}
+    if name == "qwen2":
+        return Qwen2ForCausalLM(Qwen2Config(**sizes, num_key_value_heads=2))
+    if name == "llama":
+        return LlamaForCausalLM(LlamaConfig(**sizes, num_key_value_heads=2, tie_word_embeddings=True))
+    if name == "gpt2":
+        return GPT2LMHeadModel(GPT2Config(vocab_size=400, n_embd=32, n_layer=2, n_head=4, n_positions=512,
+                                          attn_implementation=attention))
+    return GPTNeoXForCausalLM(GPTNeoXConfig(**sizes))
+
 
 
 @pytest.fixture

@@ -6,6 +6,8 @@ On one GPU the multi-GPU checks skip too; every shipped config still runs there 
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -89,3 +91,20 @@ def test_zero3_and_fsdp_shard_device_memory(run_dir):
 @pytest.mark.skipif(GPUS != 1, reason="checks the refusal on a one-GPU machine")
 def test_more_processes_than_gpus_is_refused(run_dir):
     assert_refused(launch(run_dir("out"), *MLP, config="ddp"), "2 processes but 1 GPU(s) per machine")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="needs bitsandbytes (QLoRA's 4-bit base)")
+def test_qlora_trains_adapters_over_a_4bit_base(chat, run_dir):
+    """--load_in_4bit: the base quantised to NF4 (bitsandbytes), the adapters in bf16 learn, final/adapter loads
+    over the full-precision base (the adapters do not depend on how the base was stored in training)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    folder, data = chat
+    out = run_dir("qlora")
+    run = launch(out, "--recipe", "causal_lm", "--model_name_or_path", str(folder), "--tokenizer", "saved", "--data",
+                 str(data), "--chat_template", "chatml", "--seq_len", "96", "--max_steps", "10", "--lr", "3e-3",
+                 "--lora_r", "8", "--load_in_4bit", "true", "--batch_size", "8", config="single",
+                 extra_launch=("--mixed_precision", "bf16")).check()
+    assert run.losses[-1] < run.losses[0]
+    PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(folder), str(out / "final" / "adapter"))

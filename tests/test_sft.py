@@ -12,47 +12,10 @@ import sys
 
 import pytest
 
-from conftest import PARITY_BOUND, assert_refused, entry, launch, max_rel_diff
+from conftest import EXAMPLES, PARITY_BOUND, architecture, assert_refused, conversation, entry, launch, max_rel_diff
 from trainkit import sft
 from trainkit.errors import ConfigError
 from trainkit.recipes import load_recipe
-
-EXAMPLES = 120
-
-
-def conversation(i: int, repeats: int = 1) -> list[dict[str, str]]:
-    a, b = i % 7 + 2, i % 5 + 3
-    return [{"role": "system", "content": "You add numbers."},
-            {"role": "user", "content": f"What is {a} plus {b}?"},
-            {"role": "assistant", "content": " ".join([f"{a} plus {b} is {a + b}."] * repeats)},
-            {"role": "user", "content": "And doubled?"},
-            {"role": "assistant", "content": f"Doubled it is {2 * (a + b)}."}]
-
-
-@pytest.fixture(scope="module")
-def chat(tmp_path_factory):
-    """(model folder, chat.jsonl): a Qwen2 with its own tokenizer, and EXAMPLES two-turn conversations; beside
-    them uneven.jsonl, whose first answers repeat 1 to 10 times (learned tokens per example from 16 to 97)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
-
-    root = tmp_path_factory.mktemp("sft")
-    chats = [{"messages": conversation(i)} for i in range(EXAMPLES)]
-    data = root / "chat.jsonl"
-    data.write_text("".join(json.dumps(c) + "\n" for c in chats))
-    (root / "uneven.jsonl").write_text("".join(json.dumps({"messages": conversation(i, i % 10 + 1)}) + "\n"
-                                               for i in range(EXAMPLES)))
-    texts = [m["content"] for c in chats for m in c["messages"]] + ["<|im_start|>assistant\n<|im_end|>\n system user"]
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
-    bpe.train_from_iterator(texts * 5, trainer=trainers.BpeTrainer(
-        vocab_size=400, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False))
-    folder = root / "qwen2"
-    Qwen2ForCausalLM(Qwen2Config(vocab_size=400, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2)).save_pretrained(folder)
-    PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>").save_pretrained(folder)
-    return folder, data
 
 
 @pytest.fixture(scope="module")
@@ -199,27 +162,6 @@ def test_every_split_of_the_global_batch_gives_the_same_token_mean_loss(chat, un
     assert max_rel_diff(run.losses, uneven_reference.losses) < 1e-6
     assert max_rel_diff([m["grad_norm"] for m in run.metrics],
                         [m["grad_norm"] for m in uneven_reference.metrics]) < 1e-6
-
-
-def architecture(name: str, attention: str):
-    """A small untrained model of each architecture the packing test uses, on the fixture's 400-token vocabulary:
-    Qwen2 (untied), Llama with tied embeddings, GPT-NeoX (rotary on a part of each head, parallel residual)."""
-    from transformers import (
-        GPTNeoXConfig,
-        GPTNeoXForCausalLM,
-        LlamaConfig,
-        LlamaForCausalLM,
-        Qwen2Config,
-        Qwen2ForCausalLM,
-    )
-
-    sizes = {"vocab_size": 400, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-             "num_attention_heads": 4, "attn_implementation": attention}
-    if name == "qwen2":
-        return Qwen2ForCausalLM(Qwen2Config(**sizes, num_key_value_heads=2))
-    if name == "llama":
-        return LlamaForCausalLM(LlamaConfig(**sizes, num_key_value_heads=2, tie_word_embeddings=True))
-    return GPTNeoXForCausalLM(GPTNeoXConfig(**sizes))
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])

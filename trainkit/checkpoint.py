@@ -370,7 +370,7 @@ def clear_outputs(output_dir: Path) -> None:
     """Remove an earlier run's outputs (--overwrite): stale checkpoints would otherwise mix with the new ones."""
     for folder in ("checkpoints", "final", "train", "universal"):  # train/: TensorBoard's events
         shutil.rmtree(output_dir / folder, ignore_errors=True)
-    for name in ("metrics.jsonl", "resolved_config.json"):
+    for name in ("metrics.jsonl", "resolved_config.json", "generations.jsonl"):
         (output_dir / name).unlink(missing_ok=True)
 
 
@@ -387,7 +387,8 @@ def export_final(strategy: Strategy, recipe: Recipe, cfg: TrainConfig, cache_dir
         tmp = output_dir / "final.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-        recipe.export(strategy.unwrapped_model, state_dict, cfg, cache_dir, tmp)
+        with strategy.building_alone():
+            recipe.export(strategy.unwrapped_model, state_dict, cfg, cache_dir, tmp)
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
     accelerator.wait_for_everyone()

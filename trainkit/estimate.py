@@ -15,10 +15,13 @@ ZeRO paper's idealised 2 + 2 + 12 bytes per parameter:
 - Offload moves the master copy and optimizer states (ZeRO-3 offload: the weights too) to CPU memory: the same bytes
   on the host instead of the device. ZeRO-2 offload adds host copies of the partition (low precision) and of its
   fp32 gradients, and two staging buffers the size of the largest parameter.
+- Under every strategy, gradients, optimizer states and DeepSpeed's master copy exist only for the parameters that
+  train: a frozen base (LoRA's, --trainable's rest) holds its weights alone.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -56,10 +59,17 @@ class ModelShape:
     # The tensor-parallel plan the model declares (model._tp_plan: module name pattern -> style), as pairs
     tp_plan: tuple[tuple[str, str], ...] = ()
     decoder: DecoderShape | None = None  # a transformers decoder's sizes; None for any other model
+    frozen: tuple[bool, ...] = ()  # per parameter, in the order of numels: frozen (no gradient, no optimizer state)
 
     @property
     def num_params(self) -> int:
         return sum(self.numels)
+
+    def trained(self) -> ModelShape:
+        """The parameters that train (LoRA's adapters, --trainable's): the ones with gradients and optimizer states."""
+        keep = [i for i in range(len(self.numels)) if not (self.frozen and self.frozen[i])]
+        return dataclasses.replace(self, numels=tuple(self.numels[i] for i in keep),
+                                   names=tuple(self.names[i] for i in keep) if self.names else (), frozen=())
 
 
 def hidden_size(model: torch.nn.Module) -> int:
@@ -82,7 +92,8 @@ def model_shape(recipe: Recipe, cfg: TrainConfig, model: torch.nn.Module | None 
     layers = getattr(getattr(model, "config", None), "num_hidden_layers", None) or \
         sum(isinstance(m, torch.nn.Linear) for m in model.modules())
     return ModelShape(tuple(p.numel() for p in params), hidden_size(model), layers, tuple(names),
-                      tuple((getattr(model, "_tp_plan", None) or {}).items()), decoder_shape(model))
+                      tuple((getattr(model, "_tp_plan", None) or {}).items()), decoder_shape(model),
+                      tuple(not p.requires_grad for p in params))
 
 
 def decoder_shape(model: torch.nn.Module) -> DecoderShape | None:

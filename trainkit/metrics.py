@@ -129,28 +129,18 @@ class MetricsLog:
         """initial_step > 0 (a resume) keeps the lines up to that step and drops those of steps that are redone."""
         self.accelerator = accelerator
         self.is_main = accelerator.is_main_process
-        path = output_dir / "metrics.jsonl"
-        self.file = None
-        if self.is_main:
-            kept = [line for line in path.read_text().splitlines(keepends=True)
-                    if json.loads(line)["step"] <= initial_step] if initial_step and path.exists() else []
-            self.file = open(path, "w")
-            self.file.writelines(kept)
+        self.file = _continued(output_dir / "metrics.jsonl", initial_step) if self.is_main else None
+        # the recipe's generated answers at each evaluation (Recipe.generate), opened at the first
+        self.generations_path, self.initial_step = output_dir / "generations.jsonl", initial_step
+        self.generations = None
         self.bar = tqdm(total=total_steps, initial=initial_step, disable=not self.is_main, file=sys.stderr,
                         dynamic_ncols=True, desc="train")
 
     def step(self, record: dict[str, Any]) -> None:
         if self.file is not None:
             # A step that fp16's loss scaler skipped has an infinite gradient norm; JSON has no Infinity, so null.
-            finite = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
-            try:
-                self.file.write(json.dumps(finite, allow_nan=False) + "\n")
-                self.file.flush()
-            except OSError as e:
-                what, fix = write_failure(e, Path(self.file.name))
-                raise TrainingError(f"could not write {self.file.name}: {what}",
-                                    f"{fix} and continue with --resume latest (the checkpoints written so far are "
-                                    "whole), or start again (--overwrite) if there is none") from None
+            _write(self.file, [{k: None if isinstance(v, float) and not math.isfinite(v) else v
+                                for k, v in record.items()}])
         self.accelerator.log({k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"},
                              step=record["step"])
         # the postfix first: update() draws the bar, which then shows this step's loss and lr, not the step before's
@@ -161,10 +151,41 @@ class MetricsLog:
                             if k.startswith("eval_") and k != "eval_loss")
             self.bar.write(f"step {record['step']}: eval loss {record['eval_loss']:.4f}{extra}")
 
+    def answers(self, step: int, answers: list[dict[str, str]]) -> None:
+        """generations.jsonl: a line per answer, with the step; printed too (the first of them)."""
+        if not (self.is_main and answers):
+            return
+        if self.generations is None:
+            self.generations = _continued(self.generations_path, self.initial_step)
+        _write(self.generations, [{"step": step, **answer} for answer in answers])
+        self.bar.write(f"step {step}: {' | '.join(f'{k}: {v!r}' for k, v in answers[0].items())}"[:300])
+
     def close(self) -> None:
         self.bar.close()
-        if self.file is not None:
-            self.file.close()
+        for file in (self.file, self.generations):
+            if file is not None:
+                file.close()
+
+
+def _continued(path: Path, initial_step: int):
+    """path opened for writing: after a resume (initial_step > 0) with its lines up to that step kept, those of the
+    steps that are redone dropped."""
+    kept = [line for line in path.read_text().splitlines(keepends=True)
+            if json.loads(line)["step"] <= initial_step] if initial_step and path.exists() else []
+    file = open(path, "w")
+    file.writelines(kept)
+    return file
+
+
+def _write(file, records: list[dict[str, Any]]) -> None:
+    try:
+        file.writelines(json.dumps(record, allow_nan=False) + "\n" for record in records)
+        file.flush()
+    except OSError as e:
+        what, fix = write_failure(e, Path(file.name))
+        raise TrainingError(f"could not write {file.name}: {what}",
+                            f"{fix} and continue with --resume latest (the checkpoints written so far are "
+                            "whole), or start again (--overwrite) if there is none") from None
 
 
 def close_progress_bars() -> None:

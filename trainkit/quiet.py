@@ -18,6 +18,9 @@ SILENCED = [
     (UserWarning, r"torch\.distributed is disabled, unavailable or uninitialized, assuming the intent is to "
                   r"(save|load) in a single process",
      "torch.distributed.checkpoint on one process without a process group: exactly what a one-process run does"),
+    (FutureWarning, r"`is_gradient_checkpointing` is deprecated",
+     "peft's get_peft_model asks transformers for the old name of a property, once per LoRA model built; only peft "
+     "can change it"),
 ]
 
 # (logger, message regex, why): the same for messages that libraries log instead of warn

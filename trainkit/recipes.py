@@ -20,6 +20,11 @@ and optionally (the defaults are `Recipe`'s):
                                     writes final/; default model.safetensors + config.json (the run's config)
     preview(cfg, cache_dir)         -> str or None: what --dry_run shows of the data (one example as the model
                                     reads it, what is learned marked); default none
+    generate(model, cfg, eval_set)  -> a list of {name: text}: what the model says to a few fixed prompts, at each
+                                    evaluation (written to generations.jsonl with the step). Every rank calls it
+                                    with its model in eval mode under no_grad: under ZeRO-3 and FSDP2 each forward is
+                                    a collective, so every rank must run the same number (generate(synced_gpus=True));
+                                    default none
     loss_weight(cfg, batch)         -> number: how many units (learned tokens) the micro-batch's mean loss
                                     averages over. The runner then weighs every micro-batch by it, so that a step's
                                     loss is the mean over every unit of the global batch, however they fall across
@@ -74,6 +79,10 @@ def no_preview(cfg: TrainConfig, cache_dir: Path) -> str | None:
     return None
 
 
+def no_generations(model: torch.nn.Module, cfg: TrainConfig, eval_set: Any) -> list[dict[str, str]]:
+    return []
+
+
 def export_safetensors(model: torch.nn.Module, state_dict: dict[str, torch.Tensor], cfg: TrainConfig,
                        cache_dir: Path, out_dir: Path) -> None:
     """final/model.safetensors and final/config.json (the run's config, to rebuild the model with build_model).
@@ -105,6 +114,7 @@ class Recipe:
     eval_metrics: Callable[[torch.nn.Module, Any], dict[str, torch.Tensor]] = no_metrics
     export: Callable[[torch.nn.Module, dict, Any, Path, Path], None] = export_safetensors
     preview: Callable[[Any, Path], str | None] = no_preview
+    generate: Callable[[torch.nn.Module, Any, Any], list[dict[str, str]]] = no_generations
     loss_weight: Callable[[Any, Any], Any] | None = None
     pipeline_layers: Callable[[torch.nn.Module], Any] | None = None
     pipeline_stage: Callable[[torch.nn.Module, range, bool, bool], torch.nn.Module] | None = None

@@ -394,6 +394,17 @@ class Strategy:
         return {"eval_loss": eval_loss,
                 **{f"eval_{name}": total / samples for name, total in zip(sums, metric_sums, strict=True)}}
 
+    def generate(self, generate_fn: Callable[[torch.nn.Module, TrainConfig, Any], list[dict[str, str]]],
+                 eval_set: Any) -> list[dict[str, str]]:
+        """The recipe's generate hook on this rank's model (the recipe's own module, its parameters gathered by the
+        strategy's hooks where they are sharded), in eval mode, without gradients."""
+        model = self.unwrapped_model
+        model.eval()
+        with torch.no_grad():
+            answers = generate_fn(model, self.cfg, eval_set)
+        model.train()
+        return answers
+
     def report(self) -> str | None:
         """A line for the end of the run about the strategy's own measurements (a pipeline's bubble), or None."""
         return None
@@ -431,25 +442,27 @@ class Strategy:
         them whole."""
         return self.unwrapped_model.state_dict()
 
+    def building_alone(self) -> contextlib.AbstractContextManager:
+        """Where the main process alone builds a model (a recipe's export: the LoRA merge) as plain torch modules."""
+        return contextlib.nullcontext()
+
     # --- checkpoint format: torch.distributed.checkpoint, reshardable across world sizes and these strategies ------
 
     def save_state(self, folder: Path) -> None:
-        """Write this rank's part of the model and optimizer state into the checkpoint folder."""
+        """Write this rank's part of the trained state (trained_state) into the checkpoint folder."""
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        model_state, optim_state = get_state_dict(self.unwrapped_model, _raw(self.optimizer))
+        model_state, optim_state = trained_state(self.unwrapped_model, _raw(self.optimizer))
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(folder / self.state_dir))
 
     def load_state(self, folder: Path) -> None:
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
         unwrapped, raw = self.unwrapped_model, _raw(self.optimizer)
-        model_state, optim_state = get_state_dict(unwrapped, raw)
+        model_state, optim_state = trained_state(unwrapped, raw)
         state = {"model": model_state, "optim": optim_state}
         dcp.load(state, checkpoint_id=str(folder / self.state_dir))
-        set_state_dict(unwrapped, raw, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        restore_trained(unwrapped, raw, state["model"], state["optim"])
 
     def resumes_exactly(self, saved: Mapping[str, Any]) -> bool:
         """Whether a checkpoint saved under `saved` (its trainer_state) restores model and optimizer here.
@@ -465,10 +478,44 @@ class Strategy:
         """Load the consolidated weights of a checkpoint in this format into an unprepared model (a warm start
         under another strategy)."""
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        weights = {"model": model.state_dict()}
+        weights = {"model": get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=True))}
         dcp.load(weights, checkpoint_id=str(folder / cls.state_dir))
-        model.load_state_dict(weights["model"], strict=True)
+        load_trained_weights(model, weights["model"])
+
+
+def trained_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """The model's and optimizer's state dicts (torch.distributed.checkpoint's, sharded as the model is) without the
+    frozen parameters. Those never change, and build_model makes them again in every launch (from the seed or the
+    pretrained weights), so a checkpoint holds what trains: under LoRA the adapters and their optimizer states."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    return get_state_dict(model, optimizer, options=StateDictOptions(ignore_frozen_params=True))
+
+
+def restore_trained(model: torch.nn.Module, optimizer: torch.optim.Optimizer, model_state: dict,
+                    optim_state: dict) -> None:
+    """Load trained_state's dicts back: every parameter that trains, and nothing else, must be in them."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    keys = set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state,
+                          options=StateDictOptions(ignore_frozen_params=True, strict=False))
+    _check_only_frozen_missing(model, keys)
+
+
+def load_trained_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    """A checkpoint's weights into an unprepared model: every parameter that trains; the frozen ones stay as
+    build_model made them."""
+    _check_only_frozen_missing(model, model.load_state_dict(weights, strict=False))
+
+
+def _check_only_frozen_missing(model: torch.nn.Module, keys) -> None:
+    frozen = {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    missing = [k for k in keys.missing_keys if k not in frozen]
+    if missing or keys.unexpected_keys:
+        raise RuntimeError(f"the checkpoint does not fit the model: missing {missing[:5]}, unexpected "
+                           f"{list(keys.unexpected_keys)[:5]}")
 
 
 def _samples(batch: Any) -> int:

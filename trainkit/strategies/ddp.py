@@ -44,8 +44,8 @@ class DDP(Strategy):
     def estimate(self, shape: ModelShape, world_size: int, activations: int) -> Estimate:
         """Everything replicated: fp32 weights, fp32 gradients (kept between steps), the optimizer's fp32 states.
         Accelerate's bf16 is autocast: the weights stay fp32, so bf16 saves no state memory."""
-        n = shape.num_params
-        return Estimate(self.label, 4 * n, 4 * n, OPTIMIZER_BYTES[self.cfg.optimizer] * n, 0, activations)
+        n, trained = shape.num_params, shape.trained().num_params
+        return Estimate(self.label, 4 * n, 4 * trained, OPTIMIZER_BYTES[self.cfg.optimizer] * trained, 0, activations)
 
 
 class Single(DDP):

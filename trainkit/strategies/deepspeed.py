@@ -14,6 +14,7 @@ not be sharded), and with `cpu=True` Accelerate would silently train plain DDP i
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -32,7 +33,7 @@ from trainkit.estimate import OPTIMIZER_BYTES, Estimate, ModelShape
 from trainkit.guards import FiniteCheck
 from trainkit.launch import Launch
 from trainkit.recipes import Recipe
-from trainkit.strategies.base import LossFn, StepResult, Strategy
+from trainkit.strategies.base import LossFn, StepResult, Strategy, load_trained_weights
 from trainkit.strategies.deepspeed_config import fill_bucket_sizes, persistence_threshold, resolve
 
 TAG = "deepspeed"  # the one tag under checkpoints/step_<N>/deepspeed/
@@ -112,21 +113,22 @@ class DeepSpeed(Strategy):
         moves master copy and optimizer states (ZeRO-3 offload: the weights too) to the host; ZeRO-2 offload adds
         host copies of the partition (low precision) and of its fp32 gradients, and two staging buffers the size of
         the largest parameter (measured: BENCHMARKS.md)."""
-        n, w = shape.num_params, world_size
+        n, w, trained = shape.num_params, world_size, shape.trained()
+        t = trained.num_params  # what has gradients, a master copy and optimizer states
         low = 2 if self.launch.mixed_precision in ("bf16", "fp16") else 4  # DeepSpeed casts the model itself
-        optimizer = (4 + OPTIMIZER_BYTES[self.cfg.optimizer]) * math.ceil(n / w)  # fp32 master + optimizer states
+        optimizer = (4 + OPTIMIZER_BYTES[self.cfg.optimizer]) * math.ceil(t / w)  # fp32 master + optimizer states
         if self.stage != 3:
             if not self.offloads_optimizer:
-                transient = low * n if self.stage in (0, 1) else 0  # ZeRO-2 reduce-scatters in buckets
+                transient = low * t if self.stage in (0, 1) else 0  # ZeRO-2 reduce-scatters in buckets
                 return Estimate(self.label, low * n, 0, optimizer, 0, activations, transient)
-            staging = low * max(shape.numels)
-            grads = 4 * math.ceil(n / w) + 2 * staging
-            optimizer += low * math.ceil(n / w)
+            staging = low * max(trained.numels, default=0)
+            grads = 4 * math.ceil(t / w) + 2 * staging
+            optimizer += low * math.ceil(t / w)
             return Estimate(self.label, low * n, grads, optimizer, optimizer + grads - staging, activations)
         persistent = sum(k for k in shape.numels if k < persistence_threshold(shape.hidden))
         params = low * (math.ceil((n - persistent) / w) + persistent)
         host = (params if self.offloads_params else 0) + (optimizer if self.offloads_optimizer else 0)
-        return Estimate(self.label, params, low * math.ceil(n / w), optimizer, host, activations)
+        return Estimate(self.label, params, low * math.ceil(t / w), optimizer, host, activations)
 
     # --- build --------------------------------------------------------------------------------------------------------
 
@@ -242,15 +244,31 @@ class DeepSpeed(Strategy):
         """ZeRO-3 gathers the partitions (zero3_save_16bit_model / stage3_gather_16bit_weights_on_model_save)."""
         return self.accelerator.get_state_dict(self.model)
 
+    @contextlib.contextmanager
+    def building_alone(self) -> Iterator[None]:
+        """Without ZeRO-3's zero.Init, which transformers enters for every model it builds while Accelerate's DeepSpeed
+        config is registered with it: it partitions each parameter as it is made, a collective that would wait for
+        ranks that are not building. (Accelerate's zero3_init_context_manager(enable=False) registers it again.)"""
+        from transformers.integrations.deepspeed import set_hf_deepspeed_config, unset_hf_deepspeed_config
+
+        unset_hf_deepspeed_config()
+        try:
+            yield
+        finally:
+            set_hf_deepspeed_config(self.accelerator.state.deepspeed_plugin.dschf)
+
     # --- checkpoint format: DeepSpeed's own -------------------------------------------------------------------------
 
     def save_state(self, folder: Path) -> None:
-        self.model.save_checkpoint(str(folder / self.state_dir), tag=TAG, save_latest=False)
+        # the frozen parameters stay out, as in trained_state: build_model makes them again
+        self.model.save_checkpoint(str(folder / self.state_dir), tag=TAG, save_latest=False,
+                                   exclude_frozen_parameters=True)
 
     def load_state(self, folder: Path) -> None:
         load_dir, tag = ((self._universal.parent, self._universal.name) if self._universal
                          else (folder / self.state_dir, TAG))
-        self.model.load_checkpoint(str(load_dir), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=False)
+        self.model.load_checkpoint(str(load_dir), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=False,
+                                   load_module_strict=all(p.requires_grad for p in self.model.parameters()))
 
     def _same_layout(self, saved: Mapping[str, Any]) -> bool:
         return saved["zero_stage"] == self.stage and saved["world_size"] == self.launch.world_size
@@ -301,8 +319,8 @@ class DeepSpeed(Strategy):
     def load_weights(cls, model: torch.nn.Module, folder: Path) -> None:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        model.load_state_dict(get_fp32_state_dict_from_zero_checkpoint(str(folder / cls.state_dir), tag=TAG),
-                              strict=True)
+        load_trained_weights(model, get_fp32_state_dict_from_zero_checkpoint(str(folder / cls.state_dir), tag=TAG,
+                                                                              exclude_frozen_parameters=True))
 
 
 @functools.cache

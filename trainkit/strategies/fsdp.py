@@ -88,10 +88,10 @@ class FSDP2(Strategy):
 
     def estimate(self, shape: ModelShape, world_size: int, activations: int) -> Estimate:
         """What DDP holds per parameter, for the part of each parameter one rank holds."""
-        shard = self.held_numel(shape, world_size)
+        shard, trained = self.held_numel(shape, world_size), self.held_numel(shape.trained(), world_size)
         opt = OPTIMIZER_BYTES[self.cfg.optimizer]
-        host = (8 + opt) * shard if self.offload else 0
-        return Estimate(self.label, 4 * shard, 4 * shard, opt * shard, host, activations)
+        host = 4 * shard + (4 + opt) * trained if self.offload else 0
+        return Estimate(self.label, 4 * shard, 4 * trained, opt * trained, host, activations)
 
     def held_numel(self, shape: ModelShape, world_size: int) -> int:
         """Parameter elements one rank holds: 1/world_size of each, as FSDP2 pads each parameter's dim-0 shards."""
@@ -169,6 +169,10 @@ class FSDP2(Strategy):
         for block in blocks:
             fully_shard(block, **policy)
         fully_shard(model, **policy)
+        if callable(getattr(model, "generate", None)):  # a recipe's generate hook: the root's own parameters gathered
+            from torch.distributed.fsdp import register_fsdp_forward_method  # around the whole call, not just forward
+
+            register_fsdp_forward_method(model, "generate")
         unsharded = [name for name, p in model.named_parameters() if not self.is_sharded(p)]
         if unsharded:
             raise ConfigError([Problem(f"FSDP left parameters unsharded: {', '.join(unsharded[:5])}", "fsdp",

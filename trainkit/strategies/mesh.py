@@ -234,6 +234,11 @@ def plan_problems(model: torch.nn.Module, tp: int, where: str, sizes_where: str)
     """What stops the model's plan from cutting it into tp slices that compute what the whole model computes."""
     plan = dict(getattr(model, "_tp_plan", None) or {})
     kind = type(model).__name__
+    if any(type(m).__module__.startswith("peft.") for m in model.modules()):
+        return [Problem(f"{kind} carries peft adapters (LoRA), whose layers wrap the Linear layers that tensor "
+                        "parallelism cuts and do not take cut (DTensor) weights", where,
+                        "train LoRA under ddp.yaml, fsdp.yaml, hsdp.yaml or a deepspeed_*.yaml (the adapters are "
+                        "small: sharding the frozen base is what saves memory)")]
     if not any(style in SPLIT_STYLES for style in plan.values()):
         return [Problem(f"{kind} declares no tensor-parallel plan (which Linear layers to cut)", where, NO_PLAN_FIX)]
     modules = dict(model.named_modules())

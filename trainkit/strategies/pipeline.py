@@ -37,7 +37,8 @@ from trainkit.estimate import OPTIMIZER_BYTES, Estimate, ModelShape
 from trainkit.guards import FiniteCheck
 from trainkit.launch import Launch
 from trainkit.metrics import state_bytes
-from trainkit.strategies.base import LossFn, MetricsFn, StepResult, Strategy
+from trainkit.recipes import no_generations
+from trainkit.strategies.base import LossFn, MetricsFn, StepResult, Strategy, restore_trained, trained_state
 
 # Stages per process under each schedule (interleaved: stage i lives on process i mod p).
 STAGES_PER_PROCESS = {"gpipe": 1, "1f1b": 1, "interleaved": 2}
@@ -86,6 +87,10 @@ class Pipeline(Strategy):
             Problem("fp16 does not work with pipeline stages: the pipeline schedule runs each stage's backward "
                     "itself, without the loss scaler", f"{where} with mixed_precision from {launch.source}",
                     "train the pipeline in bf16 (--mixed_precision bf16) or fp32")]
+        if self.recipe is not None and self.recipe.generate is not no_generations:
+            problems.append(Problem(f"recipe {self.recipe.path.name} generates text at each evaluation (generate), "
+                                    "which needs the whole model in one process: a pipeline stage holds part of it",
+                                    where, "train it without --pipeline_stages"))
         if self.loss_weigher is not None:
             problems.append(Problem(f"recipe {self.recipe.path.name} weighs its micro-batches (loss_weight), which the "
                                     "pipeline's schedule does not: each micro-batch's mean would count the same",
@@ -160,11 +165,15 @@ class Pipeline(Strategy):
         Activations: this process's share of the layers, for the micro-batches in flight at once (GPipe: every one
         of the step; 1F1B: at most one per stage)."""
         per_process = STAGES_PER_PROCESS[self.cfg.pipeline_schedule] / self.total_stages
-        layered = sum(n for n, name in zip(shape.numels, shape.names, strict=True) if re.search(r"\.\d+\.", name))
-        n = min(shape.num_params, math.ceil(layered * per_process) + shape.num_params - layered)
+
+        def held(part: ModelShape) -> int:
+            layered = sum(n for n, name in zip(part.numels, part.names, strict=True) if re.search(r"\.\d+\.", name))
+            return min(part.num_params, math.ceil(layered * per_process) + part.num_params - layered)
+
+        n, trained = held(shape), held(shape.trained())
         m = self.cfg.grad_accum
         in_flight = m if self.cfg.pipeline_schedule == "gpipe" else min(m, self.stages)
-        return Estimate(self.label, 4 * n, 4 * n, OPTIMIZER_BYTES[self.cfg.optimizer] * n, 0,
+        return Estimate(self.label, 4 * n, 4 * trained, OPTIMIZER_BYTES[self.cfg.optimizer] * trained, 0,
                         int(activations * per_process * in_flight))
 
     # --- build ------------------------------------------------------------------------------------------------
@@ -352,17 +361,15 @@ class Pipeline(Strategy):
 
     def save_state(self, folder) -> None:
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        model_state, optim_state = get_state_dict(self.model, self.optimizer.optimizer)
+        model_state, optim_state = trained_state(self.model, self.optimizer.optimizer)
         dcp.save(self._renamed(model_state, optim_state), checkpoint_id=str(folder / self.state_dir))
 
     def load_state(self, folder) -> None:
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
         raw = self.optimizer.optimizer
-        model_state, optim_state = get_state_dict(self.model, raw)
+        model_state, optim_state = trained_state(self.model, raw)
         state = self._renamed(model_state, optim_state)
         dcp.load(state, checkpoint_id=str(folder / self.state_dir))
         model_state = {name: state["model"][aliases[0]] for name, aliases in self._names.items()
@@ -370,7 +377,7 @@ class Pipeline(Strategy):
         optim_state["state"] = {name: state["optim"][self._names[name][0]] for name in optim_state["state"]}
         for group in optim_state["param_groups"]:
             group["lr"] = state["lr"].item()
-        set_state_dict(self.model, raw, model_state_dict=model_state, optim_state_dict=optim_state)
+        restore_trained(self.model, raw, model_state, optim_state)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every stage's weights gathered on the main process, under the whole model's names."""

@@ -1,0 +1,58 @@
+"""recipes/causal_lm.py with a witness on every rank that the frozen parameters never change (tests/test_lora.py).
+
+At its first micro-batch each rank copies the part of every frozen parameter that it holds (a ZeRO-3 partition, an
+FSDP2 shard, the whole tensor under DDP and ZeRO-1/2); at every later one it compares them bit for bit and writes
+what it compared, and which differed, to --probe_dir/rank_<r>.json.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from trainkit.recipes import load_recipe
+
+causal_lm = load_recipe("causal_lm")
+build_datasets, loss_weight, eval_metrics = causal_lm.build_datasets, causal_lm.loss_weight, causal_lm.eval_metrics
+tokens_per_sample, export, preview = causal_lm.tokens_per_sample, causal_lm.export, causal_lm.preview
+generate = causal_lm.generate
+
+
+@dataclass(kw_only=True, slots=True)
+class Config(causal_lm.Config):
+    probe_dir: str = ""  # where each rank writes what it compared
+
+    may_change_on_resume = causal_lm.Config.may_change_on_resume | {"probe_dir"}  # a resumed run writes its own
+
+
+_probe: dict = {"dir": None, "first": None, "calls": 0}
+
+
+def build_model(cfg: Config) -> torch.nn.Module:
+    _probe["dir"] = Path(cfg.probe_dir) if cfg.probe_dir else None
+    return causal_lm.build_model(cfg)
+
+
+def _held(param: torch.Tensor) -> torch.Tensor:
+    """The part of a parameter this rank holds."""
+    if getattr(param, "ds_tensor", None) is not None:  # ZeRO-3: the partition (the parameter itself is empty)
+        return param.ds_tensor
+    return param.to_local() if hasattr(param, "to_local") else param.data  # FSDP2's DTensor: the shard
+
+
+def loss(model: torch.nn.Module, batch: dict) -> torch.Tensor:
+    frozen = {name: _held(p) for name, p in model.named_parameters() if not p.requires_grad}
+    if _probe["first"] is None:
+        _probe["first"] = {name: held.detach().clone() for name, held in frozen.items()}
+    _probe["calls"] += 1
+    changed = [name for name, held in frozen.items() if not torch.equal(held, _probe["first"][name])]
+    if _probe["dir"] is not None:
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        _probe["dir"].mkdir(parents=True, exist_ok=True)
+        (_probe["dir"] / f"rank_{rank}.json").write_text(json.dumps({
+            "calls": _probe["calls"], "tensors": len(frozen), "elements": sum(h.numel() for h in frozen.values()),
+            "changed": changed}))
+    return causal_lm.loss(model, batch)
