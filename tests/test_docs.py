@@ -103,13 +103,17 @@ def chains(prepared_page: list[tuple[str, list[str] | None, str]]) -> list[list[
     """A page's runnable commands as chains that may run beside each other: a command that reads what an earlier
     one wrote (a resume, a plot of earlier runs) joins the chains of those before it on its page."""
     result: list[list[tuple[str, list[str]]]] = []
+    written: list[str] = []  # the output folders of the page's commands so far
     for command, args, _ in prepared_page:
         if args is None:
             continue
-        if "--resume" in args or args[:3] == ["python", "-m", "trainkit.plot"]:
+        reads = any(arg.startswith(folder) for arg in args for folder in written)  # trainkit.ask /tmp/chat/final
+        if reads or "--resume" in args or args[:3] == ["python", "-m", "trainkit.plot"]:
             result = [[step for chain in result for step in chain] + [(command, args)]]
         else:
             result.append([(command, args)])
+        if "--output_dir" in args:
+            written.append(args[args.index("--output_dir") + 1] + "/")
     return result
 
 

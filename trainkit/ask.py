@@ -1,0 +1,60 @@
+"""Ask a fine-tuned model a question: the chat template it was trained with, a greedy answer to the end of its turn.
+
+    python -m trainkit.ask runs/chat/final "What is 7 times 6?"           # the merged model
+    python -m trainkit.ask runs/chat/final/adapter "What is 7 times 6?"   # the base model + the LoRA adapters (peft)
+
+A folder with adapter_config.json loads through peft (the base model named there, the adapters over it); any other
+through transformers. The tokenizer saved beside the weights carries the run's chat template (--chat_template), so
+the question reads as the training conversations did; a tokenizer without one gets the question as plain text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+# Where a template's turn ends, when its end marker is plain text to the tokenizer (ChatML on a tokenizer trained
+# without it): generation stops at the first of these.
+TURN_ENDS = ["<|im_end|>", "<|eot_id|>", "<|end|>"]
+
+
+def answer(folder: Path, question: str, max_new_tokens: int = 64) -> str:
+    """The model's greedy answer to one user turn."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if (folder / "adapter_config.json").is_file():
+        from peft import AutoPeftModelForCausalLM
+
+        model = AutoPeftModelForCausalLM.from_pretrained(str(folder))
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(folder))
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
+                                           add_generation_prompt=True) if tokenizer.chat_template else question
+    ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt").input_ids
+    with torch.no_grad():
+        output = model.eval().generate(ids, max_new_tokens=max_new_tokens, do_sample=False, tokenizer=tokenizer,
+                                       stop_strings=TURN_ENDS, pad_token_id=tokenizer.eos_token_id)
+    text = tokenizer.decode(output[0, ids.shape[1]:], skip_special_tokens=True)
+    return min((text.split(end)[0] for end in TURN_ENDS), key=len).strip()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m trainkit.ask", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("folder", type=Path, help="a run's final/ (merged) or final/adapter/ (peft)")
+    parser.add_argument("question")
+    parser.add_argument("--max_new_tokens", type=int, default=64)
+    args = parser.parse_args(argv)
+    if not (args.folder / "config.json").is_file() and not (args.folder / "adapter_config.json").is_file():
+        print(f"error: {args.folder} holds no model (no config.json or adapter_config.json): pass a run's final/ or "
+              f"final/adapter/", file=sys.stderr)
+        return 2
+    print(answer(args.folder, args.question, args.max_new_tokens))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
