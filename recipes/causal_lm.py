@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from trainkit import sft, text
+from trainkit.ask import TURN_ENDS
 from trainkit.config import TrainConfig
 from trainkit.errors import ConfigError, Problem
 
@@ -429,8 +430,9 @@ def eval_metrics(model: nn.Module, batch: dict) -> dict[str, torch.Tensor]:
 
 
 def generate(model: nn.Module, cfg: Config, eval_set) -> list[dict[str, str]]:
-    """The answers of eval_answers: {prompt, answer (the model's), expected (the data's)}. Every rank generates the
-    same tokens; synced_gpus keeps the ranks stepping together where a forward is a collective (ZeRO-3, FSDP2)."""
+    """The answers of eval_answers: {prompt, answer (the model's, to the end of its turn), expected (the data's)}.
+    Every rank generates the same tokens; synced_gpus keeps the ranks stepping together where a forward is a
+    collective (ZeRO-3, FSDP2)."""
     import torch.distributed as dist
 
     tokenizer, answers = _tokenizer(cfg), []
@@ -443,8 +445,8 @@ def generate(model: nn.Module, cfg: Config, eval_set) -> list[dict[str, str]]:
         learned = [j for j, label in enumerate(row.get("labels", [])[:len(ids)]) if label != sft.IGNORE]
         cut = learned[0] if learned else max(1, len(ids) // 4)
         output = model.generate(torch.tensor([ids[:cut]], device=device), max_new_tokens=cfg.max_new_tokens,
-                                do_sample=False, pad_token_id=_pad(tokenizer),
-                                synced_gpus=dist.is_initialized() and dist.get_world_size() > 1)
+                                do_sample=False, pad_token_id=_pad(tokenizer), tokenizer=tokenizer,
+                                stop_strings=TURN_ENDS, synced_gpus=dist.is_initialized() and dist.get_world_size() > 1)
         answers.append({"prompt": tokenizer.decode(ids[:cut]), "answer": tokenizer.decode(output[0, cut:]),
                         "expected": tokenizer.decode(ids[cut:])})
     return answers
@@ -458,6 +460,14 @@ def _tokenizer_of(fields: tuple) -> Any:
 def _tokenizer(cfg: Config):
     """tokenizer_of, loaded once per run (generate runs at every evaluation)."""
     return _tokenizer_of(tuple((k, getattr(cfg, k)) for k in ("model_name_or_path", "tokenizer", "trust_remote_code")))
+
+
+def summary(cfg: Config, cache_dir: Path) -> dict[str, float]:
+    """The share of the training rows' positions that is padding: what packing saves (build_datasets' result, read
+    back from the datasets cache)."""
+    train, _ = build_datasets(cfg, cache_dir)
+    real = train.with_format("numpy")[:]["attention_mask"].sum()
+    return {"padding_share": 1.0 - float(real) / (len(train) * cfg.seq_len)}
 
 
 def tokens_per_sample(cfg: Config) -> int:

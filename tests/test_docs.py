@@ -77,11 +77,14 @@ def prepared(page_commands: list[str], tmp: Path) -> list[tuple[str, list[str] |
             continue
         args = shlex.split(command.replace("/tmp/", f"{tmp}/"))
         for j, arg in enumerate(args):
-            if made := re.fullmatch(r"runs/(\w+)/final", arg):  # an earlier page's run: made here, briefly
-                subprocess.run(["python", "train.py", "--recipe", made.group(1), "--output_dir", str(tmp / "made"),
+            made = re.fullmatch(r"runs/(\w+)/final", arg)  # an earlier page's run: made here once, briefly
+            if made and not (tmp / f"made_{made.group(1)}" / "final").is_dir():
+                subprocess.run(["python", "train.py", "--recipe", made.group(1), "--output_dir",
+                                str(tmp / f"made_{made.group(1)}"),
                                 "--max_steps", "2", "--report_to", "none"], cwd=ROOT, env={**os.environ, **TEST_ENV},
                                check=True, capture_output=True)
-                args[j] = str(tmp / "made" / "final")
+            if made:
+                args[j] = str(tmp / f"made_{made.group(1)}" / "final")
             if j and args[j - 1] == "--png":  # pictures go to the test's folder, not the repository
                 args[j] = str(tmp / Path(arg).name)
         if "train.py" in args:

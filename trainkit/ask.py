@@ -14,6 +14,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from trainkit.quiet import silence_library_noise
+
 # Where a template's turn ends, when its end marker is plain text to the tokenizer (ChatML on a tokenizer trained
 # without it): generation stops at the first of these.
 TURN_ENDS = ["<|im_end|>", "<|eot_id|>", "<|end|>"]
@@ -48,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("question")
     parser.add_argument("--max_new_tokens", type=int, default=64)
     args = parser.parse_args(argv)
+    silence_library_noise()
     if not (args.folder / "config.json").is_file() and not (args.folder / "adapter_config.json").is_file():
         print(f"error: {args.folder} holds no model (no config.json or adapter_config.json): pass a run's final/ or "
               f"final/adapter/", file=sys.stderr)

@@ -18,7 +18,7 @@ from trainkit.recipes import load_recipe
 causal_lm = load_recipe("causal_lm")
 build_datasets, loss_weight, eval_metrics = causal_lm.build_datasets, causal_lm.loss_weight, causal_lm.eval_metrics
 tokens_per_sample, export, preview = causal_lm.tokens_per_sample, causal_lm.export, causal_lm.preview
-generate = causal_lm.generate
+generate, summary = causal_lm.generate, causal_lm.summary
 
 
 @dataclass(kw_only=True, slots=True)
