@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainkit import sft, text
+from trainkit import decoder_stages, sft, text
 from trainkit.ask import TURN_ENDS
 from trainkit.config import TrainConfig
 from trainkit.errors import ConfigError, Problem
@@ -148,6 +148,13 @@ class Config(TrainConfig):
             problems.append(Problem("--packing packs instruction and chat examples; plain text is cut into full "
                                     "seq_len blocks already (only each document's last piece is padded)",
                                     "config field packing", "drop --packing, or pass chat or instruction data"))
+        if self.pipeline_stages > 1 and (self.packing or self.loss_average == "samples"):
+            what = "--packing (each row's examples need their own mask)" if self.packing else \
+                "--loss_average samples (each token's weight)"
+            problems.append(Problem(f"{what} does not pass through pipeline stages, which carry only the token ids "
+                                    "forward", "config field pipeline_stages",
+                                    "train it without --pipeline_stages (fsdp.yaml or deepspeed_zero3.yaml shard a "
+                                    "model that does not fit)"))
         return problems + text.check_data(self.data, self.text_field if plain else None)
 
     def layout(self) -> str:
@@ -421,6 +428,14 @@ def loss(model: nn.Module, batch: dict) -> torch.Tensor:
 def loss_weight(cfg: Config, batch: dict) -> float:
     """What the micro-batch's mean is over: its learned tokens, or (loss_average samples) its examples."""
     return float(_weights(batch).sum())
+
+
+# Pipeline parallelism (--pipeline_stages): the Llama family (Llama, Mistral, Qwen2, Qwen3), GPT-NeoX and GPT-2 are
+# cut into stages by trainkit/decoder_stages.py, which refuses another architecture naming it. The runner weighs
+# each micro-batch's mean by its learned tokens (loss_weight) as it does without stages.
+pipeline_layers = decoder_stages.layers
+pipeline_stage = decoder_stages.stage
+pipeline_loss = decoder_stages.loss
 
 
 def eval_metrics(model: nn.Module, batch: dict) -> dict[str, torch.Tensor]:

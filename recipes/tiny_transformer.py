@@ -21,10 +21,8 @@ from typing import Any, ClassVar
 
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-from transformers.loss.loss_utils import ForCausalLMLoss
-from transformers.masking_utils import create_causal_mask
 
-from trainkit import text
+from trainkit import decoder_stages, text
 from trainkit.config import TrainConfig
 from trainkit.errors import Problem
 
@@ -121,67 +119,11 @@ def build_model(cfg: Config) -> torch.nn.Module:
     return model
 
 
-# Pipeline parallelism (--pipeline_stages): where the model can be cut, and each stage's part of it. A stage holds the
-# model's own submodules, so a checkpoint and final/ keep the model's parameter names.
-
-def pipeline_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
-    return model.model.layers if isinstance(model, LlamaForCausalLM) else model.transformer.h
-
-
-def pipeline_stage(model: torch.nn.Module, layers: range, first: bool, last: bool) -> torch.nn.Module:
-    return (LlamaStage if isinstance(model, LlamaForCausalLM) else GPT2Stage)(model, layers, first, last)
-
-
-def pipeline_loss(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-    """What `loss` computes, from the last stage's logits: the next-token loss, transformers' own function."""
-    return ForCausalLMLoss(logits, input_ids, vocab_size=logits.shape[-1])
-
-
-class LlamaStage(torch.nn.Module):
-    """Token ids (first stage) or hidden states -> hidden states, or logits on the last stage: LlamaModel.forward's
-    steps for a range of layers."""
-
-    def __init__(self, model: LlamaForCausalLM, layers: range, first: bool, last: bool) -> None:
-        super().__init__()
-        self.config = model.config
-        self.embed_tokens = model.model.embed_tokens if first else None
-        self.rotary_emb = model.model.rotary_emb
-        self.layers = torch.nn.ModuleList(model.model.layers[i] for i in layers)
-        self.norm = model.model.norm if last else None
-        self.lm_head = model.lm_head if last else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        hidden = self.embed_tokens(x) if self.embed_tokens is not None else x
-        position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-        mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=None,
-                                  past_key_values=None, position_ids=position_ids)
-        position_embeddings = self.rotary_emb(hidden, position_ids=position_ids)
-        for layer in self.layers:
-            hidden = layer(hidden, attention_mask=mask, position_embeddings=position_embeddings,
-                           position_ids=position_ids)
-        return self.lm_head(self.norm(hidden)) if self.lm_head is not None else hidden
-
-
-class GPT2Stage(torch.nn.Module):
-    """GPT2Model.forward's steps for a range of blocks."""
-
-    def __init__(self, model: GPT2LMHeadModel, layers: range, first: bool, last: bool) -> None:
-        super().__init__()
-        body = model.transformer
-        self.config = model.config
-        self.wte, self.wpe, self.drop = (body.wte, body.wpe, body.drop) if first else (None, None, None)
-        self.h = torch.nn.ModuleList(body.h[i] for i in layers)
-        self.ln_f = body.ln_f if last else None
-        self.lm_head = model.lm_head if last else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        position_ids = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
-        hidden = self.drop(self.wte(x) + self.wpe(position_ids)) if self.wte is not None else x
-        mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=None,
-                                  past_key_values=None, position_ids=position_ids)
-        for block in self.h:
-            hidden = block(hidden, None, mask, position_ids=position_ids)
-        return self.lm_head(self.ln_f(hidden)) if self.lm_head is not None else hidden
+# Pipeline parallelism (--pipeline_stages): where the model can be cut, and each stage's part of it, for any Llama-
+# family, GPT-NeoX or GPT-2 model (trainkit/decoder_stages.py).
+pipeline_layers = decoder_stages.layers
+pipeline_stage = decoder_stages.stage
+pipeline_loss = decoder_stages.loss
 
 
 def _data_dir(cfg: Config, cache_dir: Path) -> Path:

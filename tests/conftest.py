@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import subprocess
 from pathlib import Path
@@ -16,7 +17,7 @@ from trainkit.strategies import Strategy, for_launch, shipped_strategies
 
 __all__ = ["EXAMPLES", "FLAG_STRATEGIES", "LAUNCHES", "LM", "ROOT", "TEST_ENV", "Run", "architecture", "assert_refused",
            "conversation", "entry", "kill_tree", "launch", "launch_command", "max_rel_diff", "PARITY_BOUND",
-           "strategy_of", "write_yaml", "zero2_json"]
+           "processes", "strategy_of", "write_yaml", "yaml_of", "zero2_json"]
 
 # What every run in the tests gets: their own data cache, one thread per process (TRAINKIT_CPU_THREADS: under a
 # launcher OMP_NUM_THREADS=1 reads as the launcher's default, trainkit/hardware.py), no network.
@@ -38,10 +39,15 @@ LAUNCH_TIMEOUT = 300
 PARITY_BOUND = 1e-5
 
 
-# Strategies that flags select on a data-parallel YAML rather than a YAML of their own (docs/model-parallelism.md):
-# name -> (YAML, config fields).
-FLAG_STRATEGIES = {"pipeline": ("ddp", {"pipeline_stages": 2, "grad_accum": 2})}
-LAUNCHES = {**shipped_strategies(), **{name: shipped_configs()[yaml] for name, (yaml, _) in FLAG_STRATEGIES.items()}}
+# Strategies that flags select on a YAML rather than a YAML of their own (docs/model-parallelism.md): the pipeline on
+# a data-parallel launch, and its products with the mesh of an FSDP launch (x FSDP2, x TP, x FSDP2 x TP).
+# name -> (YAML, config fields, processes: 0 = the YAML's own).
+PIPELINE = {"pipeline_stages": 2, "grad_accum": 2}
+FLAG_STRATEGIES = {"pipeline": ("ddp", PIPELINE, 0), "pipeline_fsdp": ("fsdp", PIPELINE, 4),
+                   "pipeline_tp": ("tp", PIPELINE, 4), "pipeline_fsdp_tp": ("fsdp_tp", PIPELINE, 8)}
+LAUNCHES = {**shipped_strategies(),
+            **{name: dataclasses.replace(shipped_configs()[yaml], world_size=n or shipped_configs()[yaml].world_size)
+               for name, (yaml, _, n) in FLAG_STRATEGIES.items()}}
 
 
 def strategy_of(name: str, recipe: str = "tiny_transformer") -> Strategy:
@@ -51,10 +57,26 @@ def strategy_of(name: str, recipe: str = "tiny_transformer") -> Strategy:
     return for_launch(launch, load_recipe(recipe).Config(**fields), {}, load_recipe(recipe))
 
 
+def processes(name: str) -> tuple[str, ...]:
+    """`accelerate launch`'s arguments for a matrix entry's process count, where it is not its YAML's."""
+    count = FLAG_STRATEGIES[name][2] if name in FLAG_STRATEGIES else 0
+    return ("--num_processes", str(count)) if count else ()
+
+
+def yaml_of(name: str, folder: Path) -> str:
+    """The path of a matrix entry's YAML, for a check in process (--accelerate_config): a copy in `folder` with the
+    entry's process count where it is not the YAML's own."""
+    yaml, _, count = FLAG_STRATEGIES.get(name, (name, {}, 0))
+    if not count:
+        return str(ROOT / "accelerate_configs" / f"{yaml}.yaml")
+    return str(write_yaml(folder, yaml, **{f"num_processes:__{shipped_configs()[yaml].world_size}":
+                                           f"num_processes: {count}"}))
+
+
 def entry(name: str, global_batch: int, grad_accum: int = 1) -> tuple[str, list[str]]:
     """(YAML, flags) that run a matrix entry with this global batch: the micro-batch shrinks as the data-parallel
     size grows; a flag strategy brings its own flags (and accumulation)."""
-    yaml, fields = FLAG_STRATEGIES.get(name, (name, {}))
+    yaml, fields, _ = FLAG_STRATEGIES.get(name, (name, {}, 0))
     grad_accum = fields.get("grad_accum", grad_accum)
     flags = [f"--{k}={v}" for k, v in fields.items() if k != "grad_accum"] + ["--grad_accum", str(grad_accum)]
     return yaml, [*flags, "--batch_size", str(global_batch // (grad_accum * strategy_of(name).data_parallel_size))]
@@ -84,7 +106,7 @@ def lm_runs(tmp_path_factory):
         if name not in done:
             yaml, flags = entry(name, 8)
             done[name] = launch(tmp_path_factory.mktemp(f"lm-{name}") / "out", *LM, *flags, "--save_every", "5",
-                                config=yaml).check()
+                                config=yaml, extra_launch=processes(name)).check()
         return done[name]
 
     return run

@@ -202,22 +202,22 @@ def test_fsdp_blocks_keep_tied_parameters_in_one_group_and_follow_declared_class
     import dataclasses
 
     from trainkit.recipes import load_recipe
-    from trainkit.strategies import for_launch
+    from trainkit.strategies.parallelize import FSDPSettings, blocks
 
     fsdp = shipped_configs()["fsdp"]
     lm = load_recipe(str(ROOT / "tests" / "zoo" / "tied_rnn_lm.py"))
     model = lm.build_model(lm.Config())
-    strategy = for_launch(fsdp, lm.Config(), {})
-    assert model.out.weight is model.embed.weight and strategy.blocks(model) == []  # its only Linear is tied
+    settings = FSDPSettings.of(fsdp)
+    assert model.out.weight is model.embed.weight and blocks(model, settings) == []  # its only Linear is tied
     vision = load_recipe(str(ROOT / "tests" / "zoo" / "vision_moe.py"))
     model = vision.build_model(vision.Config())
-    assert strategy.blocks(model) == [*reversed(model.experts), model.router]  # every Linear, innermost first
+    assert blocks(model, settings) == [*reversed(model.experts), model.router]  # every Linear, innermost first
     model._no_split_modules = ["Residual"]  # declared by the recipe's build_model
-    assert strategy.blocks(model) == [model.block]
+    assert blocks(model, settings) == [model.block]
     declared = dataclasses.replace(fsdp, settings={**fsdp.settings, "fsdp_transformer_layer_cls_to_wrap": "Linear"})
-    assert for_launch(declared, vision.Config(), {}).blocks(model) == [*reversed(model.experts), model.router]
+    assert blocks(model, FSDPSettings.of(declared)) == [*reversed(model.experts), model.router]
     whole = dataclasses.replace(fsdp, settings={**fsdp.settings, "fsdp_auto_wrap_policy": "NO_WRAP"})
-    assert for_launch(whole, vision.Config(), {}).blocks(model) == []  # one group: the root
+    assert blocks(model, FSDPSettings.of(whole)) == []  # one group: the root
 
 
 @pytest.mark.parametrize("yaml_text, messages", [

@@ -13,7 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import LM, PARITY_BOUND, ROOT, entry, launch, max_rel_diff
+from conftest import FLAG_STRATEGIES, LM, PARITY_BOUND, ROOT, architecture, entry, launch, max_rel_diff, processes
+from trainkit.strategies.dims import DIMS
 from trainkit.strategies.pipeline import balanced_cuts
 
 DDP = str(ROOT / "accelerate_configs" / "ddp.yaml")
@@ -117,6 +118,36 @@ def test_a_pipeline_checkpoint_warm_starts_another_strategy(pipeline_run, tmp_pa
     assert single.losses[0] < run.losses[0] - 0.05
 
 
+# The pipeline's products with an FSDP launch's mesh (conftest's FLAG_STRATEGIES): (pp, dp_replicate, dp_shard, tp),
+# and the most a stage may hold of what the same stage holds in the plain pipeline (lm_runs("pipeline")): FSDP2
+# halves every parameter, tensor parallelism halves the cut layers (the tied embedding and the norms stay whole).
+PRODUCTS = {"pipeline_fsdp": ((2, 1, 2, 1), 0.55), "pipeline_tp": ((2, 1, 1, 2), 0.8),
+            "pipeline_fsdp_tp": ((2, 1, 2, 2), 0.42)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", PRODUCTS)
+def test_a_pipeline_of_sharded_or_cut_stages_trains_like_one_process_and_resumes_exactly(lm_runs, lm_reference,
+                                                                                        name, tmp_path):
+    """Each stage parallelised by the rest of the mesh: the loss and the gradient norm of one process, each stage
+    holding its share, and a bit-exact resume (final/ reloads in tests/test_strategies.py, the matrix's lm_run)."""
+    run, (dims, share) = lm_runs(name), PRODUCTS[name]
+    resolved = run.resolved
+    assert tuple(resolved[d] for d in DIMS) == dims and resolved["strategy"] == "pipeline"
+    assert resolved["world_size"] == FLAG_STRATEGIES[name][2] and resolved["global_batch_size"] == 8
+    assert resolved["data_parallel_size"] == dims[1] * dims[2]
+    assert max_rel_diff(run.losses, lm_reference.losses) <= PARITY_BOUND
+    norms, reference_norms = [m["grad_norm"] for m in run.metrics], [m["grad_norm"] for m in lm_reference.metrics]
+    assert max_rel_diff(norms, reference_norms) <= PARITY_BOUND  # over stages, shards and slices, made whole
+    plain = lm_runs("pipeline").metrics[-1]["stage_state_bytes"]
+    held = run.metrics[-1]["stage_state_bytes"]
+    assert all(b < share * p for b, p in zip(held, plain, strict=True)), (held, plain)
+    resumed = launch(tmp_path / "resumed", *LM, *entry(name, 8)[1], "--resume",
+                     str(run.output_dir / "checkpoints" / "step_5"), config=entry(name, 8)[0],
+                     extra_launch=processes(name)).check()
+    assert [m["step"] for m in resumed.metrics] == [6, 7, 8] and resumed.losses == run.losses[5:]
+
+
 def _model(run):
     from trainkit.recipes import load_recipe
 
@@ -149,12 +180,12 @@ def test_what_cannot_be_split_is_refused_before_training(check_only, tmp_path, a
 
 
 
-def test_a_pipeline_does_not_compose_with_sharding_launches(check_only, tmp_path):
+def test_a_pipeline_does_not_compose_with_deepspeed(check_only, tmp_path):
     zero3 = str(ROOT / "accelerate_configs" / "deepspeed_zero3.yaml")
     run = check_only(tmp_path / "out", "--recipe", "tiny_transformer", "--grad_accum", "2", "--pipeline_stages", "2",
                      "--dry_run", "--accelerate_config", zero3)
     assert run.returncode == 2
-    assert "pipeline stages compose with data parallelism only, not with DEEPSPEED" in run.stderr
+    assert "not with DEEPSPEED" in run.stderr  # DeepSpeed's engine owns its own step and groups
 
 
 def test_stages_are_balanced_by_parameter_count():
@@ -162,3 +193,128 @@ def test_stages_are_balanced_by_parameter_count():
     assert balanced_cuts([10] * 6, 2, first_extra=40, last_extra=0) == [0, 1, 6]
     assert balanced_cuts([10] * 4, 2, first_extra=0, last_extra=0) == [0, 2, 4]
     assert balanced_cuts([10] * 8, 4, first_extra=5, last_extra=5) == [0, 2, 4, 6, 8]
+
+
+# --- any transformers decoder into stages (trainkit/decoder_stages.py) ---------------------------------------------
+
+def _decoder(name: str, layers: int = 4):
+    """A small untrained decoder of each layout decoder_stages knows, with the variants that change its forward: tied
+    embeddings (Llama), sliding-window layers (Mistral's window, Qwen2's and Qwen3's layer_types), GPT-NeoX's partial
+    rotary and parallel residual, GPT-2's Conv1D layers and learned positions."""
+    from transformers import (
+        GPT2Config,
+        GPT2LMHeadModel,
+        GPTNeoXConfig,
+        GPTNeoXForCausalLM,
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
+
+    sizes = {"vocab_size": 96, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": layers,
+             "num_attention_heads": 4, "num_key_value_heads": 2}
+    torch.manual_seed(0)
+    sliding = {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": layers // 2}
+    return {"llama": lambda: LlamaForCausalLM(LlamaConfig(**sizes, tie_word_embeddings=True)),
+            "mistral": lambda: MistralForCausalLM(MistralConfig(**sizes, sliding_window=6)),
+            "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**sizes, **sliding)),
+            "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(**sizes, **sliding, head_dim=8)),
+            "gpt_neox": lambda: GPTNeoXForCausalLM(GPTNeoXConfig(**{k: v for k, v in sizes.items()
+                                                                    if k != "num_key_value_heads"})),
+            "gpt2": lambda: GPT2LMHeadModel(GPT2Config(vocab_size=96, n_embd=32, n_layer=layers, n_head=4)),
+            }[name]()
+
+
+@pytest.mark.parametrize("stages", [2, 4])
+@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "qwen3", "gpt_neox", "gpt2"])
+def test_a_transformers_decoder_cut_into_stages_computes_the_whole_model(name, stages):
+    """The stages chained (each stage's output the next one's input, as the schedules send them) give the model's
+    own logits and loss, whatever the cut; the stages hold the model's own modules, so each parameter keeps its
+    name and tied embeddings stay one parameter held by the first and last stage."""
+    from trainkit import decoder_stages
+
+    model = _decoder(name).eval()
+    n = len(decoder_stages.layers(model))
+    cuts = balanced_cuts([1] * n, stages, 0, 0)
+    parts = [decoder_stages.stage(model, range(cuts[i], cuts[i + 1]), i == 0, i == stages - 1) for i in range(stages)]
+    ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        hidden = ids
+        for part in parts:
+            hidden = part(hidden)
+        whole = model(input_ids=ids, labels=ids)
+    assert torch.allclose(hidden, whole.logits, rtol=0, atol=1e-6)
+    assert decoder_stages.loss(hidden, ids).item() == pytest.approx(whole.loss.item(), rel=1e-6)
+    held = {id(p) for part in parts for p in part.parameters()}
+    assert held == {id(p) for p in model.parameters()}  # every parameter in some stage
+    if model.config.tie_word_embeddings:
+        assert set(map(id, parts[0].parameters())) & set(map(id, parts[-1].parameters()))
+
+
+def test_an_architecture_the_runner_cannot_cut_is_refused_naming_it(check_only, tmp_path):
+    """OPT's decoder is not a layout decoder_stages knows: refused before anything is built, naming the class and
+    what a recipe declares instead."""
+    from transformers import OPTConfig, OPTForCausalLM, PreTrainedTokenizerFast
+
+    folder = tmp_path / "opt"
+    OPTForCausalLM(OPTConfig(vocab_size=96, hidden_size=32, ffn_dim=64, num_hidden_layers=2,
+                             num_attention_heads=4, word_embed_proj_dim=32)).save_pretrained(folder)
+    from tokenizers import Tokenizer, models
+
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"a": 0, "<unk>": 1}, unk_token="<unk>")),
+                            eos_token="a").save_pretrained(folder)
+    run = check_only(tmp_path / "out", "--recipe", "causal_lm", "--model_name_or_path", str(folder), "--tokenizer",
+                     "saved", "--grad_accum", "2", "--pipeline_stages", "2", "--dry_run", "--accelerate_config", DDP)
+    assert run.returncode == 2, run.stderr
+    assert "OPTForCausalLM is not a decoder layout the runner can cut into pipeline stages" in run.stderr
+    assert "declare pipeline_layers, pipeline_stage and pipeline_loss in a recipe of your own" in run.stderr
+
+
+# Launched: the causal-LM recipe on three architectures it was not written for, each cut another way, against one
+# process at the same global batch (8): (architecture, its layers, data, YAML, processes, flags).
+FINE_TUNES = {
+    "qwen2-4-stages-1f1b": ("qwen2", 4, "chat", "ddp", 4, ["--pipeline_stages", "4", "--grad_accum", "4",
+                                                           "--batch_size", "2"]),
+    "gpt_neox-interleaved": ("gpt_neox", 4, "text", "ddp", 2, ["--pipeline_stages", "2", "--pipeline_schedule",
+                                                               "interleaved", "--grad_accum", "4", "--batch_size",
+                                                               "2"]),
+    "llama-tied-gpipe-x-fsdp": ("llama", 2, "chat", "fsdp", 4, ["--pipeline_stages", "2", "--pipeline_schedule",
+                                                                "gpipe", "--grad_accum", "2", "--batch_size", "2"]),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", FINE_TUNES)
+def test_the_causal_lm_recipe_pipelines_other_architectures_like_one_process(chat, tmp_path, case):
+    """Padded chats (the loss on the answers) or padded text, each micro-batch weighed by its learned tokens through
+    the stages: the loss curve and eval loss of one process, and final/ the whole model."""
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    name, layers, data, yaml, count, flags = FINE_TUNES[case]
+    folder = tmp_path / name
+    sizes = {**architecture(name, "sdpa").config.to_dict(), "num_hidden_layers": layers}
+    sizes.pop("layer_types", None)  # made again for the new depth
+    config = type(architecture(name, "sdpa").config).from_dict(sizes)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    PreTrainedTokenizerFast.from_pretrained(chat[0]).save_pretrained(folder)
+    common = ["--recipe", "causal_lm", "--model_name_or_path", str(folder), "--tokenizer", "saved", "--max_steps",
+              "6", "--eval_every", "3", "--seq_len", "64", "--warmup_steps", "2", "--save_every", "0",
+              "--eval_fraction", "0.2",  # two global batches held out: the same eval batches under every split
+              *(["--data", str(chat[1]), "--chat_template", "chatml"] if data == "chat" else [])]
+    one = launch(tmp_path / "one", *common, "--batch_size", "8").check()
+    cut = launch(tmp_path / "cut", *common, *flags, config=yaml, extra_launch=("--num_processes", str(count))).check()
+    assert cut.resolved["strategy"] == "pipeline" and cut.resolved["global_batch_size"] == 8
+    assert max_rel_diff(cut.losses, one.losses) <= PARITY_BOUND, (cut.losses, one.losses)
+    evals = [m["eval_loss"] for m in cut.metrics if "eval_loss" in m]
+    assert len(evals) == 2
+    assert max_rel_diff(evals, [m["eval_loss"] for m in one.metrics if "eval_loss" in m]) <= PARITY_BOUND
+    assert "answers at each evaluation (generate) are not written" in cut.stderr
+    exported = AutoModelForCausalLM.from_pretrained(cut.output_dir / "final").state_dict()
+    reference = AutoModelForCausalLM.from_pretrained(one.output_dir / "final").state_dict()
+    assert exported.keys() == reference.keys()
+    assert all(torch.allclose(exported[key], reference[key], atol=1e-5) for key in exported)

@@ -30,8 +30,10 @@ from conftest import (
     entry,
     launch,
     max_rel_diff,
+    processes,
     strategy_of,
     write_yaml,
+    yaml_of,
     zero2_json,
 )
 from trainkit.compare import main as compare_main
@@ -52,9 +54,10 @@ LM_DROPOUT = ["--recipe", "tiny_transformer", "--max_steps", "10", "--eval_every
               "--layers", "2", "--seq_len", "64", "--arch", "gpt2", "--dropout", "0.1"]
 
 
-def resumed_from_step_5(run, args: list[str], config: str, output_dir):
+def resumed_from_step_5(run, args: list[str], config: str, output_dir, extra_launch: tuple[str, ...] = ()):
     """The same command resumed from the run's step-5 checkpoint, in a fresh output directory."""
-    return launch(output_dir, *args, "--resume", str(run.output_dir / "checkpoints" / "step_5"), config=config).check()
+    return launch(output_dir, *args, "--resume", str(run.output_dir / "checkpoints" / "step_5"), config=config,
+                  extra_launch=extra_launch).check()
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +110,7 @@ def lm_dropout_run(request, tmp_path_factory):
     """Every rank's RNG comes back with the checkpoint: once per checkpoint format."""
     out = tmp_path_factory.mktemp(f"lmd-{request.param}") / "out"
     return request.param, launch(out, *dropout_args(request.param), "--save_every", "5",
-                                 config=entry(request.param, 8)[0]).check()
+                                 config=entry(request.param, 8)[0], extra_launch=processes(request.param)).check()
 
 
 def test_every_strategy_has_a_shipped_config_and_every_config_a_strategy():
@@ -124,9 +127,8 @@ def test_every_strategy_has_a_shipped_config_and_every_config_a_strategy():
 def test_a_model_the_strategy_cannot_split_is_refused_with_the_fix(check_only, tmp_path, name, recipe):
     """Models that do not declare where they may be cut (every recipe here but the transformer): refused at plan
     time, naming what to declare or which config to use instead, before anything is built."""
-    yaml, flags = entry(name, 16)
-    run = check_only(tmp_path / "out", "--recipe", recipe, *flags, "--dry_run", "--accelerate_config",
-                     str(ROOT / "accelerate_configs" / f"{yaml}.yaml"))
+    run = check_only(tmp_path / "out", "--recipe", recipe, *entry(name, 16)[1], "--dry_run", "--accelerate_config",
+                     yaml_of(name, tmp_path))
     assert run.returncode == 2 and "error: " in run.stderr, run.stderr
     assert "recipe" in run.stderr and ("fsdp.yaml" in run.stderr or "hsdp.yaml" in run.stderr), run.stderr
 
@@ -203,7 +205,8 @@ def test_transformer_export_loads_with_transformers(lm_run):
 def test_transformer_with_dropout_resumes_exactly(lm_dropout_run, tmp_path):
     """Every rank's RNG comes back with the checkpoint: dropout masks after the resume are those of the full run."""
     config, run = lm_dropout_run
-    resumed = resumed_from_step_5(run, dropout_args(config), entry(config, 8)[0], tmp_path / "out")
+    resumed = resumed_from_step_5(run, dropout_args(config), entry(config, 8)[0], tmp_path / "out",
+                                  processes(config))
     assert [m["step"] for m in resumed.metrics] == list(range(6, 11))
     assert resumed.losses == run.losses[5:]
 

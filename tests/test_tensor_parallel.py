@@ -20,15 +20,15 @@ from conftest import LM, PARITY_BOUND, ROOT, assert_refused, entry, launch, max_
 from trainkit.launch import Launch, shipped_configs
 from trainkit.recipes import load_recipe
 from trainkit.strategies import for_launch
-from trainkit.strategies.fsdp import FSDP2
-from trainkit.strategies.mesh import HybridShard, TensorParallel
+from trainkit.strategies.dims import DIMS, ParallelDims
+from trainkit.strategies.mesh import Mesh
 
 # config -> (dp_replicate, dp_shard, tp). The runs are the strategy matrix's (conftest's lm_runs: the transformer with
 # its real defaults, global batch 8, a checkpoint at step 5), shared with tests/test_strategies.py.
-MESHES = {"tp": (1, 1, 2), "fsdp_tp": (1, 2, 2), "hsdp": (2, 2, 1)}
+MESHES = {"tp": (1, 1, 2), "fsdp_tp": (1, 2, 2), "hsdp": (2, 2, 1), "hsdp_tp": (2, 2, 2)}
 # The share of one process's model state a rank holds (tiny transformer, hidden 64, 2 layers): tp cuts the layers'
-# two thirds of the parameters in half; fsdp_tp shards that over 2; hsdp halves everything.
-SHARES = {"tp": 0.67, "fsdp_tp": 0.34, "hsdp": 0.5}
+# two thirds of the parameters in half; fsdp_tp and hsdp_tp shard that over 2; hsdp halves everything.
+SHARES = {"tp": 0.67, "fsdp_tp": 0.34, "hsdp": 0.5, "hsdp_tp": 0.34}
 
 
 @pytest.mark.slow
@@ -52,7 +52,7 @@ def test_trains_like_one_process_and_holds_its_share(lm_runs, lm_reference, conf
 
 # hsdp.yaml resumes in tests/test_strategies.py with every other data-parallel config (the MLP, the zoo).
 @pytest.mark.slow
-@pytest.mark.parametrize("config", ["tp", "fsdp_tp"])
+@pytest.mark.parametrize("config", ["tp", "fsdp_tp", "hsdp_tp"])
 def test_resumes_exactly(lm_runs, config, tmp_path):
     run = lm_runs(config)
     resumed = launch(tmp_path / "out", *LM, *entry(config, 8)[1], "--resume",
@@ -98,10 +98,13 @@ def test_the_registry_picks_the_mesh_strategies_and_leaves_fsdp_as_it_was():
     cfg = load_recipe("tiny_transformer").Config()
     shipped = shipped_configs()
     picked = {name: for_launch(shipped[name], cfg, {}) for name in [*MESHES, "fsdp", "fsdp_offload"]}
-    assert {name: (type(s), s.label, s.data_parallel_size) for name, s in picked.items()} == {
-        "tp": (TensorParallel, "tp", 1), "fsdp_tp": (TensorParallel, "fsdp_tp", 2), "hsdp": (HybridShard, "hsdp", 4),
-        "fsdp": (FSDP2, "fsdp", 2), "fsdp_offload": (FSDP2, "fsdp_offload", 2)}
-    assert TensorParallel.splits_model and not HybridShard.splits_model and not FSDP2.splits_model
+    # One class: the mesh's sizes name the strategy and its label
+    assert {name: (type(s), s.name, s.label, s.data_parallel_size) for name, s in picked.items()} == {
+        "tp": (Mesh, "tp", "tp", 1), "fsdp_tp": (Mesh, "tp", "fsdp_tp", 2), "hsdp": (Mesh, "hsdp", "hsdp", 4),
+        "hsdp_tp": (Mesh, "tp", "hsdp_tp", 4),
+        "fsdp": (Mesh, "fsdp", "fsdp", 2), "fsdp_offload": (Mesh, "fsdp", "fsdp_offload", 2)}
+    assert {name: s.splits_model for name, s in picked.items()} == {
+        "tp": True, "fsdp_tp": True, "hsdp": False, "hsdp_tp": True, "fsdp": False, "fsdp_offload": False}
     hsdp_tp = dataclasses.replace(shipped["hsdp"], world_size=8, parallelism={"dp_replicate": 2, "dp_shard": 2,
                                                                                 "tp": 2})
     assert for_launch(hsdp_tp, cfg, {}).label == "hsdp_tp"
@@ -216,7 +219,8 @@ def test_gradient_clipping_and_adamw_over_parameters_on_different_meshes():
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from trainkit.optim import build_optimizer, build_scheduler
+    from trainkit.strategies.parallelize import FSDPSettings, parallelize
+    from trainkit.strategies.tp_plan import tp_layers
 
     recipe = load_recipe("tiny_transformer")
     cfg = recipe.Config(hidden=64, layers=2, seq_len=16, max_grad_norm=0.1)
@@ -225,13 +229,14 @@ def test_gradient_clipping_and_adamw_over_parameters_on_different_meshes():
     plain = recipe.build_model(cfg)
     plain.load_state_dict(model.state_dict())
     one = dataclasses.replace(shipped_configs()["tp"], world_size=1, parallelism={"tp": 1})
-    strategy = TensorParallel(one, cfg, {})
-    strategy.accelerator = type("Accelerator", (), {"prepare": lambda self, *objects: objects,
-                                                    "unscale_gradients": lambda self: None})()
+    strategy = Mesh(one, cfg, {})
+    strategy.accelerator = type("Accelerator", (), {"unscale_gradients": lambda self: None})()
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        strategy.mesh = init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
-        strategy.prepare(model, build_optimizer, build_scheduler)
+        mesh = init_device_mesh("cpu", (1, 1, 1, 1), mesh_dim_names=DIMS)
+        parallelize(model, ParallelDims(), mesh, FSDPSettings(), mixed_precision="no", compile=False,
+                    tp_layers=tp_layers(model), classes=set(model._no_split_modules))  # cut, on a tp mesh of one
+        strategy.model = model
         assert len({p.device_mesh for p in strategy.model.parameters()}) == 2
         ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
         for m in (strategy.model, plain):

@@ -1,11 +1,13 @@
 """The distributed strategies, one module each, and the registry that picks one for a launch.
 
     base.py       the interface (Strategy)
-    ddp.py        one process, and DDP
-    deepspeed.py  DeepSpeed ZeRO-1/2/3, with or without CPU offload
-    fsdp.py       FSDP2 (fully_shard), with or without CPU offload
-    mesh.py       tensor parallelism and HSDP: FSDP2 on a (dp_replicate, dp_shard, tp) device mesh
-    pipeline.py   pipeline stages (torch.distributed.pipelining), optionally x data parallelism
+    dims.py         the one device mesh: the sizes of (pp, dp_replicate, dp_shard, tp)
+    parallelize.py  applying it to a model or a stage: tensor parallel, checkpointing, compile, FSDP2, in that order
+    tp_plan.py      which layers tensor parallelism cuts
+    ddp.py          one process, and DDP
+    deepspeed.py    DeepSpeed ZeRO-1/2/3, with or without CPU offload (its own engine and step)
+    mesh.py         an FSDP launch: FSDP2, HSDP, tensor parallelism, FSDP2 + TP (sizes of the mesh, one class)
+    pipeline.py     pipeline stages (torch.distributed.pipelining) x any data-parallel or FSDP launch
 """
 
 from __future__ import annotations
@@ -19,13 +21,11 @@ from trainkit.recipes import Recipe
 from trainkit.strategies.base import StepResult, Strategy
 from trainkit.strategies.ddp import DDP, Single
 from trainkit.strategies.deepspeed import DeepSpeed
-from trainkit.strategies.fsdp import FSDP2
-from trainkit.strategies.mesh import HybridShard, TensorParallel
+from trainkit.strategies.mesh import Mesh
 from trainkit.strategies.pipeline import Pipeline
 
-# Asked in this order, the most specific first: a pipeline runs on a data-parallel launch (ddp.yaml + flags), tensor
-# parallelism and HSDP on an FSDP launch with a parallelism_config.
-REGISTRY: tuple[type[Strategy], ...] = (Pipeline, DeepSpeed, TensorParallel, HybridShard, FSDP2, DDP, Single)
+# Asked in this order, the most specific first: a pipeline runs on a data-parallel or FSDP launch (a YAML + flags).
+REGISTRY: tuple[type[Strategy], ...] = (Pipeline, DeepSpeed, Mesh, DDP, Single)
 
 __all__ = ["REGISTRY", "StepResult", "Strategy", "for_format", "for_launch", "shipped_strategies"]
 

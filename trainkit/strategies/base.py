@@ -28,6 +28,7 @@ from trainkit.estimate import Estimate, ModelShape
 from trainkit.guards import FiniteCheck
 from trainkit.launch import Launch
 from trainkit.recipes import Recipe
+from trainkit.strategies.parallelize import compile_forward
 
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
 MetricsFn = Callable[[torch.nn.Module, Any], dict[str, torch.Tensor]]
@@ -240,24 +241,10 @@ class Strategy:
         return torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
 
     def compile_model(self, model: torch.nn.Module, units: list[torch.nn.Module] | None = None) -> None:
-        """--compile: torch.compile (inductor) on the `forward` of each of `units` (by default the whole model), before
-        any wrapper or engine sees the model.
-
-        The module itself stays as it is: its class, its parameter names (checkpoints and final/ hold the same names
-        compiled or not, so a run resumes across the flag; `torch.compile(model)` would return a wrapper that prefixes
-        every name with `_orig_mod.`), and its hooks, which run eagerly around the compiled forward: FSDP2's gathers
-        and DeepSpeed's ZeRO-3 fetches stay out of the graph. (`Module.compile()` compiles the hooks as well, and
-        compiles nothing where the forward is torch's own: dynamo skips torch.nn's files, so an nn.Sequential ran
-        eagerly under it.) Under DDP the compiled module runs inside DDP's forward, where dynamo's DDPOptimizer cuts
-        the graph at DDP's gradient buckets so that their all-reduce can start during backward. The first step pays
-        the compilation (about a minute on 2 CPU cores for the tiny transformer)."""
-        if not self.cfg.compile:
-            return
-        units = units or [model]
-        for unit in units:
-            unit.forward = torch.compile(unit.forward)
-        what = "the whole model" if units == [model] else f"each {type(units[0]).__name__} ({len(units)})"
-        self.notes.append(f"torch.compile (inductor) on {what}: the first step compiles")
+        """--compile: torch.compile on the forward of each of `units` (by default the whole model), before any
+        wrapper or engine sees the model (strategies/parallelize.py's compile_forward says how and why)."""
+        if self.cfg.compile:
+            self.notes.append(compile_forward(model, units or []))
 
     def make_optimizer(self, model: torch.nn.Module,
                        build_optimizer: Callable[..., torch.optim.Optimizer]) -> torch.optim.Optimizer:

@@ -189,7 +189,7 @@ class DeepSpeed(Strategy):
         Accumulation costs ZeRO-2/3 communication on every micro-batch, by design of their gradient partitioning:
         a rank keeps only its own partition of the gradients, so each micro-batch's gradients are reduce-scattered
         (in buckets, during backward) into the partitions' owners and added there, instead of being held whole
-        until the last micro-batch as DDP and FSDP2 do (strategies/fsdp.py). ZeRO-3 also gathers every layer's
+        until the last micro-batch as DDP and FSDP2 do (strategies/mesh.py). ZeRO-3 also gathers every layer's
         parameters again in each micro-batch's forward and backward."""
         accelerator, model = self.accelerator, self.model
         loss_sum = torch.zeros(1, device=accelerator.device)

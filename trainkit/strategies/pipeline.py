@@ -8,24 +8,31 @@ backwards), 1F1B (a backward as soon as possible: fewer activations held) and in
 process, half the bubble). Each step's `grad_accum` micro-batches are the pipeline's micro-batches, so the global
 batch and the data order stay those of one process.
 
-Processes = stages x data-parallel replicas: with 4 processes and `--pipeline_stages 2`, ranks 0-1 and 2-3 are two
-pipelines that each compute half of every global batch, and every stage all-reduces its gradients with the same
-stage of the other pipeline (one collective per step). A parameter that two stages hold (tied input and output
-embeddings) is updated from the sum of both stages' gradients, as Megatron-LM does, so the copies stay equal.
+The pipeline is the outermost dimension of the one mesh (strategies/dims.py): processes = stages x the launch's
+own mesh. On a data-parallel launch (ddp.yaml, multinode.yaml, a hostfile) with 4 processes and `--pipeline_stages
+2`, ranks 0-1 hold stage 0 and ranks 2-3 stage 1: two pipelines that each compute half of every global batch, and
+every stage all-reduces its gradients with the same stage of the other pipeline (one collective per step). On an
+FSDP launch each stage is parallelised as the YAML asks, within its own part of the mesh (strategies/parallelize.py:
+fsdp.yaml shards it over the stage's data-parallel ranks, tp.yaml cuts its layers, fsdp_tp.yaml and hsdp.yaml as
+they say), and torch's schedule runs FSDP2's reduce-scatter after the last micro-batch. A parameter that two stages
+hold (tied input and output embeddings) is updated from the sum of both stages' gradients, as Megatron-LM does, so
+the copies stay equal.
 
-Selected by `--pipeline_stages N` with a data-parallel launch (ddp.yaml, multinode.yaml, a hostfile), not by a YAML:
-Accelerate's YAML refuses unknown keys, has no pipeline degree in `parallelism_config`, and hands its processes only
-the settings of the features it knows (docs/strategies.md explains the choice). The recipe says where the model can
-be cut (`pipeline_layers`, `pipeline_stage`, `pipeline_loss`: recipes/README.md).
+Selected by `--pipeline_stages N` on a YAML, not by a YAML alone: Accelerate's YAML refuses unknown keys, has no
+pipeline degree in `parallelism_config`, and hands its processes only the settings of the features it knows
+(docs/model-parallelism.md explains the choice). The recipe says where the model can be cut (`pipeline_layers`,
+`pipeline_stage`, `pipeline_loss`: recipes/README.md).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import astuple
 from typing import Any
 
 import torch
@@ -37,19 +44,30 @@ from trainkit.estimate import OPTIMIZER_BYTES, Estimate, ModelShape
 from trainkit.guards import FiniteCheck
 from trainkit.launch import Launch
 from trainkit.metrics import state_bytes
-from trainkit.recipes import no_generations
+from trainkit.recipes import Recipe, no_generations
 from trainkit.strategies.base import LossFn, MetricsFn, StepResult, Strategy, restore_trained, trained_state
+from trainkit.strategies.dims import DIMS, ParallelDims, data_parallel_rank, parallelism_problems
+from trainkit.strategies.mesh import held_numel, without_accelerate_fsdp
+from trainkit.strategies.parallelize import FSDPSettings, block_classes, clip_to, grad_norm, parallelize
+from trainkit.strategies.tp_plan import plan_problems, tp_layers
 
 # Stages per process under each schedule (interleaved: stage i lives on process i mod p).
 STAGES_PER_PROCESS = {"gpipe": 1, "1f1b": 1, "interleaved": 2}
 
 
 class Pipeline(Strategy):
-    """Stages over point-to-point sends (NCCL or gloo), optionally replicated for data parallelism."""
+    """Stages over point-to-point sends (NCCL or gloo), each replicated, sharded or cut by the rest of the mesh."""
 
     name = "pipeline"
     checkpoint_format = "dcp_pipeline"
     splits_model = True
+
+    def __init__(self, launch: Launch, cfg: TrainConfig, sources: Mapping[str, str],
+                 recipe: Recipe | None = None) -> None:
+        super().__init__(launch, cfg, sources, recipe)
+        self.dims = ParallelDims.of(launch, cfg.pipeline_stages)
+        self.sharded = launch.distributed_type == "FSDP"  # each stage under FSDP2 (and tensor parallelism)
+        self.settings = FSDPSettings.of(launch)
 
     @classmethod
     def selects(cls, launch: Launch, cfg: TrainConfig) -> bool:
@@ -60,7 +78,7 @@ class Pipeline(Strategy):
     @property
     def stages(self) -> int:
         """Processes per pipeline."""
-        return self.cfg.pipeline_stages
+        return self.dims.pp
 
     @property
     def total_stages(self) -> int:
@@ -69,15 +87,19 @@ class Pipeline(Strategy):
 
     @property
     def data_parallel_size(self) -> int:
-        return max(1, self.launch.world_size // self.stages)
+        return self.dims.data_parallel
 
     @property
     def data_parallel_rank(self) -> int:
-        return self.accelerator.process_index // self.stages
+        return data_parallel_rank(self.mesh, self.dims)
 
     @property
     def label(self) -> str:
-        return f"pipeline_{self.cfg.pipeline_schedule}"
+        mesh = self.dims.fsdp_label + ("_offload" if self.settings.offload else "") if self.sharded else ""
+        return "_".join(part for part in ("pipeline", self.cfg.pipeline_schedule, mesh) if part)
+
+    def resolved_fields(self) -> dict[str, Any]:
+        return {**super().resolved_fields(), **dict(zip(DIMS, astuple(self.dims), strict=True))}
 
     def check(self) -> list[Problem]:
         cfg, launch, where = self.cfg, self.launch, "--pipeline_stages"
@@ -88,23 +110,18 @@ class Pipeline(Strategy):
                     "itself, without the loss scaler", f"{where} with mixed_precision from {launch.source}",
                     "train the pipeline in bf16 (--mixed_precision bf16) or fp32")]
         if self.recipe is not None and self.recipe.generate is not no_generations:
-            problems.append(Problem(f"recipe {self.recipe.path.name} generates text at each evaluation (generate), "
-                                    "which needs the whole model in one process: a pipeline stage holds part of it",
-                                    where, "train it without --pipeline_stages"))
-        if self.loss_weigher is not None:
-            problems.append(Problem(f"recipe {self.recipe.path.name} weighs its micro-batches (loss_weight), which the "
-                                    "pipeline's schedule does not: each micro-batch's mean would count the same",
-                                    where, "train it without --pipeline_stages"))
-        if launch.distributed_type not in ("MULTI_GPU", "MULTI_CPU", "NO"):
-            problems.append(Problem(f"pipeline stages compose with data parallelism only, not with "
-                                    f"{launch.distributed_type}", f"{where} with {launch.source}",
-                                    "launch with accelerate_configs/ddp.yaml (or multinode.yaml), or drop "
-                                    "--pipeline_stages"))
-        if launch.world_size % self.stages or launch.world_size < self.stages:
-            problems.append(Problem(f"{launch.world_size} process(es) cannot hold {self.stages} stages per pipeline",
-                                    f"{where} {self.stages} with num_processes {launch.world_size}",
-                                    f"launch a multiple of {self.stages} processes (--num_processes "
-                                    f"{self.stages}), or change --pipeline_stages"))
+            self.notes.append(f"pipeline: recipe {self.recipe.path.name}'s answers at each evaluation (generate) are "
+                              "not written: each stage holds part of the model; final/ holds all of it (python -m "
+                              "trainkit.ask FOLDER QUESTION)")
+        if launch.distributed_type not in ("MULTI_GPU", "MULTI_CPU", "NO", "FSDP"):
+            problems.append(Problem(f"pipeline stages compose with the launches of one mesh (DDP, FSDP2, HSDP, tensor "
+                                    f"parallelism), not with {launch.distributed_type}",
+                                    f"{where} with {launch.source}",
+                                    "launch with accelerate_configs/ddp.yaml, fsdp.yaml, tp.yaml or fsdp_tp.yaml, or "
+                                    "drop --pipeline_stages"))
+        elif self.sharded:
+            problems += parallelism_problems(launch) + FSDPSettings.problems(launch, cfg)
+        problems += self.dims.problems(launch)
         m, p = cfg.grad_accum, self.stages
         if cfg.pipeline_schedule == "1f1b" and m < p:
             problems.append(Problem(f"1F1B needs at least as many micro-batches per step as stages: grad_accum {m} < "
@@ -126,11 +143,13 @@ class Pipeline(Strategy):
                             "define pipeline_layers, pipeline_stage and pipeline_loss in the recipe (recipes/README.md;"
                             " recipes/tiny_transformer.py has them), or train it with another strategy (fsdp.yaml, "
                             "deepspeed_zero3.yaml shard a model that does not fit)")]
+        problems = plan_problems(model, self.dims.tp, f"model._tp_plan of {recipe.path.name}'s build_model",
+                                 f"parallelism_config in {self.launch.source}") if self.dims.tp > 1 else []
         try:
             self.cuts(model)
         except ConfigError as e:
-            return list(e.problems)
-        return []
+            problems += e.problems
+        return problems
 
     def cuts(self, model: torch.nn.Module) -> list[int]:
         """Where each stage's layers start (and the end), from --pipeline_split or balanced by parameter count."""
@@ -161,77 +180,110 @@ class Pipeline(Strategy):
 
     def estimate(self, shape: ModelShape, world_size: int, activations: int) -> Estimate:
         """DDP's bytes per parameter for one process's stages: the layers (parameters named with a layer index)
-        balanced across the stages, plus all the rest (embeddings and head: the first and last stage hold them).
+        balanced across the stages, plus all the rest (embeddings and head: the first and last stage hold them), of
+        which the rest of the mesh holds its share (mesh.py's held_numel: 1/tp of a cut layer, 1/dp_shard of each).
         Activations: this process's share of the layers, for the micro-batches in flight at once (GPipe: every one
         of the step; 1F1B: at most one per stage)."""
         per_process = STAGES_PER_PROCESS[self.cfg.pipeline_schedule] / self.total_stages
+        dims = self.dims.resized(world_size)
 
         def held(part: ModelShape) -> int:
-            layered = sum(n for n, name in zip(part.numels, part.names, strict=True) if re.search(r"\.\d+\.", name))
-            return min(part.num_params, math.ceil(layered * per_process) + part.num_params - layered)
+            names = part.names or ("",) * len(part.numels)
+            layered = [i for i, name in enumerate(names) if re.search(r"\.\d+\.", name)]
+            inside = held_numel(dataclasses.replace(part, names=tuple(names[i] for i in layered), frozen=(),
+                                                    numels=tuple(part.numels[i] for i in layered)), dims)
+            whole = held_numel(part, dims)
+            return min(whole, math.ceil(inside * per_process) + whole - inside)
 
         n, trained = held(shape), held(shape.trained())
         m = self.cfg.grad_accum
         in_flight = m if self.cfg.pipeline_schedule == "gpipe" else min(m, self.stages)
-        return Estimate(self.label, 4 * n, 4 * trained, OPTIMIZER_BYTES[self.cfg.optimizer] * trained, 0,
-                        int(activations * per_process * in_flight))
+        host = (4 + 4 + OPTIMIZER_BYTES[self.cfg.optimizer]) * n if self.sharded and self.settings.offload else 0
+        return Estimate(self.label, 4 * n, 4 * trained, OPTIMIZER_BYTES[self.cfg.optimizer] * trained, host,
+                        int(activations * per_process * in_flight / dims.tp))
 
     # --- build ------------------------------------------------------------------------------------------------
 
+    def build_accelerator(self, output_dir, report_to):
+        if self.sharded:
+            without_accelerate_fsdp()
+        accelerator = super().build_accelerator(output_dir, report_to)
+        self.mesh = self.dims.build(accelerator.device.type)
+        return accelerator
+
     def prepare(self, model: torch.nn.Module, build_optimizer: Callable[..., torch.optim.Optimizer],
                 build_scheduler: Callable[[TrainConfig, torch.optim.Optimizer], Any]) -> None:
-        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-        acc, recipe = self.accelerator, self.recipe
-        device = acc.device
-        mesh = init_device_mesh(device.type, (self.data_parallel_size, self.stages), mesh_dim_names=("dp", "pp"))
-        self.pp_group, self.dp_group = mesh.get_group("pp"), mesh.get_group("dp")
-        self.pp_rank = acc.process_index % self.stages
+        acc, recipe, device = self.accelerator, self.recipe, self.accelerator.device
+        self.pp_group, self.pp_rank = self.mesh.get_group("pp"), self.mesh.get_local_rank("pp")
+        self.tp_rank = self.mesh.get_local_rank("tp")
         cuts = self.cuts(model)
         every = [recipe.pipeline_stage(model, range(cuts[i], cuts[i + 1]), i == 0, i == self.total_stages - 1)
                  for i in range(self.total_stages)]
         mine = list(range(self.pp_rank, self.total_stages, self.stages))  # stage i runs on process i mod p
         self.model = torch.nn.ModuleList(every[i] for i in mine)
         self.first, self.last = 0 in mine, self.total_stages - 1 in mine
-        self.notes.append(f"pipeline: {self.total_stages} stages over {self.stages} processes x "
-                          f"{self.data_parallel_size} replica(s), layers cut at {cuts}, {self.cfg.pipeline_schedule} "
-                          f"with {self.cfg.grad_accum} micro-batch(es) per step; this process runs stage(s) "
-                          f"{', '.join(map(str, mine))}")
-        self._shared = self._shared_groups(every)
+        self.notes.append(f"pipeline: {self.total_stages} stages over {self.stages} processes x a mesh of "
+                          f"{self.dims.world // self.stages} ({self.label}), layers cut at {cuts}, "
+                          f"{self.cfg.pipeline_schedule} with {self.cfg.grad_accum} micro-batch(es) per step; this "
+                          f"process runs stage(s) {', '.join(map(str, mine))}")
+        shared = self._shared_groups(every)  # by name: sharding replaces the parameters
         self._names = _full_names(model, self.model)
         self.full_model = model
         _release_others(model, self.model)  # this process holds only its stages' weights from here on
-        self.model.to(device)
-        self.compile_model(self.model, list(self.model))  # each of its stages, before PipelineStage holds it
+        self._parallelize_stages(model)
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        self._shared = [(params[name], group, owner) for name, group, owner in shared]
         self.busy = [0.0]  # seconds this process computed during the current step
         stages = [timed_stage()(every[i], i, self.total_stages, device, group=self.pp_group, busy=self.busy)
                   for i in mine]
         kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}[
             self.cfg.pipeline_schedule]
+        loss_fn = recipe.pipeline_loss if self.loss_weigher is None else Weighed(recipe.pipeline_loss)
         self.schedule = kind(stages if kind is ScheduleInterleaved1F1B else stages[0], self.cfg.grad_accum,
-                             loss_fn=recipe.pipeline_loss)
+                             loss_fn=loss_fn)
         optimizer = build_optimizer(self.cfg, self.model)
         self.optimizer, self.scheduler = acc.prepare(optimizer, build_scheduler(self.cfg, optimizer))
         self.stage_bytes: list[int] | None = None
         self.idle_sums, self.steps_timed = [0.0] * self.stages, 0
 
-    def _shared_groups(self, every: list[torch.nn.Module]) -> list[tuple[torch.nn.Parameter, Any, bool]]:
-        """Parameters that stages on several processes hold (tied embeddings), with the process group of those
-        processes in this replica and whether this process is the first of them (the one whose copy the gradient
-        norm counts). Every process creates every group, in one order (torch requires it)."""
-        holders: dict[int, tuple[torch.nn.Parameter, set[int]]] = {}
+    def _parallelize_stages(self, model: torch.nn.Module) -> None:
+        """Each of this process's stages as the rest of the mesh asks (an FSDP launch: strategies/parallelize.py,
+        the layers the whole model's plan cuts found by identity), or on the device and compiled whole."""
+        if not self.sharded:
+            self.model.to(self.accelerator.device)
+            self.compile_model(self.model, list(self.model))  # each of its stages, before PipelineStage holds it
+            return
+        planned = {id(modules): style for name, style in tp_layers(model).items()
+                   for modules in [model.get_submodule(name)]} if self.dims.tp > 1 else {}
+        classes = block_classes(model, self.settings)
+        for stage in self.model:
+            cut = {name: planned[id(m)] for name, m in stage.named_modules() if id(m) in planned}
+            self.notes += parallelize(stage, self.dims, self.mesh, self.settings,
+                                      mixed_precision=self.launch.mixed_precision, compile=self.cfg.compile,
+                                      tp_layers=cut, classes=classes)
+
+    def _shared_groups(self, every: list[torch.nn.Module]) -> list[tuple[str, Any, bool]]:
+        """Parameters that stages on several processes hold (tied embeddings), by their name in this process's
+        stages, with the process group of those processes at this rank's place in the rest of the mesh and whether
+        this process is the first of them (the one whose copy the gradient norm counts). Every process creates every
+        group, in one order (torch requires it)."""
+        holders: dict[int, set[int]] = {}
         for i, stage in enumerate(every):
             for p in stage.parameters():
-                holders.setdefault(id(p), (p, set()))[1].add(i % self.stages)
+                holders.setdefault(id(p), set()).add(i % self.stages)
+        ranks = self.mesh.mesh.reshape(self.stages, -1)  # [pp, the rest of the mesh]
+        place = (ranks[self.pp_rank] == dist.get_rank()).nonzero().item()
+        mine = {id(p): name for name, p in self.model.named_parameters(remove_duplicate=False)}
         shared = []
-        for p, processes in holders.values():
+        for key, processes in holders.items():
             if len(processes) < 2:
                 continue
-            for replica in range(self.data_parallel_size):
-                group = dist.new_group(sorted(replica * self.stages + r for r in processes))
-                if replica == self.data_parallel_rank and self.pp_rank in processes:
-                    shared.append((p, group, min(processes) == self.pp_rank))
+            for column in range(ranks.shape[1]):
+                group = dist.new_group(sorted(ranks[r, column].item() for r in processes))
+                if column == place and key in mine:
+                    shared.append((mine[key], group, min(processes) == self.pp_rank))
         return shared
 
     @property
@@ -244,7 +296,8 @@ class Pipeline(Strategy):
     def train_step(self, step: int, micro_batches: list, loss_fn: LossFn, finite: FiniteCheck,
                    stop_requested: bool) -> StepResult:
         self.hold_gradients()
-        inputs, targets = self._cut([self.cast_batch(b) for b in micro_batches])
+        factors = self.loss_weights(micro_batches) if self.loss_weigher is not None else None
+        inputs, targets = self._cut([self.cast_batch(b) for b in micro_batches], factors)
         losses: list[torch.Tensor] = []
         self.busy[0], started = 0.0, time.perf_counter()
         with self.accelerator.autocast():
@@ -252,14 +305,16 @@ class Pipeline(Strategy):
                                losses=losses)
         elapsed = time.perf_counter() - started
         self._reduce_gradients()
-        loss = torch.stack(losses).float().mean().reshape(1) if self.last else torch.zeros(1, device=inputs.device)
+        # The last stage's loss, once per tensor-parallel group (its ranks compute the same one)
+        counts = self.last and self.tp_rank == 0
+        loss = torch.stack(losses).float().mean().reshape(1) if counts else torch.zeros(1, device=inputs.device)
         idle = torch.zeros(self.stages, device=inputs.device)
         idle[self.pp_rank] = max(0.0, 1.0 - self.busy[0] / elapsed) if elapsed > 0 else 0.0
-        loss_value, stop, grad_norm, idle_sums = self.agree(loss, stop_requested, self.clip_grad_norm(), idle)
-        idle_per_stage = [x / self.data_parallel_size for x in idle_sums]  # the mean over the replicas
+        loss_value, stop, norm, idle_sums = self.agree(loss, stop_requested, self.clip_grad_norm(), idle)
+        idle_per_stage = [x * self.stages / self.dims.world for x in idle_sums]  # the mean over each stage's ranks
         finite.loss(step, loss_value)
-        finite.grad_norm(step, grad_norm)
-        result = self.optimizer_step(loss_value, grad_norm, stop)
+        finite.grad_norm(step, norm)
+        result = self.optimizer_step(loss_value, norm, stop)
         if self.stage_bytes is None:  # after the first step made the optimizer states: once, one collective
             held = [None] * self.stages
             dist.all_gather_object(held, state_bytes(self.state_tensors()), group=self.pp_group)
@@ -287,21 +342,28 @@ class Pipeline(Strategy):
                 f"theory for {self.cfg.pipeline_schedule} with p={self.stages}, m={self.cfg.grad_accum}: "
                 f"{self.bubble_theory:.1%}")
 
-    def _cut(self, batches: list) -> tuple[torch.Tensor, torch.Tensor]:
+    def _cut(self, batches: list, factors: list[float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The first stage's input and the last stage's target for this rank's micro-batches, concatenated (the
-        schedule cuts them again into the same micro-batches)."""
+        schedule cuts them again into the same micro-batches); with `factors` (a recipe's loss_weight) each
+        micro-batch's factor rides as one more column of its target (Weighed)."""
         pairs = [pipeline_io(b) for b in batches]
-        return torch.cat([x for x, _ in pairs]), torch.cat([y for _, y in pairs])
+        targets = [y for _, y in pairs]
+        if factors is not None:
+            targets = [torch.cat([y.reshape(len(y), -1).double(), torch.full((len(y), 1), f, dtype=torch.float64,
+                                                                              device=y.device)], dim=1)
+                       for y, f in zip(targets, factors, strict=True)]
+        return torch.cat([x for x, _ in pairs]), torch.cat(targets)
 
     def _reduce_gradients(self) -> None:
-        """Shared parameters: the sum over the stages that hold them; then the mean over the replicas of this stage.
+        """Shared parameters: the sum over the stages that hold them (their local shards, laid out alike); then, on a
+        data-parallel launch, the mean over the replicas of this stage (under FSDP2 the schedule has reduced them).
         Each is one collective over a flat buffer."""
         for p, group, _ in self._shared:
-            dist.all_reduce(p.grad, group=group)
-        if self.data_parallel_size > 1:
+            dist.all_reduce(p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad, group=group)
+        if self.data_parallel_size > 1 and not self.sharded:
             grads = [p.grad for p in self.model.parameters() if p.grad is not None]
             flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, group=self.dp_group)
+            dist.all_reduce(flat, group=self.mesh.get_group("dp_replicate"))
             flat /= self.data_parallel_size
             offset = 0
             for g in grads:
@@ -309,16 +371,14 @@ class Pipeline(Strategy):
                 offset += g.numel()
 
     def clip_grad_norm(self) -> torch.Tensor:
-        """The norm over the whole model: each stage's sum of squares (a shared parameter counted once), summed over
-        the pipeline; every stage then scales by the same factor."""
+        """The norm over the whole model: each stage's (whole over its shards and slices; a shared parameter counted
+        once) squared and summed over the pipeline; every stage then scales by the same factor."""
         counted = {id(p) for p, _, owner in self._shared if not owner}
         params = [p for p in self.model.parameters() if p.grad is not None]
-        squares = sum((p.grad.float().pow(2).sum() for p in params if id(p) not in counted),
-                      torch.zeros((), device=self.accelerator.device))
+        squares = grad_norm([p for p in params if id(p) not in counted]).to(self.accelerator.device).pow(2).reshape(1)
         dist.all_reduce(squares, group=self.pp_group)
-        norm = squares.sqrt()
-        if self.cfg.max_grad_norm:
-            torch.nn.utils.clip_grads_with_norm_(params, self.cfg.max_grad_norm, norm)
+        norm = squares.sqrt()[0]
+        clip_to(params, self.cfg.max_grad_norm, norm)
         return norm
 
     @property
@@ -329,24 +389,29 @@ class Pipeline(Strategy):
         """eval_loss through the pipeline, forward only, grad_accum micro-batches at a time (the recipe's other
         eval metrics need the whole model's output, which no stage has: not computed under a pipeline)."""
         self.model.eval()
+        weigh, counts = self.loss_weigher, self.last and self.tp_rank == 0  # once per tensor-parallel group
         group: list = []
-        loss_sum, count = torch.zeros(1, device=self.accelerator.device), 0
+        sums = torch.zeros(2, device=self.accelerator.device)  # the losses (weighed), and what they weigh
         for batch in batches:
             group.append(self.cast_batch(batch))
             if len(group) < self.cfg.grad_accum:
                 continue
-            inputs, targets = self._cut(group)
+            weights = [float(weigh(self.cfg, b)) for b in group] if weigh is not None else [1.0] * len(group)
+            inputs, targets = self._cut(group, weights if weigh is not None else None)
             losses: list[torch.Tensor] = []
             with torch.no_grad(), self.accelerator.autocast():
                 self.schedule.eval(*([inputs] if self.first else []), target=targets if self.last else None,
                                    losses=losses)
-            if self.last:
-                loss_sum += torch.stack(losses).float().sum()
-            count += len(group)
+            if counts:
+                sums += torch.stack([torch.stack(losses).float().sum(), torch.tensor(sum(weights))])
             group = []
         self.model.train()
-        dist.all_reduce(loss_sum)
-        return {"eval_loss": loss_sum.item() / (count * self.data_parallel_size)}
+        dist.all_reduce(sums)
+        return {"eval_loss": (sums[0] / sums[1]).item()}
+
+    def generate(self, generate_fn: Callable[..., list[dict[str, str]]], eval_set: Any) -> list[dict[str, str]]:
+        """None: generating needs the whole model in one process (the plan said so in a note)."""
+        return []
 
     # --- checkpoints: torch.distributed.checkpoint under the whole model's parameter names ---------------------
 
@@ -382,11 +447,12 @@ class Pipeline(Strategy):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every stage's weights gathered on the main process, under the whole model's names."""
         local = {}
-        for name, value in self.model.state_dict().items():
-            tensor = value.detach().cpu()
+        for name, value in self.model.state_dict().items():  # sharded or cut: made whole (a collective per tensor)
+            tensor = (value.full_tensor() if hasattr(value, "full_tensor") else value).detach().cpu()
             local.update({alias: tensor for alias in self._names[name]})
         gathered: list[dict | None] = [None] * self.stages
-        dist.all_gather_object(gathered, local if self.data_parallel_rank == 0 else {}, group=self.pp_group)
+        sends = self.data_parallel_rank == 0 and self.tp_rank == 0  # one copy of each stage
+        dist.all_gather_object(gathered, local if sends else {}, group=self.pp_group)
         merged: dict[str, torch.Tensor] = {}
         for part in gathered:
             merged.update(part or {})
@@ -422,12 +488,29 @@ def timed_stage() -> type:
 
 
 def pipeline_io(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first stage's input and the loss's target from a collated micro-batch (recipes/README.md)."""
+    """The first stage's input and the loss's target from a collated micro-batch (recipes/README.md): a dict's
+    input_ids and labels, where it has none the input_ids with -100 on the padding (attention_mask 0), as
+    transformers' language-modelling collator makes them."""
     if torch.is_tensor(batch):
         return batch, batch
     if isinstance(batch, dict):
-        return batch["input_ids"], batch.get("labels", batch["input_ids"])
+        ids = batch["input_ids"]
+        if "labels" in batch:
+            return ids, batch["labels"]
+        return ids, ids.masked_fill(batch["attention_mask"] == 0, -100) if "attention_mask" in batch else ids
     return batch[0], batch[1]
+
+
+class Weighed:
+    """A recipe's pipeline_loss times each micro-batch's factor (Strategy.loss_weights: its share of the global
+    batch's learned units), which _cut appends to the target as a last column of float64 (which holds token ids
+    exactly): the schedule passes a loss function only the output and the target."""
+
+    def __init__(self, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+        self.loss_fn = loss_fn
+
+    def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self.loss_fn(output, target[:, :-1].long()) * target[0, -1].float()
 
 
 def balanced_cuts(layer_sizes: list[int], stages: int, first_extra: int, last_extra: int) -> list[int]:

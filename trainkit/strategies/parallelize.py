@@ -1,0 +1,236 @@
+"""Applying the mesh to a model (the whole model, or one pipeline stage): one fixed order, as torchtitan's
+parallelize_llama does.
+
+    1. tensor parallelism   the Linear layers of the model's plan cut over the mesh's tp dimension (tp_plan.py)
+    2. activation checkpointing   each block recomputes its forward in backward (fsdp_activation_checkpointing)
+    3. torch.compile        each block's forward (--compile), so FSDP2's hooks stay outside the graphs
+    4. FSDP2                fully_shard each block, then the root, over the data-parallel dimensions
+
+Cut before sharding: fully_shard then shards each tensor-parallel slice over dp_shard (2-D DTensors). With dp_shard 1
+a rank's shard is the whole parameter; FSDP2 still manages it, so mixed precision, accumulation and checkpoints work
+alike in every shape. The FSDP settings come from the YAML's fsdp_config (FSDPSettings); Accelerate applies FSDP only
+on GPU-type devices, so the runner applies it itself on every device (one code path, tested on CPU).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from trainkit.config import TrainConfig
+from trainkit.errors import ConfigError, Problem
+from trainkit.launch import Launch, is_true
+from trainkit.strategies.dims import ParallelDims, data_mesh
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True, slots=True)
+class FSDPSettings:
+    """The fsdp_config keys the runner applies (FSDPSettings.problems refuses the others)."""
+
+    offload: bool = False  # fsdp_offload_params: shards, gradients and optimizer states in CPU memory
+    reshard_after_forward: bool = True  # free gathered parameters after forward (ZeRO-3's memory)
+    activation_checkpointing: bool = False
+    whole_model: bool = False  # fsdp_auto_wrap_policy NO_WRAP: one group, the root
+    block_classes: tuple[str, ...] = ()  # fsdp_transformer_layer_cls_to_wrap; empty: the model's _no_split_modules
+
+    @classmethod
+    def of(cls, launch: Launch) -> FSDPSettings:
+        settings = launch.settings
+        named = settings.get("fsdp_transformer_layer_cls_to_wrap") or []
+        named = named.split(",") if isinstance(named, str) else named  # the environment's text, or a YAML list
+        return cls(offload=is_true(settings.get("fsdp_offload_params", False)),
+                   reshard_after_forward=is_true(settings.get("fsdp_reshard_after_forward", True)),
+                   activation_checkpointing=is_true(settings.get("fsdp_activation_checkpointing", False)),
+                   whole_model=settings.get("fsdp_auto_wrap_policy") == "NO_WRAP",
+                   block_classes=tuple(str(c).strip() for c in named if str(c).strip()))
+
+    @staticmethod
+    def problems(launch: Launch, cfg: TrainConfig) -> list[Problem]:
+        """The fsdp_config settings the runner does not apply are refused, never ignored. Those of FSDP1 that FSDP2
+        makes moot pass: fsdp_use_orig_params (FSDP2 always keeps them), fsdp_forward/backward_prefetch (FSDP2
+        prefetches on its own), fsdp_sync_module_states and fsdp_cpu_ram_efficient_loading (every rank builds the
+        same weights from the seed), fsdp_state_dict_type (checkpoints are always sharded, final/ always whole)."""
+        settings, where, problems = launch.settings, f"fsdp_config in {launch.source}", []
+        version = str(settings.get("fsdp_version", 2))
+        if version != "2":
+            problems.append(Problem(f"fsdp_version {version}: this runner shards with FSDP2 only", where,
+                                    "set fsdp_version: 2"))
+        policy = str(settings.get("fsdp_auto_wrap_policy") or "TRANSFORMER_BASED_WRAP")
+        if policy not in ("TRANSFORMER_BASED_WRAP", "NO_WRAP"):
+            problems.append(Problem(f"fsdp_auto_wrap_policy {policy}: the runner shards the model's blocks "
+                                    f"(TRANSFORMER_BASED_WRAP) or the whole model at once (NO_WRAP)", where,
+                                    "set fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP and name the block classes in "
+                                    "fsdp_transformer_layer_cls_to_wrap (or in the model's _no_split_modules)"))
+        if settings.get("fsdp_ignored_modules"):
+            problems.append(Problem("fsdp_ignored_modules: the runner shards every module", where,
+                                    "remove fsdp_ignored_modules"))
+        if is_true(settings.get("fsdp_activation_checkpointing_offload", False)):
+            problems.append(Problem("fsdp_activation_checkpointing_offload: the runner recomputes activations, it "
+                                    "does not move them to the CPU", where,
+                                    "remove it (fsdp_activation_checkpointing alone saves the memory by recomputing)"))
+        checkpointing = is_true(settings.get("fsdp_activation_checkpointing", False))
+        if checkpointing and cfg.compile:
+            # inductor's recompute of a checkpointed block fails its own stride assertion (torch 2.13)
+            problems.append(Problem("fsdp_activation_checkpointing with --compile: torch.compile's code fails in the "
+                                    "recomputation", where, "drop --compile, or fsdp_activation_checkpointing"))
+        if checkpointing and getattr(cfg, "gradient_checkpointing", False):
+            problems.append(Problem("fsdp_activation_checkpointing and the recipe's gradient_checkpointing both "
+                                    "recompute the blocks", where,
+                                    "keep one: drop --gradient_checkpointing, or fsdp_activation_checkpointing"))
+        return problems
+
+
+def block_classes(model: torch.nn.Module, settings: FSDPSettings) -> set[str]:
+    """The class names of the model's blocks: those the YAML names, else those the model declares."""
+    return set(settings.block_classes) or set(getattr(model, "_no_split_modules", None) or [])
+
+
+def blocks(model: torch.nn.Module, settings: FSDPSettings, classes: set[str] | None = None) -> list[torch.nn.Module]:
+    """The units sharded (and gathered) one at a time, innermost first; the root holds the rest.
+
+    The blocks are the classes the YAML names (Accelerate's fsdp_transformer_layer_cls_to_wrap), else those the model
+    declares in `_no_split_modules` (transformers' models do; a recipe's build_model can set it), else every Linear
+    layer; none under fsdp_auto_wrap_policy NO_WRAP. A block whose parameters are shared with a module outside it
+    (tied input and output embeddings) stays in the root's group: FSDP2 refuses a parameter managed by two groups.
+    `classes` names them for a part of a model (a pipeline stage, which declares none of its own).
+    """
+    if settings.whole_model:
+        return []
+    classes = block_classes(model, settings) if classes is None else classes
+    owners: dict[int, list[torch.nn.Module]] = {}
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            owners.setdefault(id(param), []).append(module)
+
+    def shares_outside(block: torch.nn.Module) -> bool:
+        inside = {id(m) for m in block.modules()}
+        return any(id(owner) not in inside for p in block.parameters() for owner in owners[id(p)])
+
+    candidates = [m for m in reversed(list(model.modules())) if m is not model and
+                  (type(m).__name__ in classes if classes else isinstance(m, torch.nn.Linear))]
+    return [m for m in candidates if any(True for _ in m.parameters()) and not shares_outside(m)]
+
+
+def parallelize(model: torch.nn.Module, dims: ParallelDims, mesh: Any, settings: FSDPSettings, *,
+                mixed_precision: str, compile: bool, tp_layers: dict[str, str], classes: set[str]) -> list[str]:
+    """Apply tensor parallelism, activation checkpointing, compile and FSDP2 to `model`, in that order; returns what
+    was done, for the run's notes. `tp_layers` names the modules the plan cuts (module name -> colwise or rowwise;
+    empty where tp is 1), `classes` the block class names (block_classes of the whole model)."""
+    notes = []
+    if tp_layers:
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+        parallelize_module(model, mesh["tp"], {name: styles[style]() for name, style in tp_layers.items()})
+    units = blocks(model, settings, classes)
+    if settings.activation_checkpointing:
+        notes.append(checkpoint_activations(model, units))
+    if compile:  # a model that declares no blocks is compiled whole
+        notes.append(compile_forward(model, units if classes else []))
+    shard(model, units, data_mesh(mesh, dims), settings, mixed_precision)
+    return notes
+
+
+def checkpoint_activations(model: torch.nn.Module, units: list[torch.nn.Module]) -> str:
+    """fsdp_activation_checkpointing: each block (the whole model when there are none) keeps only its input from the
+    forward and runs its forward again in backward (torch's composable `checkpoint`: hooks, so the parameter names
+    stay, and checkpoints and final/ with them); the same numbers, less activation memory, about one more forward per
+    step."""
+    from torch.distributed._composable import checkpoint
+
+    for unit in units or [model]:
+        checkpoint(unit)
+    return (f"activation checkpointing on each {type(units[0]).__name__} ({len(units)})" if units
+            else "activation checkpointing on the whole model (one FSDP group)")
+
+
+def compile_forward(model: torch.nn.Module, units: list[torch.nn.Module]) -> str:
+    """--compile: torch.compile (inductor) on the `forward` of each of `units` (the whole model when there are none),
+    before any wrapper or engine sees the model.
+
+    The module itself stays as it is: its class, its parameter names (checkpoints and final/ hold the same names
+    compiled or not, so a run resumes across the flag; `torch.compile(model)` would return a wrapper that prefixes
+    every name with `_orig_mod.`), and its hooks, which run eagerly around the compiled forward: FSDP2's gathers and
+    DeepSpeed's ZeRO-3 fetches stay out of the graph. (`Module.compile()` compiles the hooks as well, and compiles
+    nothing where the forward is torch's own: dynamo skips torch.nn's files, so an nn.Sequential ran eagerly under
+    it.) Under DDP the compiled module runs inside DDP's forward, where dynamo's DDPOptimizer cuts the graph at DDP's
+    gradient buckets so that their all-reduce can start during backward. The first step pays the compilation (about
+    a minute on 2 CPU cores for the tiny transformer)."""
+    for unit in units or [model]:
+        unit.forward = torch.compile(unit.forward)
+    what = f"each {type(units[0]).__name__} ({len(units)})" if units else "the whole model"
+    return f"torch.compile (inductor) on {what}: the first step compiles"
+
+
+def shard(model: torch.nn.Module, units: list[torch.nn.Module], mesh: Any, settings: FSDPSettings,
+          mixed_precision: str) -> None:
+    """fully_shard each block, then the root (which takes every parameter no block holds), and check that every
+    parameter is sharded as the mesh asks."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    # No model.to(device) first: each fully_shard call moves only its own unit to the device, then shards it, so a
+    # GPU never holds the whole unsharded model (the model FSDP exists for may not fit there).
+    policy = dict(
+        # Mixed precision FSDP's way: compute in low precision, reduce gradients and keep the shards in fp32.
+        mp_policy=MixedPrecisionPolicy(param_dtype=DTYPES.get(mixed_precision), reduce_dtype=torch.float32),
+        offload_policy=CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if settings.offload else OffloadPolicy(),
+        reshard_after_forward=settings.reshard_after_forward,
+        mesh=mesh,
+    )
+    for unit in units:
+        fully_shard(unit, **policy)
+    fully_shard(model, **policy)
+    if callable(getattr(model, "generate", None)):  # a recipe's generate hook: the root's own parameters gathered
+        from torch.distributed.fsdp import register_fsdp_forward_method  # around the whole call, not just forward
+
+        register_fsdp_forward_method(model, "generate")
+    unsharded = [name for name, p in model.named_parameters() if not is_sharded(p, mesh)]
+    if unsharded:
+        raise ConfigError([Problem(f"FSDP left parameters unsharded: {', '.join(unsharded[:5])}", "fsdp",
+                                   "report this with the recipe; use deepspeed_zero3.yaml meanwhile")])
+
+
+def is_sharded(param: torch.Tensor, mesh: Any) -> bool:
+    """Whether fully_shard made `param` a DTensor sharded on mesh's last (dp_shard) dimension (a mesh of one: any)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(param, DTensor):
+        return False
+    if mesh.size(-1) == 1:
+        return True
+    return not param.placements[param.device_mesh.mesh_dim_names.index(mesh.mesh_dim_names[-1])].is_replicate()
+
+
+def grad_norm(params: Iterable[torch.Tensor]) -> torch.Tensor:
+    """The total 2-norm of these parameters' gradients, whole (a DTensor's norm is partial over its shards and
+    slices). torch's clip_grad_norm_ stacks one norm per parameter, which fails for DTensors on different meshes (a
+    cut layer lives on (dp_shard, tp), the rest on dp_shard: "All operands in aten.stack.default must have the same
+    mesh"). So: one norm per group of gradients laid out alike, each made whole, then their norm."""
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            key = (p.grad.device_mesh, p.grad.placements) if hasattr(p.grad, "device_mesh") else ()
+            groups.setdefault(key, []).append(p.grad)
+    norms = [_whole(torch.nn.utils.get_total_norm(group, 2.0)) for group in groups.values()]
+    return torch.linalg.vector_norm(torch.stack(norms), 2.0) if norms else torch.zeros(())
+
+
+def clip_to(params: Iterable[torch.Tensor], max_norm: float, total: torch.Tensor) -> None:
+    """Scale the gradients so that their total norm `total` is at most max_norm (torch's formula; 0: no clip). The
+    factor is the same on every rank, so each scales its local pieces: an elementwise product."""
+    if max_norm:
+        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        torch._foreach_mul_([_local(p.grad) for p in params if p.grad is not None], coefficient)
+
+
+def _whole(norm: torch.Tensor) -> torch.Tensor:
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
