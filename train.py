@@ -5,7 +5,7 @@
 
 Reads top to bottom: plan (trainkit/plan.py: everything that can be checked before a model exists; --dry_run and
 --estimate stop there) -> build (the Accelerator, data, model and optimizer, a resumed checkpoint) -> loop (one
-optimizer step per iteration, run by the strategy) -> finish (final/ and the summary line). The strategies live in
+optimizer step per iteration: trainkit/step.py) -> finish (final/ and the summary line). The strategies live in
 trainkit/strategies/, one module each: nothing here knows which one runs.
 """
 
@@ -41,6 +41,7 @@ from trainkit.optim import build_optimizer, build_scheduler
 from trainkit.plan import Plan, estimate_report, make_plan
 from trainkit.process import end_process, keep_until_exit, lost_contact
 from trainkit.quiet import silence_library_noise
+from trainkit.step import train_step
 from trainkit.strategies import Strategy
 
 
@@ -156,7 +157,7 @@ def loop(plan: Plan, run: Run) -> str | None:
     held = 0  # model-state bytes: every tensor walked once, after the first step made the optimizer states
     stopped_by, first, started = None, run.step, time.perf_counter()
     for step in range(run.step + 1, min(cfg.max_steps, options.stop_at or cfg.max_steps) + 1):
-        result = strategy.train_step(step, run.stream.next_global_batch(), plan.recipe.compute_loss, finite,
+        result = train_step(strategy, step, run.stream.next_global_batch(), plan.recipe.compute_loss, finite,
                                      signal.requested)
         run.step, run.skipped_steps = step, run.skipped_steps + result.skipped
         samples_per_s = throughput.lap(run.layout.global_batch)

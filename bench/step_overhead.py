@@ -5,11 +5,12 @@
 The peers section of bench/throughput.py times trainkit and the loops users would write instead in separate runs, and
 on a shared machine such runs differ by 10-15% from one to the next: more than a runner adds to a step. Here every
 rank builds trainkit's run (train.py's plan and build: the same Accelerator, model, optimizer and batches) and then
-alternates, step by step, trainkit's step (the batches from its stream, Strategy.train_step with its loss agreement,
-finite checks, clipping and optimizer step, then the metrics line) with the step of a plain Accelerate loop on the
-same prepared objects (bench/peers/accelerate_loop.py's body: forward, `accelerator.backward`, `clip_grad_norm_`,
-`optimizer.step`, `scheduler.step`, `zero_grad`), and in one process with a bare PyTorch step as well. A busy spell
-of the machine slows every kind alike; the median of each round's difference is what trainkit costs per step.
+alternates, step by step, trainkit's step (the batches from its stream, trainkit/step.py's train_step with its loss
+agreement, finite checks, clipping and optimizer step, then the metrics line) with the step of a plain Accelerate
+loop on the same prepared objects (bench/peers/accelerate_loop.py's body: forward, `accelerator.backward`,
+`clip_grad_norm_`, `optimizer.step`, `scheduler.step`, `zero_grad`), and in one process with a bare PyTorch step as
+well. A busy spell of the machine slows every kind alike; the median of each round's difference is what trainkit
+costs per step.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ def measure(argv: list[str], report: Path) -> None:
     from trainkit.metrics import MetricsLog, peak_memory_bytes, process_seconds
     from trainkit.plan import make_plan
     from trainkit.quiet import silence_library_noise
+    from trainkit.step import train_step
 
     silence_library_noise()
     plan = make_plan(*parse_command_line(argv))
@@ -60,7 +62,7 @@ def measure(argv: list[str], report: Path) -> None:
 
     def trainkit_step() -> None:  # train.py's loop body, less its evaluation and checkpoint branches
         step = next(trainkit_steps)
-        result = strategy.train_step(step, run.stream.next_global_batch(), loss_fn, finite, False)
+        result = train_step(strategy, step, run.stream.next_global_batch(), loss_fn, finite, False)
         log.step({"step": step, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
                   "peak_mem_bytes": peak_memory_bytes(accelerator.device), "elapsed_s": process_seconds()})
 
@@ -143,7 +145,8 @@ def main() -> None:
                "Separate runs of trainkit and of the peers (the section above) differ by 10-15% from one to the next "
                "on this machine, more than a runner adds to a step. Here each rank of one launch builds trainkit's "
                "run and then alternates, step by step on the same prepared model, optimizer and data, trainkit's "
-               "step (its batches, Strategy.train_step with the loss agreement, finite checks, clipping and optimizer "
+               "step (its batches, trainkit/step.py's train_step with the loss agreement, finite checks, clipping and "
+               "optimizer "
                "step, then the metrics line) with bench/peers/accelerate_loop.py's step body (forward, "
                "`accelerator.backward`, `clip_grad_norm_`, `optimizer.step`, `scheduler.step`, `zero_grad`). "
                f"Tiny transformer, micro-batch 16 x 128 tokens per process, fp32; the median of {ROUNDS} steps of "

@@ -250,26 +250,34 @@ class Strategy:
                        build_optimizer: Callable[..., torch.optim.Optimizer]) -> torch.optim.Optimizer:
         return build_optimizer(self.cfg, model)
 
-    # --- one optimizer step -----------------------------------------------------------------------------------------
+    # --- one optimizer step (trainkit/step.py runs it; these are the points where engines differ) ----------------
 
-    def train_step(self, step: int, micro_batches: list, loss_fn: LossFn, finite: FiniteCheck,
-                   stop_requested: bool) -> StepResult:
-        """Forward and backward over this rank's micro-batches (gradients communicated once, on the last), clip,
-        agree on the loss and the stop signal (one collective), check them, step."""
+    # Whether the strategy's engine runs the whole step itself (DeepSpeed's: engine_step), not trainkit/step.py.
+    owns_step: ClassVar[bool] = False
+
+    def forward_backward(self, step: int, micro_batches: list, weights: list[float],
+                         loss_fn: LossFn) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Forward and backward over this rank's micro-batches, each loss times its weight, gradients communicated
+        on the last only; returns the mean of the weighed losses (one element: gloo cannot reduce 0-d tensors) and
+        the engine's own numbers for the step's one collective (None)."""
         accelerator, model = self.accelerator, self.model
-        self.hold_gradients()
-        loss_sum = torch.zeros(1, device=accelerator.device)  # 1-element: gloo cannot reduce 0-d tensors
-        weights = self.loss_weights(micro_batches)
+        loss_sum = torch.zeros(1, device=accelerator.device)
         for i, batch in enumerate(micro_batches):
             with accelerator.accumulate(model), self.gradient_sync(last=i == len(micro_batches) - 1):
                 loss = loss_fn(model, self.cast_batch(batch)) * weights[i]
                 loss_sum += loss.detach().float()
                 accelerator.backward(loss)
-        loss_value, stop, grad_norm, _ = self.agree(loss_sum / len(micro_batches), stop_requested,
-                                                    self.clip_grad_norm())
-        finite.loss(step, loss_value)
-        finite.grad_norm(step, grad_norm)
-        return self.optimizer_step(loss_value, grad_norm, stop)
+        return loss_sum / len(micro_batches), None
+
+    def step_metrics(self, step: int, extra_sums: list[float]) -> dict[str, Any]:
+        """The engine's own entries for metrics.jsonl after a step (a pipeline's idle time), from the sums over
+        every rank of what forward_backward returned."""
+        return {}
+
+    def engine_step(self, step: int, micro_batches: list, loss_fn: LossFn, finite: FiniteCheck,
+                    stop_requested: bool) -> StepResult:
+        """The whole step, where the engine owns it (owns_step)."""
+        raise NotImplementedError
 
     @property
     def loss_weigher(self) -> Callable[[Any, Any], Any] | None:

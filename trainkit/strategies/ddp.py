@@ -7,12 +7,13 @@ Accelerate for the CPU, which turns the YAML's MULTI_GPU into MULTI_CPU over glo
 
 from __future__ import annotations
 
+import torch
+
 from trainkit.config import TrainConfig
 from trainkit.errors import TrainingError
 from trainkit.estimate import OPTIMIZER_BYTES, Estimate, ModelShape
-from trainkit.guards import FiniteCheck
 from trainkit.launch import Launch
-from trainkit.strategies.base import LossFn, StepResult, Strategy
+from trainkit.strategies.base import LossFn, Strategy
 
 
 class DDP(Strategy):
@@ -29,10 +30,10 @@ class DDP(Strategy):
 
         return [DistributedDataParallelKwargs(find_unused_parameters=self.cfg.find_unused_parameters)]
 
-    def train_step(self, step: int, micro_batches: list, loss_fn: LossFn, finite: FiniteCheck,
-                   stop_requested: bool) -> StepResult:
+    def forward_backward(self, step: int, micro_batches: list, weights: list[float],
+                         loss_fn: LossFn) -> tuple[torch.Tensor, torch.Tensor | None]:
         try:
-            return super().train_step(step, micro_batches, loss_fn, finite, stop_requested)
+            return super().forward_backward(step, micro_batches, weights, loss_fn)
         except RuntimeError as e:  # DDP's reducer: a parameter took no part in the previous step
             if "find_unused_parameters" not in str(e):
                 raise

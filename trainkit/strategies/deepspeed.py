@@ -181,8 +181,10 @@ class DeepSpeed(Strategy):
 
     # --- one optimizer step -----------------------------------------------------------------------------------------
 
-    def train_step(self, step: int, micro_batches: list, loss_fn: LossFn, finite: FiniteCheck,
-                   stop_requested: bool) -> StepResult:
+    owns_step = True
+
+    def engine_step(self, step: int, micro_batches: list, loss_fn: LossFn, finite: FiniteCheck,
+                    stop_requested: bool) -> StepResult:
         """The engine clips and steps inside the last micro-batch's backward: the loss is agreed on and checked
         before it, the gradient norm (computed by the engine) only after.
 

@@ -41,11 +41,10 @@ import torch.distributed as dist
 from trainkit.config import TrainConfig
 from trainkit.errors import ConfigError, Problem
 from trainkit.estimate import OPTIMIZER_BYTES, Estimate, ModelShape
-from trainkit.guards import FiniteCheck
 from trainkit.launch import Launch
 from trainkit.metrics import state_bytes
 from trainkit.recipes import Recipe, no_generations
-from trainkit.strategies.base import LossFn, MetricsFn, StepResult, Strategy, restore_trained, trained_state
+from trainkit.strategies.base import LossFn, MetricsFn, Strategy, restore_trained, trained_state
 from trainkit.strategies.dims import DIMS, ParallelDims, data_parallel_rank, parallelism_problems
 from trainkit.strategies.mesh import held_numel, without_accelerate_fsdp
 from trainkit.strategies.parallelize import FSDPSettings, block_classes, clip_to, grad_norm, parallelize
@@ -293,10 +292,12 @@ class Pipeline(Strategy):
 
     # --- one optimizer step -----------------------------------------------------------------------------------
 
-    def train_step(self, step: int, micro_batches: list, loss_fn: LossFn, finite: FiniteCheck,
-                   stop_requested: bool) -> StepResult:
-        self.hold_gradients()
-        factors = self.loss_weights(micro_batches) if self.loss_weigher is not None else None
+    def forward_backward(self, step: int, micro_batches: list, weights: list[float],
+                         loss_fn: LossFn) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The schedule's forwards and backwards over the step's micro-batches (the pipeline's micro-batches), then
+        the tied weights' sum and, on a data-parallel launch, the replicas' mean. The loss is the last stage's, once
+        per tensor-parallel group; the engine's own number is this process's idle share of the step."""
+        factors = weights if self.loss_weigher is not None else None
         inputs, targets = self._cut([self.cast_batch(b) for b in micro_batches], factors)
         losses: list[torch.Tensor] = []
         self.busy[0], started = 0.0, time.perf_counter()
@@ -305,27 +306,25 @@ class Pipeline(Strategy):
                                losses=losses)
         elapsed = time.perf_counter() - started
         self._reduce_gradients()
-        # The last stage's loss, once per tensor-parallel group (its ranks compute the same one)
         counts = self.last and self.tp_rank == 0
         loss = torch.stack(losses).float().mean().reshape(1) if counts else torch.zeros(1, device=inputs.device)
         idle = torch.zeros(self.stages, device=inputs.device)
         idle[self.pp_rank] = max(0.0, 1.0 - self.busy[0] / elapsed) if elapsed > 0 else 0.0
-        loss_value, stop, norm, idle_sums = self.agree(loss, stop_requested, self.clip_grad_norm(), idle)
-        idle_per_stage = [x * self.stages / self.dims.world for x in idle_sums]  # the mean over each stage's ranks
-        finite.loss(step, loss_value)
-        finite.grad_norm(step, norm)
-        result = self.optimizer_step(loss_value, norm, stop)
-        if self.stage_bytes is None:  # after the first step made the optimizer states: once, one collective
+        return loss, idle
+
+    def step_metrics(self, step: int, extra_sums: list[float]) -> dict[str, Any]:
+        """Each stage's idle share of the step (the mean over its ranks) next to the theory's, and what each stage
+        holds (gathered once, after the first step made the optimizer states)."""
+        idle_per_stage = [x * self.stages / self.dims.world for x in extra_sums]
+        if self.stage_bytes is None:
             held = [None] * self.stages
             dist.all_gather_object(held, state_bytes(self.state_tensors()), group=self.pp_group)
             self.stage_bytes = held
         if self.steps_timed or step > 1 or self.cfg.max_steps == 1:  # step 1 also measures the stages' shapes
             self.idle_sums = [a + b for a, b in zip(self.idle_sums, idle_per_stage, strict=True)]
             self.steps_timed += 1
-        result.extra.update({"pipeline_idle": [round(x, 4) for x in idle_per_stage],
-                             "pipeline_bubble_theory": round(self.bubble_theory, 4),
-                             "stage_state_bytes": self.stage_bytes})
-        return result
+        return {"pipeline_idle": [round(x, 4) for x in idle_per_stage],
+                "pipeline_bubble_theory": round(self.bubble_theory, 4), "stage_state_bytes": self.stage_bytes}
 
     @property
     def bubble_theory(self) -> float:
