@@ -15,7 +15,7 @@ import torch
 
 from conftest import FLAG_STRATEGIES, LM, PARITY_BOUND, ROOT, architecture, entry, launch, max_rel_diff, processes
 from trainkit.strategies.dims import DIMS
-from trainkit.strategies.pipeline import balanced_cuts
+from trainkit.strategies.stages import balanced_cuts
 
 DDP = str(ROOT / "accelerate_configs" / "ddp.yaml")
 LM4 = [*LM, "--layers", "4"]  # interleaved: 4 stages on 2 processes, a layer each

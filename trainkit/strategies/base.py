@@ -28,6 +28,7 @@ from trainkit.estimate import Estimate, ModelShape
 from trainkit.guards import FiniteCheck
 from trainkit.launch import Launch
 from trainkit.recipes import Recipe
+from trainkit.strategies import dcp_format
 from trainkit.strategies.parallelize import compile_forward
 
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
@@ -444,20 +445,11 @@ class Strategy:
     # --- checkpoint format: torch.distributed.checkpoint, reshardable across world sizes and these strategies ------
 
     def save_state(self, folder: Path) -> None:
-        """Write this rank's part of the trained state (trained_state) into the checkpoint folder."""
-        import torch.distributed.checkpoint as dcp
-
-        model_state, optim_state = trained_state(self.unwrapped_model, _raw(self.optimizer))
-        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(folder / self.state_dir))
+        """Write this rank's part of the trained state into the checkpoint folder."""
+        dcp_format.save(self.unwrapped_model, _raw(self.optimizer), folder / self.state_dir)
 
     def load_state(self, folder: Path) -> None:
-        import torch.distributed.checkpoint as dcp
-
-        unwrapped, raw = self.unwrapped_model, _raw(self.optimizer)
-        model_state, optim_state = trained_state(unwrapped, raw)
-        state = {"model": model_state, "optim": optim_state}
-        dcp.load(state, checkpoint_id=str(folder / self.state_dir))
-        restore_trained(unwrapped, raw, state["model"], state["optim"])
+        dcp_format.load(self.unwrapped_model, _raw(self.optimizer), folder / self.state_dir)
 
     def resumes_exactly(self, saved: Mapping[str, Any]) -> bool:
         """Whether a checkpoint saved under `saved` (its trainer_state) restores model and optimizer here.
@@ -472,45 +464,7 @@ class Strategy:
     def load_weights(cls, model: torch.nn.Module, folder: Path) -> None:
         """Load the consolidated weights of a checkpoint in this format into an unprepared model (a warm start
         under another strategy)."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        weights = {"model": get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=True))}
-        dcp.load(weights, checkpoint_id=str(folder / cls.state_dir))
-        load_trained_weights(model, weights["model"])
-
-
-def trained_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
-    """The model's and optimizer's state dicts (torch.distributed.checkpoint's, sharded as the model is) without the
-    frozen parameters. Those never change, and build_model makes them again in every launch (from the seed or the
-    pretrained weights), so a checkpoint holds what trains: under LoRA the adapters and their optimizer states."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-    return get_state_dict(model, optimizer, options=StateDictOptions(ignore_frozen_params=True))
-
-
-def restore_trained(model: torch.nn.Module, optimizer: torch.optim.Optimizer, model_state: dict,
-                    optim_state: dict) -> None:
-    """Load trained_state's dicts back: every parameter that trains, and nothing else, must be in them."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-
-    keys = set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state,
-                          options=StateDictOptions(ignore_frozen_params=True, strict=False))
-    _check_only_frozen_missing(model, keys)
-
-
-def load_trained_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
-    """A checkpoint's weights into an unprepared model: every parameter that trains; the frozen ones stay as
-    build_model made them."""
-    _check_only_frozen_missing(model, model.load_state_dict(weights, strict=False))
-
-
-def _check_only_frozen_missing(model: torch.nn.Module, keys) -> None:
-    frozen = {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
-    missing = [k for k in keys.missing_keys if k not in frozen]
-    if missing or keys.unexpected_keys:
-        raise RuntimeError(f"the checkpoint does not fit the model: missing {missing[:5]}, unexpected "
-                           f"{list(keys.unexpected_keys)[:5]}")
+        dcp_format.load_weights(model, folder / cls.state_dir)
 
 
 def _samples(batch: Any) -> int:

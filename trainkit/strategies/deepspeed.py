@@ -33,7 +33,8 @@ from trainkit.estimate import OPTIMIZER_BYTES, Estimate, ModelShape
 from trainkit.guards import FiniteCheck
 from trainkit.launch import Launch
 from trainkit.recipes import Recipe
-from trainkit.strategies.base import LossFn, StepResult, Strategy, load_trained_weights
+from trainkit.strategies.base import LossFn, StepResult, Strategy
+from trainkit.strategies.dcp_format import load_trained_weights
 from trainkit.strategies.deepspeed_config import fill_bucket_sizes, persistence_threshold, resolve
 
 TAG = "deepspeed"  # the one tag under checkpoints/step_<N>/deepspeed/
@@ -262,7 +263,7 @@ class DeepSpeed(Strategy):
     # --- checkpoint format: DeepSpeed's own -------------------------------------------------------------------------
 
     def save_state(self, folder: Path) -> None:
-        # the frozen parameters stay out, as in trained_state: build_model makes them again
+        # the frozen parameters stay out, as in dcp_format.trained_state: build_model makes them again
         self.model.save_checkpoint(str(folder / self.state_dir), tag=TAG, save_latest=False,
                                    exclude_frozen_parameters=True)
 

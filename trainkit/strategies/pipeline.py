@@ -27,7 +27,6 @@ pipeline degree in `parallelism_config`, and hands its processes only the settin
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import re
 import time
@@ -44,10 +43,12 @@ from trainkit.estimate import OPTIMIZER_BYTES, Estimate, ModelShape
 from trainkit.launch import Launch
 from trainkit.metrics import state_bytes
 from trainkit.recipes import Recipe, no_generations
-from trainkit.strategies.base import LossFn, MetricsFn, Strategy, restore_trained, trained_state
+from trainkit.strategies import dcp_format
+from trainkit.strategies.base import LossFn, MetricsFn, Strategy
 from trainkit.strategies.dims import DIMS, ParallelDims, data_parallel_rank, parallelism_problems
 from trainkit.strategies.mesh import held_numel, without_accelerate_fsdp
 from trainkit.strategies.parallelize import FSDPSettings, block_classes, clip_to, grad_norm, parallelize
+from trainkit.strategies.stages import Weighed, cut_points, full_names, pipeline_io, release_others, timed_stage
 from trainkit.strategies.tp_plan import plan_problems, tp_layers
 
 # Stages per process under each schedule (interleaved: stage i lives on process i mod p).
@@ -145,37 +146,10 @@ class Pipeline(Strategy):
         problems = plan_problems(model, self.dims.tp, f"model._tp_plan of {recipe.path.name}'s build_model",
                                  f"parallelism_config in {self.launch.source}") if self.dims.tp > 1 else []
         try:
-            self.cuts(model)
+            cut_points(recipe, model, self.total_stages, self.cfg.pipeline_split)
         except ConfigError as e:
             problems += e.problems
         return problems
-
-    def cuts(self, model: torch.nn.Module) -> list[int]:
-        """Where each stage's layers start (and the end), from --pipeline_split or balanced by parameter count."""
-        layers = list(self.recipe.pipeline_layers(model))
-        n, s = len(layers), self.total_stages
-        if n < s:
-            raise ConfigError([Problem(f"the model has {n} layers, too few for {s} pipeline stages",
-                                       "--pipeline_stages / --pipeline_schedule",
-                                       f"use at most {n} stages (interleaved holds two per process)")])
-        if self.cfg.pipeline_split:
-            starts = [int(x) for x in self.cfg.pipeline_split.replace(" ", "").split(",")]
-            if len(starts) != s - 1 or starts != sorted(set(starts)) or not 0 < starts[0] <= starts[-1] < n:
-                raise ConfigError([Problem(f"--pipeline_split {self.cfg.pipeline_split} does not cut {n} layers into "
-                                           f"{s} stages", "--pipeline_split",
-                                           f"give {s - 1} increasing layer indices between 1 and {n - 1}, or leave "
-                                           f"it out to balance by parameter count")])
-            return [0, *starts, n]
-        first, last = self._ends(model, layers)
-        return balanced_cuts([sum(p.numel() for p in layer.parameters()) for layer in layers], s, first, last)
-
-    def _ends(self, model: torch.nn.Module, layers: list[torch.nn.Module]) -> tuple[int, int]:
-        """Parameters outside the layers: what the first stage adds (embeddings) and what the last adds (head)."""
-        inside = {id(p) for layer in layers for p in layer.parameters()}
-        first_stage = self.recipe.pipeline_stage(model, range(0), True, False)
-        last_stage = self.recipe.pipeline_stage(model, range(0), False, True)
-        count = lambda stage: sum(p.numel() for p in stage.parameters() if id(p) not in inside)  # noqa: E731
-        return count(first_stage), count(last_stage)
 
     def estimate(self, shape: ModelShape, world_size: int, activations: int) -> Estimate:
         """DDP's bytes per parameter for one process's stages: the layers (parameters named with a layer index)
@@ -217,7 +191,7 @@ class Pipeline(Strategy):
         acc, recipe, device = self.accelerator, self.recipe, self.accelerator.device
         self.pp_group, self.pp_rank = self.mesh.get_group("pp"), self.mesh.get_local_rank("pp")
         self.tp_rank = self.mesh.get_local_rank("tp")
-        cuts = self.cuts(model)
+        cuts = cut_points(recipe, model, self.total_stages, self.cfg.pipeline_split)
         every = [recipe.pipeline_stage(model, range(cuts[i], cuts[i + 1]), i == 0, i == self.total_stages - 1)
                  for i in range(self.total_stages)]
         mine = list(range(self.pp_rank, self.total_stages, self.stages))  # stage i runs on process i mod p
@@ -228,9 +202,9 @@ class Pipeline(Strategy):
                           f"{self.cfg.pipeline_schedule} with {self.cfg.grad_accum} micro-batch(es) per step; this "
                           f"process runs stage(s) {', '.join(map(str, mine))}")
         shared = self._shared_groups(every)  # by name: sharding replaces the parameters
-        self._names = _full_names(model, self.model)
+        self._names = full_names(model, self.model)
         self.full_model = model
-        _release_others(model, self.model)  # this process holds only its stages' weights from here on
+        release_others(model, self.model)  # this process holds only its stages' weights from here on
         self._parallelize_stages(model)
         params = dict(self.model.named_parameters(remove_duplicate=False))
         self._shared = [(params[name], group, owner) for name, group, owner in shared]
@@ -414,34 +388,11 @@ class Pipeline(Strategy):
 
     # --- checkpoints: torch.distributed.checkpoint under the whole model's parameter names ---------------------
 
-    def _renamed(self, model_state: dict, optim_state: dict) -> dict[str, Any]:
-        """This process's state under the whole model's names: every name of a weight (tied ones under both), the
-        optimizer's per-parameter state under the first, and the learning rate (every group has the schedule's).
-        Stages that share a weight write equal values under equal names, which torch.distributed.checkpoint writes
-        once."""
-        model = {alias: value for name, value in model_state.items() for alias in self._names[name]}
-        optim = {self._names[name][0]: value for name, value in optim_state["state"].items()}
-        return {"model": model, "optim": optim, "lr": torch.tensor(optim_state["param_groups"][0]["lr"])}
-
     def save_state(self, folder) -> None:
-        import torch.distributed.checkpoint as dcp
-
-        model_state, optim_state = trained_state(self.model, self.optimizer.optimizer)
-        dcp.save(self._renamed(model_state, optim_state), checkpoint_id=str(folder / self.state_dir))
+        dcp_format.save_renamed(self.model, self.optimizer.optimizer, self._names, folder / self.state_dir)
 
     def load_state(self, folder) -> None:
-        import torch.distributed.checkpoint as dcp
-
-        raw = self.optimizer.optimizer
-        model_state, optim_state = trained_state(self.model, raw)
-        state = self._renamed(model_state, optim_state)
-        dcp.load(state, checkpoint_id=str(folder / self.state_dir))
-        model_state = {name: state["model"][aliases[0]] for name, aliases in self._names.items()
-                       if name in model_state}
-        optim_state["state"] = {name: state["optim"][self._names[name][0]] for name in optim_state["state"]}
-        for group in optim_state["param_groups"]:
-            group["lr"] = state["lr"].item()
-        restore_trained(self.model, raw, model_state, optim_state)
+        dcp_format.load_renamed(self.model, self.optimizer.optimizer, self._names, folder / self.state_dir)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every stage's weights gathered on the main process, under the whole model's names."""
@@ -456,95 +407,3 @@ class Pipeline(Strategy):
         for part in gathered:
             merged.update(part or {})
         return merged
-
-
-@functools.cache
-def timed_stage() -> type:
-    """torch's PipelineStage, adding the seconds its forward and backward computations take to `busy`: the rest of a
-    step is waiting for the neighbours (the bubble) or sending. Made on first use: torch.distributed.pipelining takes
-    over a second to import, which only pipeline runs should pay."""
-    from torch.distributed.pipelining import PipelineStage
-
-    class TimedStage(PipelineStage):
-        def __init__(self, *args: Any, busy: list[float], **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            self.busy = busy
-
-        def _timed(self, compute: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-            started = time.perf_counter()
-            try:
-                return compute(*args, **kwargs)
-            finally:
-                self.busy[0] += time.perf_counter() - started
-
-        def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-            return self._timed(super().forward_one_chunk, *args, **kwargs)
-
-        def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-            return self._timed(super().backward_one_chunk, *args, **kwargs)
-
-    return TimedStage
-
-
-def pipeline_io(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first stage's input and the loss's target from a collated micro-batch (recipes/README.md): a dict's
-    input_ids and labels, where it has none the input_ids with -100 on the padding (attention_mask 0), as
-    transformers' language-modelling collator makes them."""
-    if torch.is_tensor(batch):
-        return batch, batch
-    if isinstance(batch, dict):
-        ids = batch["input_ids"]
-        if "labels" in batch:
-            return ids, batch["labels"]
-        return ids, ids.masked_fill(batch["attention_mask"] == 0, -100) if "attention_mask" in batch else ids
-    return batch[0], batch[1]
-
-
-class Weighed:
-    """A recipe's pipeline_loss times each micro-batch's factor (Strategy.loss_weights: its share of the global
-    batch's learned units), which _cut appends to the target as a last column of float64 (which holds token ids
-    exactly): the schedule passes a loss function only the output and the target."""
-
-    def __init__(self, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
-        self.loss_fn = loss_fn
-
-    def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return self.loss_fn(output, target[:, :-1].long()) * target[0, -1].float()
-
-
-def balanced_cuts(layer_sizes: list[int], stages: int, first_extra: int, last_extra: int) -> list[int]:
-    """Layer indices where each stage starts (and the end): contiguous stages whose largest parameter count (the
-    first stage also holds `first_extra`, the last `last_extra`) is as small as possible."""
-    n = len(layer_sizes)
-    prefix = [0]
-    for size in layer_sizes:
-        prefix.append(prefix[-1] + size)
-
-    def cost(stage: int, a: int, b: int) -> int:
-        return prefix[b] - prefix[a] + (first_extra if stage == 0 else 0) + (last_extra if stage == stages - 1 else 0)
-
-    # best[s][i]: (the smallest largest stage, cuts) for layers [0, i) in s stages
-    best: dict[tuple[int, int], tuple[int, list[int]]] = {(0, 0): (0, [0])}
-    for s in range(1, stages + 1):
-        for i in range(s, n - (stages - s) + 1):
-            options = [(max(best[(s - 1, j)][0], cost(s - 1, j, i)), best[(s - 1, j)][1] + [i])
-                       for j in range(s - 1, i) if (s - 1, j) in best]
-            best[(s, i)] = min(options)
-    return best[(stages, n)][1]
-
-
-def _full_names(model: torch.nn.Module, stages: torch.nn.Module) -> dict[str, list[str]]:
-    """Each name in the stages' state dict -> every name the same tensor has in the whole model."""
-    names: dict[int, list[str]] = {}
-    for name, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
-        names.setdefault(id(tensor), []).append(name)
-    return {name: names[id(tensor)] for name, tensor in
-            [*stages.named_parameters(remove_duplicate=False), *stages.named_buffers(remove_duplicate=False)]}
-
-
-def _release_others(model: torch.nn.Module, mine: torch.nn.Module) -> None:
-    """Drop the storage of every weight no stage of this process holds (the model keeps its structure)."""
-    kept = {id(t) for t in [*mine.parameters(), *mine.buffers()]}
-    for tensor in [*model.parameters(), *model.buffers()]:
-        if id(tensor) not in kept:
-            tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)

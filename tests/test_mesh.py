@@ -1,0 +1,117 @@
+"""The one device mesh and its application, in process (milliseconds, no launch): the sizes every shipped config
+and flag product gets (trainkit/strategies/dims.py), what they refuse naming the fields, the fixed order in which
+trainkit/strategies/parallelize.py applies them, and the one training step's order (trainkit/step.py). The launched
+runs that show the same at parity are in tests/test_pipeline.py, tests/test_tensor_parallel.py and
+tests/test_strategies.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from conftest import LAUNCHES, strategy_of
+from trainkit.launch import shipped_configs
+from trainkit.strategies.dims import ParallelDims
+
+# (pp, dp_replicate, dp_shard, tp) of every shipped torch config and flag product (conftest's FLAG_STRATEGIES), its
+# data-parallel size and the strategy's name and label.
+EXPECTED = {
+    "ddp": ((1, 2, 1, 1), 2, "ddp", "ddp"),
+    "fsdp": ((1, 1, 2, 1), 2, "fsdp", "fsdp"),
+    "fsdp_offload": ((1, 1, 2, 1), 2, "fsdp", "fsdp_offload"),
+    "tp": ((1, 1, 1, 2), 1, "tp", "tp"),
+    "fsdp_tp": ((1, 1, 2, 2), 2, "tp", "fsdp_tp"),
+    "hsdp": ((1, 2, 2, 1), 4, "hsdp", "hsdp"),
+    "hsdp_tp": ((1, 2, 2, 2), 4, "tp", "hsdp_tp"),
+    "pipeline": ((2, 1, 1, 1), 1, "pipeline", "pipeline_1f1b"),
+    "pipeline_fsdp": ((2, 1, 2, 1), 2, "pipeline", "pipeline_1f1b_fsdp"),
+    "pipeline_tp": ((2, 1, 1, 2), 1, "pipeline", "pipeline_1f1b_tp"),
+    "pipeline_fsdp_tp": ((2, 1, 2, 2), 2, "pipeline", "pipeline_1f1b_fsdp_tp"),
+}
+
+
+@pytest.mark.parametrize("name", EXPECTED)
+def test_every_config_is_a_point_of_the_one_mesh(name):
+    dims, data_parallel, strategy_name, label = EXPECTED[name]
+    strategy = strategy_of(name)
+    mesh = strategy.dims if hasattr(strategy, "dims") else ParallelDims.of(LAUNCHES[name])
+    assert dataclasses.astuple(mesh) == dims and mesh.world == LAUNCHES[name].world_size
+    assert (strategy.data_parallel_size, strategy.name, strategy.label) == (data_parallel, strategy_name, label)
+    assert not mesh.problems(LAUNCHES[name])
+
+
+def test_the_sizes_grow_where_machines_would_add_processes():
+    """--estimate --num_processes N: the outermost data-parallel dimension in use takes what the others leave."""
+    assert ParallelDims(dp_replicate=2).resized(8) == ParallelDims(dp_replicate=8)
+    assert ParallelDims(dp_shard=2, tp=2).resized(16) == ParallelDims(dp_shard=8, tp=2)
+    assert ParallelDims(dp_replicate=2, dp_shard=2, tp=2).resized(16) == ParallelDims(dp_replicate=4, dp_shard=2, tp=2)
+    assert ParallelDims(tp=2).resized(4) == ParallelDims(tp=4)
+    assert ParallelDims(pp=2, dp_shard=2).resized(8) == ParallelDims(pp=2, dp_shard=4)
+
+
+def test_sizes_that_miss_the_process_count_are_refused_naming_the_fields():
+    tp = shipped_configs()["tp"]
+    four = dataclasses.replace(tp, world_size=4)
+    [problem] = ParallelDims.of(four).problems(four)
+    assert problem.where == f"parallelism_config in {tp.source}"
+    assert "multiply to 2 (dp_replicate 1 x dp_shard 1 x tp 2) but 4 process(es)" in problem.what
+    [problem] = ParallelDims.of(tp, pipeline_stages=2).problems(tp)  # 2 stages x tp 2 on 2 processes
+    assert "multiply to 4 (pp 2 x dp_replicate 1 x dp_shard 1 x tp 2) but 2" in problem.what
+    assert problem.fix.startswith("make --pipeline_stages x parallelism_config_dp_replicate_size")
+    ddp = shipped_configs()["ddp"]
+    [problem] = ParallelDims.of(ddp, pipeline_stages=4).problems(ddp)
+    assert problem.where == "--pipeline_stages 4" and "--num_processes 4" in problem.fix
+
+
+def test_parallelize_applies_tp_then_checkpointing_then_compile_then_fsdp(monkeypatch):
+    """The fixed order (torchtitan's parallelize_llama): each step is called once, in this order, on the model or
+    stage it is given, with the blocks the model declares."""
+    import torch.distributed.tensor.parallel as tensor_parallel
+
+    from trainkit.recipes import load_recipe
+    from trainkit.strategies import parallelize as apply
+    from trainkit.strategies.tp_plan import tp_layers
+
+    calls = []
+    monkeypatch.setattr(tensor_parallel, "parallelize_module", lambda model, mesh, plan: calls.append(("tp", plan)))
+    monkeypatch.setattr(apply, "checkpoint_activations", lambda model, units: calls.append(("ac", units)) or "")
+    monkeypatch.setattr(apply, "compile_forward", lambda model, units: calls.append(("compile", units)) or "")
+    monkeypatch.setattr(apply, "shard", lambda model, units, mesh, settings, precision: calls.append(("fsdp", units)))
+    recipe = load_recipe("tiny_transformer")
+    model = recipe.build_model(recipe.Config(hidden=64, layers=2, seq_len=16))
+    mesh = {"tp": "tp-mesh", "dp_shard": "dp-mesh"}
+    apply.parallelize(model, ParallelDims(tp=2), mesh, apply.FSDPSettings(activation_checkpointing=True),
+                      mixed_precision="no", compile=True, tp_layers=tp_layers(model),
+                      classes=set(model._no_split_modules))
+    assert [kind for kind, _ in calls] == ["tp", "ac", "compile", "fsdp"]
+    assert set(calls[0][1]) == set(tp_layers(model)) and len(calls[0][1]) == 14  # 7 Linear layers x 2 layers
+    layers = list(model.model.layers)
+    assert calls[1][1] == calls[2][1] == calls[3][1] == layers[::-1]  # the decoder layers, innermost first
+
+
+def test_one_training_step_calls_the_engine_in_order(monkeypatch):
+    """trainkit/step.py: gradients held, weights, forward and backward, the clip, one collective, the finite checks
+    (before the optimizer step), the optimizer step, the engine's metrics; DeepSpeed's engine owns its step."""
+    from trainkit.guards import FiniteCheck
+    from trainkit.step import train_step
+    from trainkit.strategies import StepResult
+
+    calls = []
+
+    class Engine:
+        owns_step = False
+
+        def __getattr__(self, name):
+            def call(*args):
+                calls.append(name)
+                return {"loss_weights": [1.0], "forward_backward": ("loss", None), "clip_grad_norm": "norm",
+                        "agree": (2.0, False, float("nan"), []), "step_metrics": {},
+                        "optimizer_step": StepResult(2.0, 1.0, 0.1, False, False)}.get(name)
+            return call
+
+    with pytest.raises(Exception, match="non-finite gradient norm"):
+        train_step(Engine(), 3, [None], None, FiniteCheck(fp16=False), False)
+    assert calls == ["hold_gradients", "loss_weights", "forward_backward", "clip_grad_norm", "agree"]
+    assert strategy_of("deepspeed_zero2").owns_step and not strategy_of("fsdp").owns_step

@@ -1,0 +1,106 @@
+"""The checkpoint format of the torch engines (one process, DDP, the FSDP2 / tensor-parallel mesh, the pipeline):
+torch.distributed.checkpoint, each rank writing its own shards, reshardable across world sizes and these strategies.
+
+What it holds is what trains: the frozen parameters never change, and build_model makes them again in every launch
+(from the seed or the pretrained weights), so they are left out (under LoRA a checkpoint holds the adapters and
+their optimizer states); loading checks that every parameter that trains, and nothing else, came back.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def save(model: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> None:
+    """This rank's part of the model's and optimizer's trained state into `folder`."""
+    import torch.distributed.checkpoint as dcp
+
+    model_state, optim_state = trained_state(model, optimizer)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(folder))
+
+
+def load(model: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> None:
+    """The model's and optimizer's trained state back from `folder`, resharded to this run's layout."""
+    import torch.distributed.checkpoint as dcp
+
+    model_state, optim_state = trained_state(model, optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=str(folder))
+    restore_trained(model, optimizer, state["model"], state["optim"])
+
+
+def load_weights(model: torch.nn.Module, folder: Path) -> None:
+    """The weights of a checkpoint in `folder` into an unprepared model (a warm start under another strategy)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    weights = {"model": get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=True))}
+    dcp.load(weights, checkpoint_id=str(folder))
+    load_trained_weights(model, weights["model"])
+
+
+def save_renamed(model: torch.nn.Module, optimizer: torch.optim.Optimizer, names: dict[str, list[str]],
+                 folder: Path) -> None:
+    """save() of a part of a model (a pipeline's stages) under the whole model's names (`names`: each name in the
+    part's state dict -> every name the tensor has in the whole model), so that any strategy reads it."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(_renamed(*trained_state(model, optimizer), names), checkpoint_id=str(folder))
+
+
+def load_renamed(model: torch.nn.Module, optimizer: torch.optim.Optimizer, names: dict[str, list[str]],
+                 folder: Path) -> None:
+    """load() of what save_renamed wrote, or what any strategy wrote under the whole model's names."""
+    import torch.distributed.checkpoint as dcp
+
+    model_state, optim_state = trained_state(model, optimizer)
+    state = _renamed(model_state, optim_state, names)
+    dcp.load(state, checkpoint_id=str(folder))
+    model_state = {name: state["model"][aliases[0]] for name, aliases in names.items() if name in model_state}
+    optim_state["state"] = {name: state["optim"][names[name][0]] for name in optim_state["state"]}
+    for group in optim_state["param_groups"]:
+        group["lr"] = state["lr"].item()
+    restore_trained(model, optimizer, model_state, optim_state)
+
+
+def _renamed(model_state: dict, optim_state: dict, names: dict[str, list[str]]) -> dict:
+    """The state under the whole model's names: every name of a weight (tied ones under both), the optimizer's
+    per-parameter state under the first, and the learning rate (every group has the schedule's). Stages that share a
+    weight write equal values under equal names, which torch.distributed.checkpoint writes once."""
+    model = {alias: value for name, value in model_state.items() for alias in names[name]}
+    optim = {names[name][0]: value for name, value in optim_state["state"].items()}
+    return {"model": model, "optim": optim, "lr": torch.tensor(optim_state["param_groups"][0]["lr"])}
+
+
+def trained_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """The model's and optimizer's state dicts (torch.distributed.checkpoint's, sharded as the model is) without the
+    frozen parameters."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    return get_state_dict(model, optimizer, options=StateDictOptions(ignore_frozen_params=True))
+
+
+def restore_trained(model: torch.nn.Module, optimizer: torch.optim.Optimizer, model_state: dict,
+                    optim_state: dict) -> None:
+    """Load trained_state's dicts back: every parameter that trains, and nothing else, must be in them."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    keys = set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state,
+                          options=StateDictOptions(ignore_frozen_params=True, strict=False))
+    _check_only_frozen_missing(model, keys)
+
+
+def load_trained_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    """A checkpoint's weights into an unprepared model: every parameter that trains; the frozen ones stay as
+    build_model made them."""
+    _check_only_frozen_missing(model, model.load_state_dict(weights, strict=False))
+
+
+def _check_only_frozen_missing(model: torch.nn.Module, keys) -> None:
+    frozen = {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    missing = [k for k in keys.missing_keys if k not in frozen]
+    if missing or keys.unexpected_keys:
+        raise RuntimeError(f"the checkpoint does not fit the model: missing {missing[:5]}, unexpected "
+                           f"{list(keys.unexpected_keys)[:5]}")
