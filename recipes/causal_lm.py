@@ -108,19 +108,7 @@ class Config(TrainConfig):
         if not 0 < self.eval_fraction < 1:
             problems.append(Problem(f"eval_fraction must be in (0, 1), got {self.eval_fraction}",
                                     "config field eval_fraction", "use --eval_fraction 0.05"))
-        folder = Path(self.model_name_or_path)
-        if self.model_name_or_path and folder.is_dir() and (folder / "config.json").is_file():
-            safetensors, pickled = any(folder.glob("*.safetensors")), any(folder.glob("*.bin"))
-            if not (safetensors or pickled):
-                held = ", ".join(sorted(p.name for p in folder.iterdir())[:8])
-                problems.append(Problem(f"no weights in {folder} (it holds: {held})", "config field "
-                                        "model_name_or_path", "pass the folder that save_pretrained wrote the model "
-                                        "into (model.safetensors beside config.json), such as a run's final/"))
-            elif pickled and not safetensors and not self.allow_pickle:
-                problems.append(Problem(f"{folder} has no .safetensors weights, only pickled ones (.bin)",
-                                        "config field model_name_or_path",
-                                        "pass --allow_pickle true to read pytorch_model.bin if you trust the file, "
-                                        "or convert it to safetensors"))
+        problems += self.weights_problems()
         if self.lora_r < 0 or self.lora_r and (self.lora_alpha <= 0 or not 0 <= self.lora_dropout < 1):
             problems.append(Problem(f"LoRA needs lora_r >= 0, lora_alpha > 0 and 0 <= lora_dropout < 1, got "
                                     f"{self.lora_r}, {self.lora_alpha}, {self.lora_dropout}", "config field lora_r",
@@ -156,6 +144,23 @@ class Config(TrainConfig):
                                     "train it without --pipeline_stages (fsdp.yaml or deepspeed_zero3.yaml shard a "
                                     "model that does not fit)"))
         return problems + text.check_data(self.data, self.text_field if plain else None)
+
+    def weights_problems(self) -> list[Problem]:
+        """A local model folder without weights, or with pickled ones only (unless allowed)."""
+        folder = Path(self.model_name_or_path)
+        if not (self.model_name_or_path and folder.is_dir() and (folder / "config.json").is_file()):
+            return []
+        safetensors, pickled = any(folder.glob("*.safetensors")), any(folder.glob("*.bin"))
+        if not (safetensors or pickled):
+            held = ", ".join(sorted(p.name for p in folder.iterdir())[:8])
+            return [Problem(f"no weights in {folder} (it holds: {held})", "config field model_name_or_path",
+                            "pass the folder that save_pretrained wrote the model into (model.safetensors beside "
+                            "config.json), such as a run's final/")]
+        if pickled and not safetensors and not self.allow_pickle:
+            return [Problem(f"{folder} has no .safetensors weights, only pickled ones (.bin)",
+                            "config field model_name_or_path", "pass --allow_pickle true to read pytorch_model.bin "
+                            "if you trust the file, or convert it to safetensors")]
+        return []
 
     def layout(self) -> str:
         """The data's layout: data_format, or the one its first local record's fields show (text where they cannot

@@ -233,6 +233,29 @@ def parse_command_line(argv: list[str] | None = None) -> tuple[RunOptions, list[
     abbreviation of another (--max_step is a typo, not --max_steps).
     """
     argv = [_underscores(a) for a in (sys.argv[1:] if argv is None else argv)]
+    parser = _parser()
+    args, rest = parser.parse_known_args(argv)
+    overrides = _overrides(parser, args, rest)
+    given = frozenset(name for name in RESUMED_OPTIONS if getattr(args, name) is not None)
+    chosen = {name: DEFAULTS[name] if getattr(args, name) is None else getattr(args, name)
+              for name in RESUMED_OPTIONS}
+    options = RunOptions(recipe=args.recipe, output_dir=args.output_dir or Path("runs") / Path(args.recipe).stem,
+                         overwrite=args.overwrite, dry_run=args.dry_run, accelerate_config=args.accelerate_config,
+                         report_to=trackers(chosen["report_to"]), peak_flops=args.peak_flops,
+                         cache_dir=args.cache_dir, save_every=chosen["save_every"], keep_last=chosen["keep_last"],
+                         resume=args.resume, stop_at=args.stop_at, estimate=args.estimate, device_memory=None,
+                         num_processes=args.num_processes,
+                         precision={"fp32": "no"}.get(args.precision, args.precision), given=given)
+    if args.device_memory:
+        try:
+            options.device_memory = parse_bytes(args.device_memory)
+        except ValueError as e:
+            parser.error(f"--device_memory: {e}")
+    _check_options(parser, options)
+    return options, overrides
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(allow_abbrev=False,
         description="Train a recipe. Strategy and precision come from the launcher: "
                     "accelerate launch --config_file accelerate_configs/<strategy>.yaml train.py --recipe <recipe>",
@@ -266,8 +289,12 @@ def parse_command_line(argv: list[str] | None = None) -> tuple[RunOptions, list[
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="set any recipe field")
     for name in RECIPE_FLAGS:
         parser.add_argument(f"--{name}", help=f"recipe field {name}")
-    args, rest = parser.parse_known_args(argv)
+    return parser
 
+
+def _overrides(parser: argparse.ArgumentParser, args: argparse.Namespace,
+               rest: list[str]) -> list[tuple[str, str, str]]:
+    """The recipe fields set: the shared flags, --set FIELD=VALUE, and any --<field> VALUE (a bare --<field>: true)."""
     overrides = [(name, getattr(args, name), f"--{name}") for name in RECIPE_FLAGS if getattr(args, name) is not None]
     for item in args.set:
         name, sep, value = item.partition("=")
@@ -287,22 +314,10 @@ def parse_command_line(argv: list[str] | None = None) -> tuple[RunOptions, list[
                 value = "true"
         overrides.append((name, value, flag if sep else f"--{name}"))
         i += 1
+    return overrides
 
-    given = frozenset(name for name in RESUMED_OPTIONS if getattr(args, name) is not None)
-    chosen = {name: DEFAULTS[name] if getattr(args, name) is None else getattr(args, name)
-              for name in RESUMED_OPTIONS}
-    options = RunOptions(recipe=args.recipe, output_dir=args.output_dir or Path("runs") / Path(args.recipe).stem,
-                         overwrite=args.overwrite, dry_run=args.dry_run, accelerate_config=args.accelerate_config,
-                         report_to=trackers(chosen["report_to"]), peak_flops=args.peak_flops,
-                         cache_dir=args.cache_dir, save_every=chosen["save_every"], keep_last=chosen["keep_last"],
-                         resume=args.resume, stop_at=args.stop_at, estimate=args.estimate, device_memory=None,
-                         num_processes=args.num_processes,
-                         precision={"fp32": "no"}.get(args.precision, args.precision), given=given)
-    if args.device_memory:
-        try:
-            options.device_memory = parse_bytes(args.device_memory)
-        except ValueError as e:
-            parser.error(f"--device_memory: {e}")
+
+def _check_options(parser: argparse.ArgumentParser, options: RunOptions) -> None:
     if (options.device_memory or options.num_processes or options.precision) and not options.estimate:
         parser.error("--device_memory, --num_processes and --precision go with --estimate")
     for flag, value in (("--save_every", options.save_every), ("--keep_last", options.keep_last)):
@@ -313,7 +328,6 @@ def parse_command_line(argv: list[str] | None = None) -> tuple[RunOptions, list[
                      f"accelerate launch --config_file {options.accelerate_config} train.py ...")
     if options.stop_at is not None and options.stop_at < 1:
         parser.error(f"--stop_at must be >= 1, got {options.stop_at}")
-    return options, overrides
 
 
 def trackers(report_to: str) -> list[str]:

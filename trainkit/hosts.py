@@ -55,27 +55,7 @@ def check_hosts(launch: Launch, timeout_s: float = 5.0) -> list[Problem]:
         return [Problem(f"cannot read the hostfile {path}: {e.strerror}", where,
                         "create it (see ./hostfile) or point deepspeed_hostfile at it; relative paths start from "
                         "the directory you launch from")]
-    with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's logger writes to stdout; --dry_run's stdout is JSON
-        from deepspeed.launcher.runner import _parse_hostfile, parse_inclusion_exclusion
-    # DeepSpeed's parser stops at the first bad line; fed one line at a time it names every one.
-    problems: list[Problem] = []
-    slots: dict[str, int] = {}
-    for number, line in enumerate(lines, 1):
-        if not line.strip() or line.strip().startswith("#"):
-            continue
-        try:
-            with _deepspeed_logger_off():  # it logs each bad line as an error; the problem below says more
-                [(host, count)] = _parse_hostfile([line]).items()
-        except ValueError:
-            problems.append(Problem(f"line {number} of {path} is not `HOSTNAME slots=N`: {line.strip()!r}", where,
-                                    "write one `HOSTNAME slots=N` per machine"))
-            continue
-        if host in slots:
-            problems.append(Problem(f"host {host} is listed twice in {path}, again on line {number}", where,
-                                    "list each host once, with all its slots"))
-        slots.setdefault(host, count)
-    if not slots and not problems:
-        problems.append(Problem(f"{path} lists no hosts", where, "add one `HOSTNAME slots=N` line per machine"))
+    slots, problems = _read_slots(lines, path, where)
     if problems:
         return problems
     if include and exclude:
@@ -85,6 +65,8 @@ def check_hosts(launch: Launch, timeout_s: float = 5.0) -> list[Problem]:
     problems = _filter_problems(slots, spec, kind, path, launch)
     if problems:
         return problems
+    with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's logger writes to stdout; --dry_run's stdout is JSON
+        from deepspeed.launcher.runner import parse_inclusion_exclusion
     used = parse_inclusion_exclusion(slots, include, exclude)  # without a filter: every slot of every host
     if spec:
         total = sum(len(s) for s in used.values())
@@ -110,6 +92,32 @@ def _deepspeed_logger_off() -> Iterator[None]:
     finally:
         logger.disabled = was
 
+
+
+def _read_slots(lines: list[str], path: Path, where: str) -> tuple[dict[str, int], list[Problem]]:
+    """The hostfile's slots per host, read with DeepSpeed's own parser, and a problem for each bad or repeated line
+    (its parser stops at the first bad line; fed one line at a time it names every one)."""
+    with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's logger writes to stdout; --dry_run's stdout is JSON
+        from deepspeed.launcher.runner import _parse_hostfile
+    problems: list[Problem] = []
+    slots: dict[str, int] = {}
+    for number, line in enumerate(lines, 1):
+        if not line.strip() or line.strip().startswith("#"):
+            continue
+        try:
+            with _deepspeed_logger_off():  # it logs each bad line as an error; the problem below says more
+                [(host, count)] = _parse_hostfile([line]).items()
+        except ValueError:
+            problems.append(Problem(f"line {number} of {path} is not `HOSTNAME slots=N`: {line.strip()!r}", where,
+                                    "write one `HOSTNAME slots=N` per machine"))
+            continue
+        if host in slots:
+            problems.append(Problem(f"host {host} is listed twice in {path}, again on line {number}", where,
+                                    "list each host once, with all its slots"))
+        slots.setdefault(host, count)
+    if not slots and not problems:
+        problems.append(Problem(f"{path} lists no hosts", where, "add one `HOSTNAME slots=N` line per machine"))
+    return slots, problems
 
 def _filter_problems(slots: dict[str, int], spec: str, kind: str, path: Path, launch: Launch) -> list[Problem]:
     """Every host or slot that the filter names and the hostfile lacks (DeepSpeed stops at the first)."""

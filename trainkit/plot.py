@@ -161,22 +161,25 @@ def plot_runs(runs: list[RunCurves], title: str) -> Figure:
     finish(ax, f"memory of rank 0 ({unit}, log scale)")
 
     if len(runs) > 1:
-        ax = panels["difference"]
-        ax.axhline(DIFF_FLOOR, color="grey", linestyle=":", linewidth=1,
-                   label=f"equal losses, drawn at {DIFF_FLOOR:.0e}")
-        for run, style in zip(runs[1:], styles[1:], strict=True):
-            steps, diffs, partial = overlap(run, runs[0])
-            said = [f"max {max(diffs, default=math.nan):.1e}"]
-            if equal := sum(d == 0 for d in diffs):
-                said.append(f"{equal} equal steps drawn at the floor")
-            if partial:
-                said.append(f"only the shared steps {steps[0]}-{steps[-1]}" if steps else "no shared step")
-            ax.plot(steps, [max(d, DIFF_FLOOR) for d in diffs], marker=".", color=style["color"],
-                    label=f"{run.label} ({'; '.join(said)})")
-        ax.set_yscale("log")
-        finish(ax, f"|loss - reference| / |reference|, reference {runs[0].label} (equal losses drawn at "
-                   f"{DIFF_FLOOR:.0e})")
+        draw_differences(panels["difference"], runs, styles)
     return figure
+
+
+def draw_differences(ax, runs: list[RunCurves], styles: list[dict]) -> None:
+    """Each run's relative loss difference from the first, per shared step, on a log scale."""
+    ax.axhline(DIFF_FLOOR, color="grey", linestyle=":", linewidth=1, label=f"equal losses, drawn at {DIFF_FLOOR:.0e}")
+    for run, style in zip(runs[1:], styles[1:], strict=True):
+        steps, diffs, partial = overlap(run, runs[0])
+        said = [f"max {max(diffs, default=math.nan):.1e}"]
+        if equal := sum(d == 0 for d in diffs):
+            said.append(f"{equal} equal steps drawn at the floor")
+        if partial:
+            said.append(f"only the shared steps {steps[0]}-{steps[-1]}" if steps else "no shared step")
+        ax.plot(steps, [max(d, DIFF_FLOOR) for d in diffs], marker=".", color=style["color"],
+                label=f"{run.label} ({'; '.join(said)})")
+    ax.set_yscale("log")
+    finish(ax, f"|loss - reference| / |reference|, reference {runs[0].label} (equal losses drawn at "
+               f"{DIFF_FLOOR:.0e})")
 
 
 def finish(ax: Axes, title: str) -> None:
