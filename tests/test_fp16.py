@@ -1,7 +1,7 @@
 """fp16 with the loss scaler, run on a CPU: torch's CPU autocast and GradScaler("cpu"), which the runner supplies
-where Accelerate supplies none (trainkit/strategies/base.py, use_cpu_fp16). Everything after the scaler is the code
-a GPU run uses: the skipped-step accounting, the finite checks' fp16 rule, the schedule and data order across a
-skipped step, the scaler's state in checkpoints.
+where Accelerate supplies none (trainkit/strategies/accelerator.py, use_cpu_fp16). Everything after the scaler is
+the code a GPU run uses: the skipped-step accounting, the finite checks' fp16 rule, the schedule and data order
+across a skipped step, the scaler's state in checkpoints.
 
 The overflow is forced at a known step: tests/zoo/fp16_overflow.py multiplies the loss of chosen training samples
 by a boost, and the test picks one sample of step OVERFLOW_STEP's global batch (trainkit/data.py's epoch_order). A

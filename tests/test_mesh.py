@@ -94,24 +94,32 @@ def test_parallelize_applies_tp_then_checkpointing_then_compile_then_fsdp(monkey
 def test_one_training_step_calls_the_engine_in_order(monkeypatch):
     """trainkit/step.py: gradients held, weights, forward and backward, the clip, one collective, the finite checks
     (before the optimizer step), the optimizer step, the engine's metrics; DeepSpeed's engine owns its step."""
+    from trainkit import step as one_step
     from trainkit.guards import FiniteCheck
-    from trainkit.step import train_step
-    from trainkit.strategies import StepResult
+    from trainkit.step import StepResult, train_step
 
     calls = []
+    answers = {"loss_weights": [1.0], "forward_backward": ("loss", None), "clip_grad_norm": "norm", "agree":
+               (2.0, False, float("nan"), []), "step_metrics": {}, "optimizer_step": StepResult(2.0, 1.0, 0.1, False,
+                                                                                                False)}
+
+    def recorded(name):
+        return lambda *args: calls.append(name) or answers.get(name)
+
+    for name in ("loss_weights", "agree", "optimizer_step"):
+        monkeypatch.setattr(one_step, name, recorded(name))
 
     class Engine:
         owns_step = False
 
         def __getattr__(self, name):
-            def call(*args):
-                calls.append(name)
-                return {"loss_weights": [1.0], "forward_backward": ("loss", None), "clip_grad_norm": "norm",
-                        "agree": (2.0, False, float("nan"), []), "step_metrics": {},
-                        "optimizer_step": StepResult(2.0, 1.0, 0.1, False, False)}.get(name)
-            return call
+            return recorded(name)
 
     with pytest.raises(Exception, match="non-finite gradient norm"):
         train_step(Engine(), 3, [None], None, FiniteCheck(fp16=False), False)
     assert calls == ["hold_gradients", "loss_weights", "forward_backward", "clip_grad_norm", "agree"]
+    calls.clear()
+    answers["agree"] = (2.0, False, 1.0, [])
+    assert train_step(Engine(), 3, [None], None, FiniteCheck(fp16=False), False).loss == 2.0
+    assert calls[-2:] == ["optimizer_step", "step_metrics"]
     assert strategy_of("deepspeed_zero2").owns_step and not strategy_of("fsdp").owns_step

@@ -7,7 +7,7 @@ import math
 import resource
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,6 +62,25 @@ def process_seconds() -> float:
     """Seconds since this process started (its interpreter, imports included): the time a run takes to its first
     step is the first metrics line's value."""
     return time.time() - psutil.Process().create_time()
+
+
+def model_state_tensors(model: torch.nn.Module, optimizer: Any) -> Iterator[torch.Tensor]:
+    """Every tensor of model state a rank holds: parameters, gradients, optimizer states (state_bytes counts each
+    storage once), through Accelerate's optimizer wrapper to the torch optimizer (or a library's own)."""
+    for p in model.parameters():
+        yield p
+        if p.grad is not None:
+            yield p.grad
+    inner = optimizer
+    while inner is not None:
+        for state in getattr(inner, "state", {}).values():
+            yield from (v for v in (state.values() if isinstance(state, dict) else ()) if torch.is_tensor(v))
+        for group in getattr(inner, "param_groups", []):
+            for p in group["params"]:
+                yield p
+                if p.grad is not None:
+                    yield p.grad
+        inner = getattr(inner, "optimizer", None)
 
 
 def state_bytes(tensors: Iterable[torch.Tensor]) -> int:

@@ -10,11 +10,12 @@ from accelerate import Accelerator
 from trainkit.config import TrainConfig
 from trainkit.errors import ConfigError
 from trainkit.launch import Launch
+from trainkit.strategies import accelerator as built
 from trainkit.strategies import for_launch
 
 accelerator = Accelerator()
 try:
-    for_launch(Launch.from_env(), TrainConfig(), {}).verify(accelerator)
+    built.verify(accelerator, for_launch(Launch.from_env(), TrainConfig(), {}))
 except ConfigError as e:
     print("\n".join(f"error: {line}" for line in e.lines()), file=sys.stderr)
     sys.exit(2)

@@ -18,7 +18,8 @@ from trainkit.config import TrainConfig
 from trainkit.errors import ConfigError, Problem
 from trainkit.launch import Launch, shipped_configs
 from trainkit.recipes import Recipe
-from trainkit.strategies.base import StepResult, Strategy
+from trainkit.step import StepResult
+from trainkit.strategies.base import Strategy
 from trainkit.strategies.ddp import DDP, Single
 from trainkit.strategies.deepspeed import DeepSpeed
 from trainkit.strategies.mesh import Mesh

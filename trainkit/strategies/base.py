@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, ClassVar
@@ -23,28 +22,18 @@ from typing import Any, ClassVar
 import torch
 
 from trainkit.config import TrainConfig
-from trainkit.errors import ConfigError, Problem
+from trainkit.errors import Problem
 from trainkit.estimate import Estimate, ModelShape
 from trainkit.guards import FiniteCheck
 from trainkit.launch import Launch
+from trainkit.metrics import model_state_tensors
 from trainkit.recipes import Recipe
-from trainkit.strategies import dcp_format
+from trainkit.step import StepResult
+from trainkit.strategies import accelerator, dcp_format
 from trainkit.strategies.parallelize import compile_forward
 
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
 MetricsFn = Callable[[torch.nn.Module, Any], dict[str, torch.Tensor]]
-
-
-@dataclass(frozen=True, slots=True)
-class StepResult:
-    """What one optimizer step reports to the loop."""
-
-    loss: float  # mean over the whole global batch: every rank and micro-batch
-    grad_norm: float | None  # total norm before clipping; None when the strategy computes none
-    lr: float  # the rate this step used
-    skipped: bool  # fp16's loss scaler skipped the step
-    stop: bool  # some rank was asked to stop (a signal): every rank stops after this step
-    extra: dict[str, Any] = field(default_factory=dict)  # the strategy's own metrics (a pipeline's idle time)
 
 
 class Strategy:
@@ -98,7 +87,7 @@ class Strategy:
     @property
     def cpu_fp16(self) -> bool:
         """fp16 on a machine without GPUs: torch's CPU autocast and loss scaler, which the runner supplies
-        (use_cpu_fp16); a way to run the loss-scaler logic in CI, not a way to train faster."""
+        (strategies/accelerator.py); a way to run the loss-scaler logic in CI, not a way to train faster."""
         return self.launch.mixed_precision == "fp16" and not torch.cuda.is_available()
 
     def cpu_fp16_refusal(self) -> str | None:
@@ -165,57 +154,11 @@ class Strategy:
         return "MULTI_GPU" if torch.cuda.is_available() else "MULTI_CPU"
 
     def build_accelerator(self, output_dir: Path, report_to: list[str]):
-        """An Accelerator that does what the launch asked for on this machine, verified before it is returned."""
-        from accelerate import Accelerator
-        from accelerate.utils import GradScalerKwargs, InitProcessGroupKwargs
-
-        init = self.process_group_kwargs()
-        scaler = [GradScalerKwargs(init_scale=self.cfg.loss_scale)] if self.launch.mixed_precision == "fp16" else []
-        accelerator = Accelerator(
-            gradient_accumulation_steps=self.cfg.grad_accum,
-            # The schedule is defined in optimizer steps; a prepared scheduler otherwise steps once per process.
-            step_scheduler_with_optimizer=False,
-            log_with=report_to or None,
-            project_dir=str(output_dir),
-            kwargs_handlers=([InitProcessGroupKwargs(**init)] if init else []) + self.wrapper_kwargs() + scaler,
-            **self.accelerator_kwargs(),
-        )
-        self.verify(accelerator)
-        if self.cpu_fp16:
-            self.use_cpu_fp16(accelerator)
-        self.accelerator = accelerator
-        return accelerator
-
-    def use_cpu_fp16(self, accelerator) -> None:
-        """Give a CPU run what Accelerate gives a GPU run under fp16 and skips on a CPU (accelerator.py: fp16 "and
-        self.device.type != 'cpu'"): native autocast, which prepare() then wraps the model's forward in
-        (torch.autocast("cpu", dtype=float16)), and a loss scaler, which backward, clip_grad_norm_, the prepared
-        optimizer's step and the checkpoint then use exactly as on a GPU. FSDP2 takes the same plain GradScaler
-        there (Accelerate's get_fsdp2_grad_scaler): its DTensor gradients agree on an overflow across the mesh."""
-        accelerator.native_amp = True
-        accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=self.cfg.loss_scale)
-        self.notes.append("fp16 on a CPU: torch's CPU autocast and GradScaler('cpu'), which Accelerate gives only "
-                          "GPUs; it runs the loss scaler's logic (skipped steps, the scale, its checkpoint), slower "
-                          "than fp32 here: for tests, not for speed")
-
-    def verify(self, accelerator) -> None:
-        """Refuse to train unless Accelerate does what the launch asked (N unsynchronised copies: the worst failure)."""
-        expected, actual = self.expected_distributed_type(), accelerator.distributed_type.value
-        problems = []
-        if actual != expected:
-            problems.append(Problem(f"Accelerate runs as {actual}, but the launch asked for {self.name} "
-                                    f"({expected} on this machine)", self.launch.source,
-                                    "build the Accelerator with the strategy's build_accelerator"))
-        if accelerator.num_processes != self.launch.world_size:
-            problems.append(Problem(f"Accelerate sees {accelerator.num_processes} process(es) but the launcher started "
-                                    f"{self.launch.world_size}: each would train alone on all the data",
-                                    self.launch.source, "build the Accelerator with the strategy's build_accelerator"))
-        if accelerator.mixed_precision != self.launch.mixed_precision:
-            problems.append(Problem(f"Accelerate uses precision {accelerator.mixed_precision}, the launch asked for "
-                                    f"{self.launch.mixed_precision}", self.launch.source,
-                                    "check mixed_precision in the YAML"))
-        if problems:
-            raise ConfigError(problems)
+        """An Accelerator that does what the launch asked for on this machine, verified before it is returned
+        (strategies/accelerator.py)."""
+        self.accelerator, notes = accelerator.build(self, output_dir, report_to)
+        self.notes += notes
+        return self.accelerator
 
     def prepare(self, model: torch.nn.Module,
                 build_optimizer: Callable[..., torch.optim.Optimizer],
@@ -285,20 +228,6 @@ class Strategy:
         """The recipe's loss_weight, or None: its micro-batches weigh alike."""
         return self.recipe.loss_weight if self.recipe is not None else None
 
-    def loss_weights(self, micro_batches: list) -> list[float]:
-        """The factor on each micro-batch's mean loss, 1 each unless the recipe weighs them (its loss_weight: the
-        learned tokens a mean is over). Then micro-batch m's factor is w_m x A x D / N, with A micro-batches per
-        rank, D data-parallel ranks and N the units of the whole global batch (one all-reduce, before the first
-        forward): Accelerate's backward divides by A and the gradient reduction averages over D, so the step's
-        gradient and loss are the sum over every unit divided by N, whatever the split."""
-        weigh = self.loss_weigher
-        if weigh is None:
-            return [1.0] * len(micro_batches)
-        local = [float(weigh(self.cfg, batch)) for batch in micro_batches]
-        total = self.accelerator.reduce(torch.tensor([sum(local)], device=self.accelerator.device), "sum").item()
-        total *= self.data_parallel_size / self.accelerator.num_processes  # ranks that share a batch count it once
-        return [w * len(micro_batches) * self.data_parallel_size / total if total else 0.0 for w in local]
-
     def hold_gradients(self) -> None:
         """Give every trainable parameter a gradient before its first step (zeros; kept between steps).
 
@@ -319,33 +248,10 @@ class Strategy:
         """Clip to max_grad_norm (0: no clipping) and return the total norm before clipping, on the device."""
         return self.accelerator.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm or float("inf"))
 
-    def agree(self, loss: torch.Tensor, stop_requested: bool, grad_norm: torch.Tensor | None = None,
-              extra: torch.Tensor | None = None) -> tuple[float, bool, float | None, list[float]]:
-        """The mean loss over the ranks that hold one, whether any rank asked to stop, and the sum over all ranks of
-        a strategy's own numbers (`extra`): one collective, then one transfer to the host that also brings the
-        gradient norm."""
-        parts = [loss.reshape(1), torch.tensor([float(stop_requested)], device=loss.device)]
-        summed = self.accelerator.reduce(torch.cat(parts if extra is None else [*parts, extra]), "sum")
-        values = torch.cat([summed, grad_norm.detach().reshape(1).float()]) if grad_norm is not None else summed
-        numbers = values.tolist()
-        end = len(summed)
-        return (numbers[0] / self.loss_holders, numbers[1] > 0, numbers[end] if grad_norm is not None else None,
-                numbers[2:end])
-
     @property
     def loss_holders(self) -> int:
         """How many ranks compute a loss each step (all of them, unless the strategy splits the model in depth)."""
         return self.accelerator.num_processes
-
-    def optimizer_step(self, loss: float, grad_norm: float | None, stop: bool) -> StepResult:
-        lr = self.scheduler.get_last_lr()[0]
-        scaler = self.accelerator.scaler
-        scale = scaler.get_scale() if scaler is not None else None
-        self.optimizer.step()
-        skipped = scaler.get_scale() < scale if scaler is not None else self.step_was_skipped()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=False)  # keep gradient buffers: state_bytes counts them as held
-        return StepResult(loss, grad_norm, lr, skipped, stop)
 
     def step_was_skipped(self) -> bool:
         """Whether the step just taken was skipped, where no torch loss scaler ran (a library's own scaler, as
@@ -408,22 +314,8 @@ class Strategy:
     # --- what it holds --------------------------------------------------------------------------------------------
 
     def state_tensors(self) -> Iterator[torch.Tensor]:
-        """Every tensor of model state this rank holds: parameters, gradients, optimizer states (metrics counts each
-        storage once)."""
-        for p in self.model.parameters():
-            yield p
-            if p.grad is not None:
-                yield p.grad
-        inner = self.optimizer
-        while inner is not None:  # Accelerate's wrapper -> the torch optimizer (or a library's own)
-            for state in getattr(inner, "state", {}).values():
-                yield from (v for v in (state.values() if isinstance(state, dict) else ()) if torch.is_tensor(v))
-            for group in getattr(inner, "param_groups", []):
-                for p in group["params"]:
-                    yield p
-                    if p.grad is not None:
-                        yield p.grad
-            inner = getattr(inner, "optimizer", None)
+        """Every tensor of model state this rank holds (metrics.py's model_state_tensors)."""
+        return model_state_tensors(self.model, self.optimizer)
 
     @property
     def unwrapped_model(self) -> torch.nn.Module:

@@ -33,7 +33,8 @@ from trainkit.estimate import OPTIMIZER_BYTES, Estimate, ModelShape
 from trainkit.guards import FiniteCheck
 from trainkit.launch import Launch
 from trainkit.recipes import Recipe
-from trainkit.strategies.base import LossFn, StepResult, Strategy
+from trainkit.step import StepResult, agree, loss_weights, optimizer_step
+from trainkit.strategies.base import LossFn, Strategy
 from trainkit.strategies.dcp_format import load_trained_weights
 from trainkit.strategies.deepspeed_config import fill_bucket_sizes, persistence_threshold, resolve
 
@@ -196,20 +197,20 @@ class DeepSpeed(Strategy):
         parameters again in each micro-batch's forward and backward."""
         accelerator, model = self.accelerator, self.model
         loss_sum = torch.zeros(1, device=accelerator.device)
-        weights = self.loss_weights(micro_batches)
+        weights = loss_weights(self, micro_batches)
         for i, batch in enumerate(micro_batches):
             with accelerator.accumulate(model):
                 loss = loss_fn(model, self.cast_batch(batch)) * weights[i]
                 loss_sum += loss.detach().float()
                 if i == len(micro_batches) - 1:
-                    loss_value, stop, _, _ = self.agree(loss_sum / len(micro_batches), stop_requested)
+                    loss_value, stop, _, _ = agree(self, loss_sum / len(micro_batches), stop_requested)
                     finite.loss(step, loss_value)
                 accelerator.backward(loss)
         # None when the JSON turns the norm's computation off (compute_grad_norm: false, allowed without clipping).
         norm = self.engine.get_global_grad_norm()
         grad_norm = float(norm) if norm is not None else None
         finite.grad_norm(step, grad_norm, step_taken=True)
-        return self.optimizer_step(loss_value, grad_norm, stop)
+        return optimizer_step(self, loss_value, grad_norm, stop)
 
     def step_was_skipped(self) -> bool:
         return bool(getattr(self.engine.optimizer, "overflow", False))

@@ -48,7 +48,15 @@ from trainkit.strategies.base import LossFn, MetricsFn, Strategy
 from trainkit.strategies.dims import DIMS, ParallelDims, data_parallel_rank, parallelism_problems
 from trainkit.strategies.mesh import held_numel, without_accelerate_fsdp
 from trainkit.strategies.parallelize import FSDPSettings, block_classes, clip_to, grad_norm, parallelize
-from trainkit.strategies.stages import Weighed, cut_points, full_names, pipeline_io, release_others, timed_stage
+from trainkit.strategies.stages import (
+    Weighed,
+    cut_points,
+    full_names,
+    pipeline_io,
+    release_others,
+    shared_groups,
+    timed_stage,
+)
 from trainkit.strategies.tp_plan import plan_problems, tp_layers
 
 # Stages per process under each schedule (interleaved: stage i lives on process i mod p).
@@ -201,7 +209,7 @@ class Pipeline(Strategy):
                           f"{self.dims.world // self.stages} ({self.label}), layers cut at {cuts}, "
                           f"{self.cfg.pipeline_schedule} with {self.cfg.grad_accum} micro-batch(es) per step; this "
                           f"process runs stage(s) {', '.join(map(str, mine))}")
-        shared = self._shared_groups(every)  # by name: sharding replaces the parameters
+        shared = shared_groups(every, self.model, self.mesh.mesh.reshape(self.stages, -1), self.pp_rank)
         self._names = full_names(model, self.model)
         self.full_model = model
         release_others(model, self.model)  # this process holds only its stages' weights from here on
@@ -236,28 +244,6 @@ class Pipeline(Strategy):
             self.notes += parallelize(stage, self.dims, self.mesh, self.settings,
                                       mixed_precision=self.launch.mixed_precision, compile=self.cfg.compile,
                                       tp_layers=cut, classes=classes)
-
-    def _shared_groups(self, every: list[torch.nn.Module]) -> list[tuple[str, Any, bool]]:
-        """Parameters that stages on several processes hold (tied embeddings), by their name in this process's
-        stages, with the process group of those processes at this rank's place in the rest of the mesh and whether
-        this process is the first of them (the one whose copy the gradient norm counts). Every process creates every
-        group, in one order (torch requires it)."""
-        holders: dict[int, set[int]] = {}
-        for i, stage in enumerate(every):
-            for p in stage.parameters():
-                holders.setdefault(id(p), set()).add(i % self.stages)
-        ranks = self.mesh.mesh.reshape(self.stages, -1)  # [pp, the rest of the mesh]
-        place = (ranks[self.pp_rank] == dist.get_rank()).nonzero().item()
-        mine = {id(p): name for name, p in self.model.named_parameters(remove_duplicate=False)}
-        shared = []
-        for key, processes in holders.items():
-            if len(processes) < 2:
-                continue
-            for column in range(ranks.shape[1]):
-                group = dist.new_group(sorted(ranks[r, column].item() for r in processes))
-                if column == place and key in mine:
-                    shared.append((mine[key], group, min(processes) == self.pp_rank))
-        return shared
 
     @property
     def unwrapped_model(self) -> torch.nn.Module:

@@ -94,6 +94,33 @@ def cut_points(recipe: Any, model: torch.nn.Module, stages: int, split: str) -> 
     return balanced_cuts([sum(p.numel() for p in layer.parameters()) for layer in layers], stages, first, last)
 
 
+def shared_groups(every: list[torch.nn.Module], mine: torch.nn.Module, ranks: torch.Tensor,
+                  pp_rank: int) -> list[tuple[str, Any, bool]]:
+    """Parameters that stages on several processes hold (tied embeddings), by their name in this process's stages
+    (`mine`; by name: sharding replaces the parameters), with the process group of those processes at this rank's
+    place in the rest of the mesh (`ranks`: the mesh as [pp, the rest]) and whether this process is the first of
+    them (the one whose copy the gradient norm counts). Every process creates every group, in one order (torch
+    requires it)."""
+    import torch.distributed as dist
+
+    stages = ranks.shape[0]
+    holders: dict[int, set[int]] = {}
+    for i, stage in enumerate(every):
+        for p in stage.parameters():
+            holders.setdefault(id(p), set()).add(i % stages)
+    place = (ranks[pp_rank] == dist.get_rank()).nonzero().item()
+    names = {id(p): name for name, p in mine.named_parameters(remove_duplicate=False)}
+    shared = []
+    for key, processes in holders.items():
+        if len(processes) < 2:
+            continue
+        for column in range(ranks.shape[1]):
+            group = dist.new_group(sorted(ranks[r, column].item() for r in processes))
+            if column == place and key in names:
+                shared.append((names[key], group, min(processes) == pp_rank))
+    return shared
+
+
 def balanced_cuts(layer_sizes: list[int], stages: int, first_extra: int, last_extra: int) -> list[int]:
     """Layer indices where each stage starts (and the end): contiguous stages whose largest parameter count (the
     first stage also holds `first_extra`, the last `last_extra`) is as small as possible."""
