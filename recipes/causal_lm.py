@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainkit import decoder_stages, sft, text
+from trainkit import decoder_stages, lora, sft, text
 from trainkit.ask import TURN_ENDS
 from trainkit.config import TrainConfig
 from trainkit.errors import ConfigError, Problem
@@ -194,9 +194,10 @@ def build_model(cfg: Config) -> nn.Module:
     config = _load("model's config", cfg, AutoConfig.from_pretrained)
     if torch.get_default_device().type == "meta":  # --estimate and --dry_run: the shapes, no weights
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.trust_remote_code)
-        return _with_lora(model, cfg) if cfg.lora_r else model
+        return lora.with_lora(model, cfg) if cfg.lora_r else model
     model = _load("model", cfg, lambda path, **kw: AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, use_safetensors=None if cfg.allow_pickle else True, **_quantised(cfg), **kw))
+        path, dtype=torch.float32, use_safetensors=None if cfg.allow_pickle else True,
+        **lora.quantised(cfg.load_in_4bit), **kw))
     if cfg.load_in_4bit:
         from peft import prepare_model_for_kbit_training
 
@@ -211,44 +212,7 @@ def build_model(cfg: Config) -> nn.Module:
             param.requires_grad_(name in chosen)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return _with_lora(model, cfg) if cfg.lora_r else model
-
-
-def _quantised(cfg: Config) -> dict:
-    """from_pretrained's arguments for QLoRA's 4-bit base (NF4, double quantisation, bf16 compute), on this process's
-    GPU; none otherwise."""
-    if not cfg.load_in_4bit:
-        return {}
-    import os
-
-    from transformers import BitsAndBytesConfig
-
-    return {"quantization_config": BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                                      bnb_4bit_use_double_quant=True,
-                                                      bnb_4bit_compute_dtype=torch.bfloat16),
-            "device_map": {"": int(os.environ.get("LOCAL_RANK", "0"))}}
-
-
-def _lora_config(cfg: Config):
-    from peft import LoraConfig
-
-    targets = cfg.lora_target_modules
-    return LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout, task_type="CAUSAL_LM",
-                      target_modules=targets if targets == "all-linear" else [t.strip() for t in targets.split(",")])
-
-
-def _with_lora(model: nn.Module, cfg: Config) -> nn.Module:
-    """peft's PeftModel around the model: every base parameter frozen, adapters (B zero: the model unchanged at
-    step 0) on the target modules."""
-    from peft import get_peft_model
-
-    try:
-        return get_peft_model(model, _lora_config(cfg))
-    except ValueError as e:  # target modules that the model does not have
-        names = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)})
-        raise ConfigError([Problem(f"peft cannot put LoRA on this model: {' '.join(str(e).split())[:300]}",
-                                   "--lora_target_modules", f"use all-linear, or names of its linear layers: "
-                                   f"{', '.join(names)}")]) from None
+    return lora.with_lora(model, cfg) if cfg.lora_r else model
 
 
 def tokenizer_of(cfg: Config):
@@ -508,25 +472,9 @@ def export(model, state_dict: dict, cfg: Config, cache_dir: Path, out_dir: Path)
         model.save_pretrained(str(out_dir / "adapter"), state_dict=state_dict)  # peft keeps only the adapters' keys
         tokenizer.save_pretrained(str(out_dir / "adapter"))
         # QLoRA's base is 4-bit in training: the adapters merge into the full-precision base it was quantised from
-        model = _merged(model, state_dict) if not cfg.load_in_4bit else _load("model", cfg, lambda path, **kw: (
+        model = lora.merged(model, state_dict) if not cfg.load_in_4bit else _load("model", cfg, lambda path, **kw: (
             PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path, **kw), str(out_dir / "adapter"))
             .merge_and_unload()))
         state_dict = None
     model.save_pretrained(str(out_dir), state_dict=state_dict)
     tokenizer.save_pretrained(str(out_dir))
-
-
-def _merged(model, state_dict: dict) -> nn.Module:
-    """A plain transformers model with the adapters merged in (peft's merge_and_unload), built from the gathered
-    state dict: the trained model may be sharded (ZeRO-3, FSDP2), so a copy is made on the meta device and takes
-    the state dict's tensors as its own (no second copy of the weights)."""
-    from peft import get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        copy = get_peft_model(AutoModelForCausalLM.from_config(model.get_base_model().config),
-                              model.peft_config["default"])
-    copy.load_state_dict(state_dict, strict=True, assign=True)
-    merged = copy.merge_and_unload()
-    merged.tie_weights()  # the tied output head names the embedding again after assign
-    return merged

@@ -1,0 +1,70 @@
+"""LoRA through peft for a transformers causal LM (recipes/causal_lm.py's --lora_r): the adapters on the model's
+linear layers, QLoRA's 4-bit base, and the merged model that final/ holds.
+
+peft's get_peft_model freezes every base parameter and adds the adapters (B zero: the model unchanged at step 0);
+the runner then leaves the frozen base out of checkpoints (strategies/dcp_format.py) and out of the estimate's
+gradients and optimizer states.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from trainkit.errors import ConfigError, Problem
+
+
+def quantised(load_in_4bit: bool) -> dict:
+    """from_pretrained's arguments for QLoRA's 4-bit base (NF4, double quantisation, bf16 compute), on this process's
+    GPU; none otherwise."""
+    if not load_in_4bit:
+        return {}
+    import os
+
+    from transformers import BitsAndBytesConfig
+
+    return {"quantization_config": BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                      bnb_4bit_use_double_quant=True,
+                                                      bnb_4bit_compute_dtype=torch.bfloat16),
+            "device_map": {"": int(os.environ.get("LOCAL_RANK", "0"))}}
+
+
+def lora_config(cfg: Any):
+    """peft's LoraConfig from the recipe's lora_* fields: all-linear, or comma-separated module names."""
+    from peft import LoraConfig
+
+    targets = cfg.lora_target_modules
+    return LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout, task_type="CAUSAL_LM",
+                      target_modules=targets if targets == "all-linear" else [t.strip() for t in targets.split(",")])
+
+
+def with_lora(model: nn.Module, cfg: Any) -> nn.Module:
+    """peft's PeftModel around the model, or a ConfigError naming the model's linear layers when the target modules
+    are not among them."""
+    from peft import get_peft_model
+
+    try:
+        return get_peft_model(model, lora_config(cfg))
+    except ValueError as e:
+        names = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)})
+        raise ConfigError([Problem(f"peft cannot put LoRA on this model: {' '.join(str(e).split())[:300]}",
+                                   "--lora_target_modules", f"use all-linear, or names of its linear layers: "
+                                   f"{', '.join(names)}")]) from None
+
+
+def merged(model: nn.Module, state_dict: dict) -> nn.Module:
+    """A plain transformers model with the adapters merged in (peft's merge_and_unload), built from the gathered
+    state dict: the trained model may be sharded (ZeRO-3, FSDP2), so a copy is made on the meta device and takes
+    the state dict's tensors as its own (no second copy of the weights)."""
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        copy = get_peft_model(AutoModelForCausalLM.from_config(model.get_base_model().config),
+                              model.peft_config["default"])
+    copy.load_state_dict(state_dict, strict=True, assign=True)
+    plain = copy.merge_and_unload()
+    plain.tie_weights()  # the tied output head names the embedding again after assign
+    return plain
