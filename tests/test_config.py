@@ -8,9 +8,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import ROOT, assert_refused, launch, tmpfs
-from trainkit.config import ConfigError, build_config, parse_command_line
+from trainkit.config import ConfigError, TrainConfig, build_config, parse_command_line
 from trainkit.recipes import load_recipe
 
 
@@ -286,3 +287,28 @@ def test_an_output_dir_that_cannot_be_written_is_refused(check_only, tmp_path, m
     monkeypatch.setattr(trainkit.checkpoint.os, "access", lambda path, mode: False)
     assert_refused(check_only(tmp_path / "new" / "run", "--recipe", "mlp"),
                    f"cannot write in {tmp_path} (--output_dir): pass a folder you can write to, or fix its permissions")
+
+
+@pytest.mark.parametrize(("warmup", "total", "floor"), [(20, 300, 0.1), (2, 8, 0.0), (10, 10, 0.5), (0, 1, 0.1)])
+def test_the_schedule_is_transformers_cosine_with_warmup_to_the_bit(warmup, total, floor):
+    """trainkit/optim.py writes the schedule itself (importing transformers.optimization costs every process 2.7 s):
+    every step's learning rate equals get_cosine_with_min_lr_schedule_with_warmup's exactly."""
+    from transformers import get_cosine_with_min_lr_schedule_with_warmup
+
+    from trainkit.optim import build_scheduler
+
+    def rates(make):
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=3e-3)
+        schedule = make(optimizer)
+        found = []
+        for _ in range(total + 2):
+            found.append(schedule.get_last_lr()[0])
+            optimizer.step()
+            schedule.step()
+        return found
+
+    cfg = TrainConfig(warmup_steps=warmup, max_steps=total, min_lr_ratio=floor)
+    ours = rates(lambda optimizer: build_scheduler(cfg, optimizer))
+    theirs = rates(lambda optimizer: get_cosine_with_min_lr_schedule_with_warmup(
+        optimizer, num_warmup_steps=warmup, num_training_steps=total, min_lr_rate=floor))
+    assert ours == theirs and len(set(ours)) > 1

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+import math
+
 import torch
-from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
 from trainkit.config import TrainConfig
 
@@ -26,8 +28,20 @@ def build_optimizer(cfg: TrainConfig, model: torch.nn.Module,
     return adam_class([g for g in groups if g["params"]], lr=cfg.lr, **fused)
 
 
-def build_scheduler(cfg: TrainConfig, optimizer: torch.optim.Optimizer):
-    """Linear warm-up from 0, then cosine down to lr * min_lr_ratio at max_steps."""
-    return get_cosine_with_min_lr_schedule_with_warmup(optimizer, num_warmup_steps=cfg.warmup_steps,
-                                                       num_training_steps=cfg.max_steps,
-                                                       min_lr_rate=cfg.min_lr_ratio)
+def build_scheduler(cfg: TrainConfig, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warm-up from 0, then cosine down to lr * min_lr_ratio at max_steps: transformers'
+    get_cosine_with_min_lr_schedule_with_warmup, the same formula written here because importing
+    transformers.optimization imports peft and the Trainer's utilities, 2.7 s in every process of every launch
+    (python -X importtime); tests/test_config.py holds the two equal at every step."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(
+        cosine_with_warmup, warmup=cfg.warmup_steps, total=cfg.max_steps, floor=cfg.min_lr_ratio))
+
+
+def cosine_with_warmup(step: int, *, warmup: int, total: int, floor: float) -> float:
+    """The factor on the learning rate at `step` (transformers' _get_cosine_schedule_with_warmup_lr_lambda, one
+    half cycle)."""
+    if step < warmup:
+        return float(step) / float(max(1, warmup))
+    progress = float(step - warmup) / float(max(1, total - warmup))
+    factor = 0.5 * (1.0 + math.cos(math.pi * 0.5 * 2.0 * progress))
+    return max(0, factor * (1 - floor) + floor)
