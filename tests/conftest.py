@@ -202,10 +202,11 @@ def chat(tmp_path_factory):
     return folder, data
 
 
-def architecture(name: str, attention: str):
-    """A small untrained model of each architecture the fine-tuning tests use, on the chat fixture's 400-token
-    vocabulary: Qwen2 (untied), Llama with tied embeddings, GPT-NeoX (rotary on a part of each head, parallel
-    residual, one fused query-key-value layer), GPT-2 (tied, its linear layers transformers' Conv1D)."""
+def architecture(name: str, attention: str = "sdpa", layers: int = 2):
+    """A small untrained model of each architecture the fine-tuning and pipeline tests use, on the chat fixture's
+    400-token vocabulary: Qwen2 (untied; sliding-window layers from half its depth), Llama with tied embeddings,
+    Mistral (a sliding window of 6 tokens), Qwen3 (sliding layers too), GPT-NeoX (rotary on a part of each head,
+    parallel residual, one fused query-key-value layer), GPT-2 (tied, its linear layers transformers' Conv1D)."""
     from transformers import (
         GPT2Config,
         GPT2LMHeadModel,
@@ -213,18 +214,27 @@ def architecture(name: str, attention: str):
         GPTNeoXForCausalLM,
         LlamaConfig,
         LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
     )
 
-    sizes = {"vocab_size": 400, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+    sizes = {"vocab_size": 400, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": layers,
              "num_attention_heads": 4, "attn_implementation": attention}
+    sliding = {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": layers // 2}
     if name == "qwen2":
-        return Qwen2ForCausalLM(Qwen2Config(**sizes, num_key_value_heads=2))
+        return Qwen2ForCausalLM(Qwen2Config(**sizes, num_key_value_heads=2, **(sliding if layers > 2 else {})))
+    if name == "qwen3":
+        return Qwen3ForCausalLM(Qwen3Config(**sizes, num_key_value_heads=2, head_dim=8, **sliding))
+    if name == "mistral":
+        return MistralForCausalLM(MistralConfig(**sizes, num_key_value_heads=2, sliding_window=6))
     if name == "llama":
         return LlamaForCausalLM(LlamaConfig(**sizes, num_key_value_heads=2, tie_word_embeddings=True))
     if name == "gpt2":
-        return GPT2LMHeadModel(GPT2Config(vocab_size=400, n_embd=32, n_layer=2, n_head=4, n_positions=512,
+        return GPT2LMHeadModel(GPT2Config(vocab_size=400, n_embd=32, n_layer=layers, n_head=4, n_positions=512,
                                           attn_implementation=attention))
     return GPTNeoXForCausalLM(GPTNeoXConfig(**sizes))
 

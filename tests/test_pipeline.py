@@ -197,39 +197,6 @@ def test_stages_are_balanced_by_parameter_count():
 
 # --- any transformers decoder into stages (trainkit/decoder_stages.py) ---------------------------------------------
 
-def _decoder(name: str, layers: int = 4):
-    """A small untrained decoder of each layout decoder_stages knows, with the variants that change its forward: tied
-    embeddings (Llama), sliding-window layers (Mistral's window, Qwen2's and Qwen3's layer_types), GPT-NeoX's partial
-    rotary and parallel residual, GPT-2's Conv1D layers and learned positions."""
-    from transformers import (
-        GPT2Config,
-        GPT2LMHeadModel,
-        GPTNeoXConfig,
-        GPTNeoXForCausalLM,
-        LlamaConfig,
-        LlamaForCausalLM,
-        MistralConfig,
-        MistralForCausalLM,
-        Qwen2Config,
-        Qwen2ForCausalLM,
-        Qwen3Config,
-        Qwen3ForCausalLM,
-    )
-
-    sizes = {"vocab_size": 96, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": layers,
-             "num_attention_heads": 4, "num_key_value_heads": 2}
-    torch.manual_seed(0)
-    sliding = {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": layers // 2}
-    return {"llama": lambda: LlamaForCausalLM(LlamaConfig(**sizes, tie_word_embeddings=True)),
-            "mistral": lambda: MistralForCausalLM(MistralConfig(**sizes, sliding_window=6)),
-            "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**sizes, **sliding)),
-            "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(**sizes, **sliding, head_dim=8)),
-            "gpt_neox": lambda: GPTNeoXForCausalLM(GPTNeoXConfig(**{k: v for k, v in sizes.items()
-                                                                    if k != "num_key_value_heads"})),
-            "gpt2": lambda: GPT2LMHeadModel(GPT2Config(vocab_size=96, n_embd=32, n_layer=layers, n_head=4)),
-            }[name]()
-
-
 @pytest.mark.parametrize("stages", [2, 4])
 @pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "qwen3", "gpt_neox", "gpt2"])
 def test_a_transformers_decoder_cut_into_stages_computes_the_whole_model(name, stages):
@@ -238,11 +205,12 @@ def test_a_transformers_decoder_cut_into_stages_computes_the_whole_model(name, s
     name and tied embeddings stay one parameter held by the first and last stage."""
     from trainkit import decoder_stages
 
-    model = _decoder(name).eval()
+    torch.manual_seed(0)
+    model = architecture(name, layers=4).eval()
     n = len(decoder_stages.layers(model))
     cuts = balanced_cuts([1] * n, stages, 0, 0)
     parts = [decoder_stages.stage(model, range(cuts[i], cuts[i + 1]), i == 0, i == stages - 1) for i in range(stages)]
-    ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, 400, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         hidden = ids
         for part in parts:
@@ -297,10 +265,7 @@ def test_the_causal_lm_recipe_pipelines_other_architectures_like_one_process(cha
 
     name, layers, data, yaml, count, flags = FINE_TUNES[case]
     folder = tmp_path / name
-    sizes = {**architecture(name, "sdpa").config.to_dict(), "num_hidden_layers": layers}
-    sizes.pop("layer_types", None)  # made again for the new depth
-    config = type(architecture(name, "sdpa").config).from_dict(sizes)
-    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    architecture(name, layers=layers).save_pretrained(folder)
     PreTrainedTokenizerFast.from_pretrained(chat[0]).save_pretrained(folder)
     common = ["--recipe", "causal_lm", "--model_name_or_path", str(folder), "--tokenizer", "saved", "--max_steps",
               "6", "--eval_every", "3", "--seq_len", "64", "--warmup_steps", "2", "--save_every", "0",
