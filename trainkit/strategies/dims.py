@@ -55,12 +55,11 @@ class ParallelDims:
         """The ranks that compute different samples: the global batch is batch_size x grad_accum x this."""
         return self.dp_replicate * self.dp_shard
 
-    @property
-    def fsdp_label(self) -> str:
+    def fsdp_label(self, offload: bool = False) -> str:
         """An FSDP launch's name for these sizes: fsdp, hsdp, tp, fsdp_tp or hsdp_tp (fsdp.yaml on one process:
-        still fsdp)."""
+        still fsdp), with _offload when the shards live in CPU memory."""
         data = "hsdp" if self.dp_replicate > 1 else "fsdp" if self.dp_shard > 1 or self.tp == 1 else ""
-        return "_".join(part for part in (data, "tp" if self.tp > 1 else "") if part)
+        return "_".join(part for part in (data, "tp" if self.tp > 1 else "") if part) + ("_offload" if offload else "")
 
     def resized(self, world_size: int) -> ParallelDims:
         """These sizes for another number of processes (--estimate --num_processes N): the outermost data-parallel

@@ -76,7 +76,7 @@ class Mesh(Strategy):
     @property
     def label(self) -> str:
         """fsdp, hsdp, tp, fsdp_tp or hsdp_tp, and _offload."""
-        return self.dims.fsdp_label + ("_offload" if self.offload else "")
+        return self.dims.fsdp_label(self.offload)
 
     def resolved_fields(self) -> dict[str, Any]:
         return {**super().resolved_fields(), **dict(zip(DIMS[1:], astuple(self.dims)[1:], strict=True))}

@@ -216,7 +216,7 @@ def grad_norm(params: Iterable[torch.Tensor]) -> torch.Tensor:
         if p.grad is not None:
             key = (p.grad.device_mesh, p.grad.placements) if hasattr(p.grad, "device_mesh") else ()
             groups.setdefault(key, []).append(p.grad)
-    norms = [_whole(torch.nn.utils.get_total_norm(group, 2.0)) for group in groups.values()]
+    norms = [whole(torch.nn.utils.get_total_norm(group, 2.0)) for group in groups.values()]
     return torch.linalg.vector_norm(torch.stack(norms), 2.0) if norms else torch.zeros(())
 
 
@@ -225,12 +225,14 @@ def clip_to(params: Iterable[torch.Tensor], max_norm: float, total: torch.Tensor
     factor is the same on every rank, so each scales its local pieces: an elementwise product."""
     if max_norm:
         coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        torch._foreach_mul_([_local(p.grad) for p in params if p.grad is not None], coefficient)
+        torch._foreach_mul_([local(p.grad) for p in params if p.grad is not None], coefficient)
 
 
-def _whole(norm: torch.Tensor) -> torch.Tensor:
-    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor made whole on every rank of its mesh (a collective); a plain tensor as it is."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of a DTensor (its shard or slice); a plain tensor as it is."""
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor

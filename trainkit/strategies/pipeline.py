@@ -47,7 +47,7 @@ from trainkit.strategies import dcp_format
 from trainkit.strategies.base import LossFn, MetricsFn, Strategy
 from trainkit.strategies.dims import DIMS, ParallelDims, data_parallel_rank, parallelism_problems
 from trainkit.strategies.mesh import held_numel, without_accelerate_fsdp
-from trainkit.strategies.parallelize import FSDPSettings, block_classes, clip_to, grad_norm, parallelize
+from trainkit.strategies.parallelize import FSDPSettings, block_classes, clip_to, grad_norm, local, parallelize, whole
 from trainkit.strategies.stages import (
     Weighed,
     cut_points,
@@ -103,7 +103,7 @@ class Pipeline(Strategy):
 
     @property
     def label(self) -> str:
-        mesh = self.dims.fsdp_label + ("_offload" if self.settings.offload else "") if self.sharded else ""
+        mesh = self.dims.fsdp_label(self.settings.offload) if self.sharded else ""
         return "_".join(part for part in ("pipeline", self.cfg.pipeline_schedule, mesh) if part)
 
     def resolved_fields(self) -> dict[str, Any]:
@@ -318,7 +318,7 @@ class Pipeline(Strategy):
         data-parallel launch, the mean over the replicas of this stage (under FSDP2 the schedule has reduced them).
         Each is one collective over a flat buffer."""
         for p, group, _ in self._shared:
-            dist.all_reduce(p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad, group=group)
+            dist.all_reduce(local(p.grad), group=group)
         if self.data_parallel_size > 1 and not self.sharded:
             grads = [p.grad for p in self.model.parameters() if p.grad is not None]
             flat = torch.cat([g.reshape(-1) for g in grads])
@@ -384,7 +384,7 @@ class Pipeline(Strategy):
         """Every stage's weights gathered on the main process, under the whole model's names."""
         local = {}
         for name, value in self.model.state_dict().items():  # sharded or cut: made whole (a collective per tensor)
-            tensor = (value.full_tensor() if hasattr(value, "full_tensor") else value).detach().cpu()
+            tensor = whole(value).detach().cpu()
             local.update({alias: tensor for alias in self._names[name]})
         gathered: list[dict | None] = [None] * self.stages
         sends = self.data_parallel_rank == 0 and self.tp_rank == 0  # one copy of each stage
