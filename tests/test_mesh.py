@@ -123,3 +123,40 @@ def test_one_training_step_calls_the_engine_in_order(monkeypatch):
     assert train_step(Engine(), 3, [None], None, FiniteCheck(fp16=False), False).loss == 2.0
     assert calls[-2:] == ["optimizer_step", "step_metrics"]
     assert strategy_of("deepspeed_zero2").owns_step and not strategy_of("fsdp").owns_step
+
+
+def test_a_new_dimension_is_a_field_and_its_place_in_the_order():
+    """docs/strategies.md#adding-a-strategy, done here for context parallelism: a field and its place in `names`
+    (torchtitan's: between dp_shard and tp) give the sizes from the YAML, the product rule, the data-parallel size
+    and the mesh, with no other change. The shipped runner applies no cp step, so it refuses cp > 1 by its key."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from trainkit.strategies.dims import parallelism_problems
+
+    @dataclasses.dataclass(frozen=True, slots=True)
+    class WithContext(ParallelDims):
+        names = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+        cp: int = 1  # ranks that split each sequence; they see the same samples
+
+    fsdp_tp = shipped_configs()["fsdp_tp"]
+    launch = dataclasses.replace(fsdp_tp, world_size=8, parallelism={"dp_shard": 2, "cp": 2, "tp": 2})
+    dims = WithContext.of(launch)
+    assert dims.sizes() == {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "cp": 2, "tp": 2}
+    assert (dims.world, dims.data_parallel, dims.problems(launch)) == (8, 2, [])
+    [problem] = dims.problems(dataclasses.replace(launch, world_size=4))
+    assert "(dp_replicate 1 x dp_shard 2 x cp 2 x tp 2) but 4" in problem.what
+    assert "parallelism_config_cp_size" in problem.fix
+    assert WithContext.of(launch, pipeline_stages=2).resized(16).sizes() == \
+        {"pp": 2, "dp_replicate": 1, "dp_shard": 2, "cp": 2, "tp": 2}  # the world asked for: 2 x 2 x 2 x 2
+    # The mesh of 8 ranks, built in this one process on torch's fake process group (collectives do nothing)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+    try:
+        mesh = dims.build("cpu")
+        assert mesh.mesh_dim_names == WithContext.names and mesh["cp"].size() == 2
+        assert mesh["tp"].mesh.tolist() == [0, 1] and mesh["cp"].mesh.tolist() == [0, 2]  # tp innermost
+    finally:
+        dist.destroy_process_group()
+    [problem] = parallelism_problems(launch)
+    assert (problem.where, problem.fix) == (f"parallelism_config in {fsdp_tp.source}",
+                                            "set parallelism_config_cp_size: 1")

@@ -18,19 +18,20 @@ world: the data-parallel dimension of the launch type (dp_shard for FSDP, dp_rep
 from __future__ import annotations
 
 import math
-from dataclasses import astuple, dataclass, replace
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar
 
 from trainkit.errors import Problem
 from trainkit.launch import PARALLELISM_KEY, Launch
 
-DIMS = ("pp", "dp_replicate", "dp_shard", "tp")  # outermost first
-
 
 @dataclass(frozen=True, slots=True)
 class ParallelDims:
-    """The sizes of the mesh's dimensions (DIMS)."""
+    """The sizes of the mesh's dimensions, one field each; `names` orders them, outermost first. A new dimension is
+    a field, its place in `names`, and its application step in parallelize.py (docs/strategies.md#adding-a-strategy;
+    tests/test_mesh.py adds context parallelism's this way)."""
 
+    names: ClassVar[tuple[str, ...]] = ("pp", "dp_replicate", "dp_shard", "tp")
     pp: int = 1
     dp_replicate: int = 1
     dp_shard: int = 1
@@ -42,13 +43,17 @@ class ParallelDims:
         problems() says so), else the processes the stages leave, on the launch's data-parallel dimension."""
         pp = max(1, pipeline_stages)
         if launch.parallelism:
-            return cls(pp, *(launch.parallelism_size(name) for name in DIMS[1:]))
+            return cls(pp=pp, **{name: launch.parallelism_size(name) for name in cls.names if name != "pp"})
         rest = max(1, launch.world_size // pp)
         return cls(pp, dp_shard=rest) if launch.distributed_type == "FSDP" else cls(pp, dp_replicate=rest)
 
+    def sizes(self) -> dict[str, int]:
+        """Each dimension's size, outermost first."""
+        return {name: getattr(self, name) for name in self.names}
+
     @property
     def world(self) -> int:
-        return math.prod(astuple(self))
+        return math.prod(self.sizes().values())
 
     @property
     def data_parallel(self) -> int:
@@ -64,20 +69,19 @@ class ParallelDims:
     def resized(self, world_size: int) -> ParallelDims:
         """These sizes for another number of processes (--estimate --num_processes N): the outermost data-parallel
         dimension in use takes what the others leave, as adding machines would grow it."""
-        model = self.pp * self.tp
+        model = self.world // self.data_parallel  # the ranks that split one model (every other dimension)
         if self.dp_replicate > 1 or self.dp_shard == 1 and self.tp == 1:
             return replace(self, dp_replicate=max(1, world_size // (model * self.dp_shard)))
         if self.dp_shard > 1:
             return replace(self, dp_shard=max(1, world_size // model))
-        return replace(self, tp=max(1, world_size // self.pp))
+        return replace(self, tp=max(1, world_size * self.tp // model))
 
     def problems(self, launch: Launch) -> list[Problem]:
         """Sizes that do not multiply to the processes launched (parallelism_config's keys in the fix)."""
         if self.world == launch.world_size:
             return []
-        named = " x ".join(f"{name} {size}" for name, size in zip(DIMS, astuple(self), strict=True)
-                           if name != "pp" or size > 1)
-        keys = " x ".join(PARALLELISM_KEY.format(name) for name in DIMS[1:])
+        named = " x ".join(f"{name} {size}" for name, size in self.sizes().items() if name != "pp" or size > 1)
+        keys = " x ".join(PARALLELISM_KEY.format(name) for name in self.names if name != "pp")
         where = f"parallelism_config in {launch.source}" if launch.parallelism else f"--pipeline_stages {self.pp}"
         stages = "--pipeline_stages x " if self.pp > 1 else ""
         fix = (f"make {stages}{keys} equal num_processes (accelerate launch --num_processes must match it too)"
@@ -90,7 +94,10 @@ class ParallelDims:
         """The DeviceMesh over every process (once the process group exists)."""
         from torch.distributed.device_mesh import init_device_mesh
 
-        return init_device_mesh(device_type, astuple(self), mesh_dim_names=DIMS)
+        return init_device_mesh(device_type, tuple(self.sizes().values()), mesh_dim_names=self.names)
+
+
+DIMS = ParallelDims.names
 
 
 def data_mesh(mesh: Any, dims: ParallelDims) -> Any:

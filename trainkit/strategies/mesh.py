@@ -22,7 +22,6 @@ import contextlib
 import math
 import os
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import astuple
 from typing import Any
 
 import torch
@@ -33,7 +32,7 @@ from trainkit.estimate import OPTIMIZER_BYTES, Estimate, ModelShape
 from trainkit.launch import Launch
 from trainkit.recipes import Recipe
 from trainkit.strategies.base import Strategy
-from trainkit.strategies.dims import DIMS, ParallelDims, data_parallel_rank, parallelism_problems
+from trainkit.strategies.dims import ParallelDims, data_parallel_rank, parallelism_problems
 from trainkit.strategies.parallelize import FSDPSettings, block_classes, clip_to, grad_norm, parallelize
 from trainkit.strategies.tp_plan import plan_problems, split_parameters, tp_layers
 
@@ -79,7 +78,7 @@ class Mesh(Strategy):
         return self.dims.fsdp_label(self.offload)
 
     def resolved_fields(self) -> dict[str, Any]:
-        return {**super().resolved_fields(), **dict(zip(DIMS[1:], astuple(self.dims)[1:], strict=True))}
+        return {**super().resolved_fields(), **{name: size for name, size in self.dims.sizes().items() if name != "pp"}}
 
     @property
     def speed_rank(self) -> int:

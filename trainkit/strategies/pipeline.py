@@ -31,7 +31,6 @@ import math
 import re
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import astuple
 from typing import Any
 
 import torch
@@ -45,7 +44,7 @@ from trainkit.metrics import state_bytes
 from trainkit.recipes import Recipe, no_generations
 from trainkit.strategies import dcp_format
 from trainkit.strategies.base import LossFn, MetricsFn, Strategy
-from trainkit.strategies.dims import DIMS, ParallelDims, data_parallel_rank, parallelism_problems
+from trainkit.strategies.dims import ParallelDims, data_parallel_rank, parallelism_problems
 from trainkit.strategies.mesh import held_numel, without_accelerate_fsdp
 from trainkit.strategies.parallelize import FSDPSettings, block_classes, clip_to, grad_norm, local, parallelize, whole
 from trainkit.strategies.stages import (
@@ -107,7 +106,7 @@ class Pipeline(Strategy):
         return "_".join(part for part in ("pipeline", self.cfg.pipeline_schedule, mesh) if part)
 
     def resolved_fields(self) -> dict[str, Any]:
-        return {**super().resolved_fields(), **dict(zip(DIMS, astuple(self.dims), strict=True))}
+        return {**super().resolved_fields(), **self.dims.sizes()}
 
     def check(self) -> list[Problem]:
         cfg, launch, where = self.cfg, self.launch, "--pipeline_stages"
