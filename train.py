@@ -53,11 +53,11 @@ def main(argv: list[str] | None = None) -> int:
             print(estimate_report(plan))
             return 0
         if plan.options.dry_run:
-            for note in plan.strategy.notes:
+            for note in (*plan.strategy.notes, *plan.notes):
                 print(f"note: {note}", file=sys.stderr)
             if shown := plan.recipe.preview(plan.cfg, plan.options.cache_dir):  # the data as the model reads it
                 print(f"note: {shown}", file=sys.stderr)
-            print(json.dumps(plan.resolved, indent=2))
+            print(json.dumps(dict(plan.resolved), indent=2))
             return 0
         run = build(plan)
         return finish(plan, run, loop(plan, run))
@@ -93,6 +93,7 @@ class Run:
     """What build() made; the strategy holds the prepared model, optimizer and schedule."""
 
     strategy: Strategy
+    resolved: dict[str, Any]  # resolved_config.json: the plan's, with the machine's threads and peak
     checkpointer: Checkpointer
     stream: TrainStream
     eval_set: Any
@@ -113,36 +114,35 @@ def build(plan: Plan) -> Run:
     if (leak := exposed_secrets(os.environ, accelerator.is_local_main_process)) and accelerator.is_main_process:
         print(f"warning: {leak}", file=sys.stderr, flush=True)
     compute = Compute.set_up(accelerator, plan.launch.mixed_precision, options.peak_flops, options.cache_dir)
-    compute.add_to(plan.resolved)  # the threads and peak of the machine it runs on
-    strategy.notes.extend(compute.notes())
+    resolved = compute.resolved(plan.resolved)  # the threads and peak of the machine it runs on
+    notes = [*plan.notes, *compute.notes()]  # said once, after the strategy's own
     if accelerator.is_main_process:
         if options.overwrite:  # asked for explicitly: the earlier run's outputs go
             clear_outputs(options.output_dir)
         options.output_dir.mkdir(parents=True, exist_ok=True)
-        (options.output_dir / "resolved_config.json").write_text(json.dumps(plan.resolved, indent=2) + "\n")
+        (options.output_dir / "resolved_config.json").write_text(json.dumps(resolved, indent=2) + "\n")
     check_folder_shared(options.output_dir)  # a folder local to each machine would fail only at the first save
-    accelerator.init_trackers("train", config={k: v for k, v in plan.resolved.items()
-                                               if isinstance(v, (int, float, str))})
+    accelerator.init_trackers("train", config={k: v for k, v in resolved.items() if isinstance(v, (int, float, str))})
     with accelerator.local_main_process_first():  # one process per machine builds the data caches
         train_set, eval_set = recipe.make_datasets(cfg, options.cache_dir)
     layout = BatchLayout(cfg.batch_size, cfg.grad_accum, strategy.data_parallel_rank, strategy.data_parallel_size)
     held_out, note = split_layouts(layout, len(train_set), len(eval_set))  # refuses splits too small
-    strategy.notes.extend([note] if note else [])
+    notes += [note] if note else []
     set_seed(cfg.seed)  # the same initial weights on every rank and in a one-process run
     model = recipe.make_model(cfg)
     checkpointer = Checkpointer(strategy, options.output_dir, options.keep_last)
-    if plan.resume:
-        checkpointer.before_prepare(plan.resume, model)
+    if plan.resume and (note := checkpointer.before_prepare(plan.resume, model)):
+        notes.append(note)
     strategy.prepare(model, build_optimizer, build_scheduler)
-    run = Run(strategy, checkpointer, TrainStream(train_set, layout, cfg.seed), eval_set, layout, held_out,
+    run = Run(strategy, resolved, checkpointer, TrainStream(train_set, layout, cfg.seed), eval_set, layout, held_out,
               compute.peak.flops)
     if plan.resume:
         checkpointer.load(plan.resume)  # last: it restores this rank's RNG
         saved = plan.resume.state
         run.stream.seek(saved["epoch"], saved["batch_in_epoch"])
         run.step, run.skipped_steps = saved["step"], saved["skipped_steps"]
-        strategy.notes.append(f"resumed from {plan.resume.path} at step {run.step}")
-    for note in strategy.notes if accelerator.is_main_process else []:
+        notes.append(f"resumed from {plan.resume.path} at step {run.step}")
+    for note in [*strategy.notes, *notes] if accelerator.is_main_process else []:
         print(f"note: {note}", file=sys.stderr)
     return run
 
@@ -179,7 +179,7 @@ def loop(plan: Plan, run: Run) -> str | None:
         if result.stop or step == options.stop_at:
             stopped_by = signal.name or "--stop_at"
         if stopped_by or (options.save_every and step % options.save_every == 0):
-            run.checkpointer.save(step, run.stream.position, run.skipped_steps, plan.resolved)
+            run.checkpointer.save(step, run.stream.position, run.skipped_steps, run.resolved)
         if stopped_by:
             break
     log.close()

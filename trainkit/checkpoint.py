@@ -139,20 +139,18 @@ class Checkpointer:
 
     # --- restoring ----------------------------------------------------------------------------------------------
 
-    def before_prepare(self, found: Found, model: torch.nn.Module) -> None:
+    def before_prepare(self, found: Found, model: torch.nn.Module) -> str | None:
         """What must happen before the strategy prepares the model: a checkpoint this strategy cannot restore
         exactly gives its consolidated weights (a warm start, said out loud); one it can restore after a conversion
-        is converted."""
+        is converted. Returns the note that says which, or None."""
         strategy = self.strategy
-        if not strategy.resumes_exactly(found.state):
-            for_format(found.format).load_weights(model, found.path)
-            saved = found.state
-            under = saved["strategy"] + (f" (ZeRO-{saved['zero_stage']})" if saved["zero_stage"] else "") + " "
-            strategy.notes.append(f"resuming a checkpoint saved under {under}on {saved['world_size']} process(es): "
-                                  f"weights loaded, optimizer state starts fresh (this strategy cannot read that "
-                                  f"optimizer state)")
-        elif note := strategy.before_resume(found.path, found.state, self.output_dir):
-            strategy.notes.append(note)
+        if strategy.resumes_exactly(found.state):
+            return strategy.before_resume(found.path, found.state, self.output_dir)
+        for_format(found.format).load_weights(model, found.path)
+        saved = found.state
+        under = saved["strategy"] + (f" (ZeRO-{saved['zero_stage']})" if saved["zero_stage"] else "") + " "
+        return (f"resuming a checkpoint saved under {under}on {saved['world_size']} process(es): weights loaded, "
+                f"optimizer state starts fresh (this strategy cannot read that optimizer state)")
 
     def load(self, found: Found) -> None:
         """After prepare: model and optimizer (when exact), scheduler, loss scaler, and this rank's RNG last."""

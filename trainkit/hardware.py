@@ -41,6 +41,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psutil
 import torch
@@ -339,11 +340,12 @@ class Compute:
             lines.append(f"no MFU: peak FLOP/s {self.peak.source}")
         return lines
 
-    def add_to(self, resolved: dict) -> None:
-        """resolved_config.json's `cpu_threads` (null on GPU machines) and `peak_flops` (per process), and their
-        sources; `sources` stays the last key."""
-        where = resolved.pop("sources", {})
+    def resolved(self, planned: Mapping[str, Any]) -> dict[str, Any]:
+        """The plan's resolved config with the machine's `cpu_threads` (null on GPU machines) and `peak_flops` (per
+        process) and their sources; `sources` stays the last key."""
+        resolved = {key: value for key, value in planned.items() if key != "sources"}
         resolved["cpu_threads"] = self.threads.count if self.threads else None
         resolved["peak_flops"] = self.peak.flops
-        resolved["sources"] = {**where, "cpu_threads": self.threads.source if self.threads else
+        resolved["sources"] = {**planned.get("sources", {}), "cpu_threads": self.threads.source if self.threads else
                                "the launcher (a GPU machine: left as it is)", "peak_flops": self.peak.source}
+        return resolved

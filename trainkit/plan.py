@@ -11,7 +11,9 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 from trainkit.checkpoint import Found, check_output_dir, find_checkpoint, lock_output_dir, resume_problems
@@ -56,9 +58,10 @@ class Plan:
     strategy: Strategy
     shape: ModelShape
     estimate: Estimate  # this run's model-state bytes per rank
-    resolved: dict[str, Any]  # what resolved_config.json holds
+    resolved: Mapping[str, Any]  # what resolved_config.json holds (read-only; the run adds the machine's fields)
     resume: Found | None  # the checkpoint --resume names
     flops: FlopCount  # training FLOPs per sample, for MFU
+    notes: tuple[str, ...]  # what the plan decided or noticed, said before training (the strategy keeps its own)
 
 
 def make_plan(options: RunOptions, overrides: list[tuple[str, str, str]]) -> Plan:
@@ -91,10 +94,11 @@ def make_plan(options: RunOptions, overrides: list[tuple[str, str, str]]) -> Pla
         problems += check_output_dir(options.output_dir, options.resume, options.overwrite)
     if problems:
         raise ConfigError(problems)
+    notes = []
     if cfg.warmup_steps >= cfg.max_steps:  # legitimate in a short trial, a mistake in a long run: said, not refused
-        strategy.notes.append(f"warmup_steps {cfg.warmup_steps} >= max_steps {cfg.max_steps}: the learning rate is "
-                              f"still warming up when the run ends and never reaches lr {cfg.lr:g}; pass "
-                              f"--warmup_steps below --max_steps to train at it")
+        notes.append(f"warmup_steps {cfg.warmup_steps} >= max_steps {cfg.max_steps}: the learning rate is "
+                     f"still warming up when the run ends and never reaches lr {cfg.lr:g}; pass "
+                     f"--warmup_steps below --max_steps to train at it")
     model = meta_model(recipe, cfg)
     if problems := strategy.check_model(model):  # a split the model does not declare, for example
         raise ConfigError(problems)
@@ -105,7 +109,7 @@ def make_plan(options: RunOptions, overrides: list[tuple[str, str, str]]) -> Pla
     flops = count_flops(model, tokens)
     resolved = resolved_config(recipe, cfg, sources, launch, strategy, estimate, flops, run_option_values(options))
     if restored:  # said on screen: a resumed run that saves (or not) as its first launch did is no surprise
-        strategy.notes.append("run options from the checkpoint: " + ", ".join(
+        notes.append("run options from the checkpoint: " + ", ".join(
             f"--{name} {resolved[name]}" for name in restored) + " (a flag sets one anew)")
     if resume and (problems := resume_problems(resume, cfg, resolved, overrides)):
         raise ConfigError(problems)
@@ -113,7 +117,8 @@ def make_plan(options: RunOptions, overrides: list[tuple[str, str, str]]) -> Pla
     if not options.estimate and int(os.environ.get("RANK", "0")) == 0 and \
             (problems := lock_output_dir(options.output_dir, hold=not options.dry_run)):
         raise ConfigError(problems)
-    return Plan(options, recipe, cfg, launch, strategy, shape, estimate, resolved, resume, flops)
+    return Plan(options, recipe, cfg, launch, strategy, shape, estimate, MappingProxyType(resolved), resume, flops,
+                tuple(notes))
 
 
 def resolved_config(recipe: Recipe, cfg: TrainConfig, sources: dict[str, str], launch: Launch, strategy: Strategy,
