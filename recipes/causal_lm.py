@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainkit import decoder_stages, lora, sft, text
+from trainkit import decoder_stages, lora, pretrained, sft, text
 from trainkit.ask import TURN_ENDS
 from trainkit.config import TrainConfig
 from trainkit.errors import ConfigError, Problem
@@ -108,20 +108,7 @@ class Config(TrainConfig):
         if not 0 < self.eval_fraction < 1:
             problems.append(Problem(f"eval_fraction must be in (0, 1), got {self.eval_fraction}",
                                     "config field eval_fraction", "use --eval_fraction 0.05"))
-        problems += self.weights_problems()
-        if self.lora_r < 0 or self.lora_r and (self.lora_alpha <= 0 or not 0 <= self.lora_dropout < 1):
-            problems.append(Problem(f"LoRA needs lora_r >= 0, lora_alpha > 0 and 0 <= lora_dropout < 1, got "
-                                    f"{self.lora_r}, {self.lora_alpha}, {self.lora_dropout}", "config field lora_r",
-                                    "use --lora_r 8 --lora_alpha 16 --lora_dropout 0.05"))
-        if self.load_in_4bit and not (self.lora_r and torch.cuda.is_available()):
-            problems.append(Problem("QLoRA (--load_in_4bit) needs a CUDA GPU and --lora_r: bitsandbytes' 4-bit layers "
-                                    "compute on CUDA, and a quantised base only trains through adapters",
-                                    "config field load_in_4bit",
-                                    "drop --load_in_4bit (LoRA on the full-precision base), or run on a GPU with "
-                                    "--lora_r 8"))
-        if self.lora_r and self.trainable:
-            problems.append(Problem("--trainable and --lora_r each choose what trains", "config field trainable",
-                                    "pass one: --lora_r trains adapters with the whole base frozen"))
+        problems += pretrained.weights_problems(self.model_name_or_path, self.allow_pickle) + lora.problems(self)
         if self.data_format not in ("auto", *sft.FORMATS):
             problems.append(Problem(f"unknown data_format {self.data_format!r}", "config field data_format",
                                     f"use auto or one of {', '.join(sft.FORMATS)}"))
@@ -145,23 +132,6 @@ class Config(TrainConfig):
                                     "model that does not fit)"))
         return problems + text.check_data(self.data, self.text_field if plain else None)
 
-    def weights_problems(self) -> list[Problem]:
-        """A local model folder without weights, or with pickled ones only (unless allowed)."""
-        folder = Path(self.model_name_or_path)
-        if not (self.model_name_or_path and folder.is_dir() and (folder / "config.json").is_file()):
-            return []
-        safetensors, pickled = any(folder.glob("*.safetensors")), any(folder.glob("*.bin"))
-        if not (safetensors or pickled):
-            held = ", ".join(sorted(p.name for p in folder.iterdir())[:8])
-            return [Problem(f"no weights in {folder} (it holds: {held})", "config field model_name_or_path",
-                            "pass the folder that save_pretrained wrote the model into (model.safetensors beside "
-                            "config.json), such as a run's final/")]
-        if pickled and not safetensors and not self.allow_pickle:
-            return [Problem(f"{folder} has no .safetensors weights, only pickled ones (.bin)",
-                            "config field model_name_or_path", "pass --allow_pickle true to read pytorch_model.bin "
-                            "if you trust the file, or convert it to safetensors")]
-        return []
-
     def layout(self) -> str:
         """The data's layout: data_format, or the one its first local record's fields show (text where they cannot
         be read cheaply: a Hub name is detected when it loads)."""
@@ -171,31 +141,14 @@ class Config(TrainConfig):
         return "text" if fields is None else sft.detect(fields, self.text_field)
 
 
-def _load(what: str, cfg: Config, load):
-    """from_pretrained with the recipe's safety settings; a failure is a config problem naming the model."""
-    where = f"--model_name_or_path {cfg.model_name_or_path}"
-    try:
-        return load(cfg.model_name_or_path, trust_remote_code=cfg.trust_remote_code)
-    except (OSError, ValueError) as e:
-        said = " ".join(str(e).split())
-        local = Path(cfg.model_name_or_path).is_dir()
-        fix = ("pass --trust_remote_code true if you trust the code that comes with it" if "trust_remote_code" in said
-               else "pass --allow_pickle true to read pytorch_model.bin (it unpickles the file)"
-               if "safetensors" in said.lower() and not cfg.allow_pickle and not local else
-               "check the folder (from_pretrained's layout: config.json, the weights, the tokenizer's files)" if local
-               else "check the Hub id and the network (a Hub id downloads once into HF_HOME)")
-        said = said if len(said) < 400 else said[:400] + " ..."
-        raise ConfigError([Problem(f"cannot load the {what}: {type(e).__name__}: {said}", where, fix)]) from None
-
-
 def build_model(cfg: Config) -> nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = _load("model's config", cfg, AutoConfig.from_pretrained)
+    config = pretrained.load("model's config", cfg, AutoConfig.from_pretrained)
     if torch.get_default_device().type == "meta":  # --estimate and --dry_run: the shapes, no weights
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.trust_remote_code)
         return lora.with_lora(model, cfg) if cfg.lora_r else model
-    model = _load("model", cfg, lambda path, **kw: AutoModelForCausalLM.from_pretrained(
+    model = pretrained.load("model", cfg, lambda path, **kw: AutoModelForCausalLM.from_pretrained(
         path, dtype=torch.float32, use_safetensors=None if cfg.allow_pickle else True,
         **lora.quantised(cfg.load_in_4bit), **kw))
     if cfg.load_in_4bit:
@@ -217,13 +170,13 @@ def build_model(cfg: Config) -> nn.Module:
 
 def tokenizer_of(cfg: Config):
     """The model's tokenizer (--tokenizer): by default AutoTokenizer's, checked to be the one saved in its folder
-    (text.tokenizer_mismatch)."""
+    (pretrained.tokenizer_mismatch)."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     load = PreTrainedTokenizerFast.from_pretrained if cfg.tokenizer == "saved" else AutoTokenizer.from_pretrained
-    tokenizer = _load("tokenizer", cfg, load)
+    tokenizer = pretrained.load("tokenizer", cfg, load)
     folder = Path(cfg.model_name_or_path)
-    if not cfg.tokenizer and folder.is_dir() and (problem := text.tokenizer_mismatch(tokenizer, folder)):
+    if not cfg.tokenizer and folder.is_dir() and (problem := pretrained.tokenizer_mismatch(tokenizer, folder)):
         raise ConfigError([problem])
     return tokenizer
 
@@ -237,7 +190,7 @@ def build_datasets(cfg: Config, cache_dir: Path):
         return _examples(cfg, layout, cache_dir)
     docs = text.load_documents(cfg.data, cfg.data_config, cfg.text_field, cache_dir)
     tokenizer = tokenizer_of(cfg)
-    end, length, pad = tokenizer.eos_token_id, cfg.seq_len, _pad(tokenizer)
+    end, length, pad = tokenizer.eos_token_id, cfg.seq_len, sft.pad_id(tokenizer)
 
     def cut(batch):
         rows = []
@@ -245,36 +198,13 @@ def build_datasets(cfg: Config, cache_dir: Path):
             ids = ids + [end]
             for start in range(0, len(ids) - 1, length):  # a piece needs two real tokens: one to predict
                 piece = ids[start:start + length]
-                weight = {"weight": _sample_weights([0] + [1] * (len(piece) - 1))} if cfg.loss_average == "samples" \
+                weight = {"weight": sft.sample_weights([0] + [1] * (len(piece) - 1))} if cfg.loss_average == "samples" \
                     else {}
-                rows.append(_padded({"input_ids": piece, **weight}, length, pad))
+                rows.append(sft.padded({"input_ids": piece, **weight}, length, pad))
         return {key: [row[key] for row in rows] for key in rows[0]} if rows else {"input_ids": [], "attention_mask": []}
 
     samples = docs.map(cut, batched=True, remove_columns=docs.column_names)
     return text.split_held_out(samples, cfg.eval_fraction, cfg.data, f"samples of {cfg.seq_len} tokens")
-
-
-def _sample_weights(learned: list[int]) -> list[float]:
-    """loss_average samples: each learned position (1 in `learned`) weighs 1 / the example's learned count, so the
-    example's weights sum to 1 and a batch's weighed mean is the mean of its examples' means."""
-    share = 1.0 / max(1, sum(learned))
-    return [share * flag for flag in learned]
-
-
-FILL = {"labels": sft.IGNORE, "weight": 0.0, "position_ids": 0, "segment": 0}  # past a sample's tokens (ids: pad)
-
-
-def _padded(row: dict[str, list], length: int, pad: int) -> dict[str, list]:
-    """A sample of exactly `length` positions: every column filled past its tokens, attention_mask 1 on them."""
-    n = len(row["input_ids"])
-    return {**{key: values + [pad if key == "input_ids" else FILL[key]] * (length - n) for key, values in row.items()},
-            "attention_mask": [1] * n + [0] * (length - n)}
-
-
-def _pad(tokenizer) -> int:
-    """Many causal LMs have no pad token; which token fills the padding does not matter, it is masked out of the
-    loss."""
-    return tokenizer.eos_token_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id
 
 
 def _examples(cfg: Config, layout: str, cache_dir: Path):
@@ -287,7 +217,7 @@ def _examples(cfg: Config, layout: str, cache_dir: Path):
                                    f"{', '.join(records.column_names)}", f"--data {cfg.data}",
                                    "pass --data_format for the layout the data has (docs/recipes.md)")])
     tokenizer = tokenizer_of(cfg)
-    template, pad, length = sft.chat_template(tokenizer, cfg.chat_template), _pad(tokenizer), cfg.seq_len
+    template, pad, length = sft.chat_template(tokenizer, cfg.chat_template), sft.pad_id(tokenizer), cfg.seq_len
 
     def encode(batch):
         rows = {"input_ids": [], "labels": [], "learned": []}
@@ -298,7 +228,7 @@ def _examples(cfg: Config, layout: str, cache_dir: Path):
             rows["labels"].append(labels)
             rows["learned"].append(sft.learned_count(labels))
             if cfg.loss_average == "samples":
-                rows.setdefault("weight", []).append(_sample_weights(
+                rows.setdefault("weight", []).append(sft.sample_weights(
                     [0] + [int(label != sft.IGNORE) for label in labels[1:]]))
         return rows
 
@@ -309,32 +239,8 @@ def _examples(cfg: Config, layout: str, cache_dir: Path):
                                    f"from within --seq_len {length} (the answers come after it)", "--seq_len",
                                    "pass a larger --seq_len, or --train_on all")])
     kept = kept.remove_columns("learned")
-    samples = _packed(kept, length, pad) if cfg.packing else kept.map(lambda row: _padded(row, length, pad))
+    samples = sft.packed(kept, length, pad) if cfg.packing else kept.map(lambda row: sft.padded(row, length, pad))
     return text.split_held_out(samples, cfg.eval_fraction, cfg.data, "examples with something to learn")
-
-
-def _packed(examples, length: int, pad: int):
-    """Rows of seq_len tokens, each holding whole examples (sft.pack), with position_ids that restart per example
-    and each token's example number (`segment`, from 1; 0 is padding) for the block-diagonal mask. Each example's
-    first label is dropped: in a row it would be predicted from the example before it (alone, nothing predicts it)."""
-    from datasets import Dataset
-
-    ids_of, labels_of = examples["input_ids"], examples["labels"]
-    weights_of = examples["weight"] if "weight" in examples.column_names else None
-    rows = []
-    for members in sft.pack([len(ids) for ids in ids_of], length):
-        row = {"input_ids": [], "labels": [], "position_ids": [], "segment": [],
-               **({"weight": []} if weights_of else {})}
-        for number, i in enumerate(members, start=1):
-            n = len(ids_of[i])
-            row["input_ids"] += ids_of[i]
-            row["labels"] += [sft.IGNORE] + labels_of[i][1:]
-            row["position_ids"] += list(range(n))
-            row["segment"] += [number] * n
-            if weights_of:
-                row["weight"] += [0.0] + weights_of[i][1:]  # its first position is the example before's target
-        rows.append(_padded(row, length, pad))
-    return Dataset.from_dict({key: [row[key] for row in rows] for key in rows[0]})
 
 
 def preview(cfg: Config, cache_dir: Path) -> str | None:
@@ -429,7 +335,7 @@ def generate(model: nn.Module, cfg: Config, eval_set) -> list[dict[str, str]]:
         learned = [j for j, label in enumerate(row.get("labels", [])[:len(ids)]) if label != sft.IGNORE]
         cut = learned[0] if learned else max(1, len(ids) // 4)
         output = model.generate(torch.tensor([ids[:cut]], device=device), max_new_tokens=cfg.max_new_tokens,
-                                do_sample=False, pad_token_id=_pad(tokenizer), tokenizer=tokenizer,
+                                do_sample=False, pad_token_id=sft.pad_id(tokenizer), tokenizer=tokenizer,
                                 stop_strings=TURN_ENDS, synced_gpus=dist.is_initialized() and dist.get_world_size() > 1)
         answers.append({"prompt": tokenizer.decode(ids[:cut]), "answer": tokenizer.decode(output[0, cut:]),
                         "expected": tokenizer.decode(ids[cut:])})
@@ -472,9 +378,9 @@ def export(model, state_dict: dict, cfg: Config, cache_dir: Path, out_dir: Path)
         model.save_pretrained(str(out_dir / "adapter"), state_dict=state_dict)  # peft keeps only the adapters' keys
         tokenizer.save_pretrained(str(out_dir / "adapter"))
         # QLoRA's base is 4-bit in training: the adapters merge into the full-precision base it was quantised from
-        model = lora.merged(model, state_dict) if not cfg.load_in_4bit else _load("model", cfg, lambda path, **kw: (
-            PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path, **kw), str(out_dir / "adapter"))
-            .merge_and_unload()))
+        model = lora.merged(model, state_dict) if not cfg.load_in_4bit else pretrained.load(
+            "model", cfg, lambda path, **kw: PeftModel.from_pretrained(
+                AutoModelForCausalLM.from_pretrained(path, **kw), str(out_dir / "adapter")).merge_and_unload())
         state_dict = None
     model.save_pretrained(str(out_dir), state_dict=state_dict)
     tokenizer.save_pretrained(str(out_dir))

@@ -16,6 +16,26 @@ from torch import nn
 from trainkit.errors import ConfigError, Problem
 
 
+def problems(cfg: Any) -> list[Problem]:
+    """The recipe's lora_* fields refused before anything loads: sizes out of range, QLoRA without its GPU or
+    adapters, adapters beside --trainable."""
+    problems = []
+    if cfg.lora_r < 0 or cfg.lora_r and (cfg.lora_alpha <= 0 or not 0 <= cfg.lora_dropout < 1):
+        problems.append(Problem(f"LoRA needs lora_r >= 0, lora_alpha > 0 and 0 <= lora_dropout < 1, got "
+                                f"{cfg.lora_r}, {cfg.lora_alpha}, {cfg.lora_dropout}", "config field lora_r",
+                                "use --lora_r 8 --lora_alpha 16 --lora_dropout 0.05"))
+    if cfg.load_in_4bit and not (cfg.lora_r and torch.cuda.is_available()):
+        problems.append(Problem("QLoRA (--load_in_4bit) needs a CUDA GPU and --lora_r: bitsandbytes' 4-bit layers "
+                                "compute on CUDA, and a quantised base only trains through adapters",
+                                "config field load_in_4bit",
+                                "drop --load_in_4bit (LoRA on the full-precision base), or run on a GPU with "
+                                "--lora_r 8"))
+    if cfg.lora_r and cfg.trainable:
+        problems.append(Problem("--trainable and --lora_r each choose what trains", "config field trainable",
+                                "pass one: --lora_r trains adapters with the whole base frozen"))
+    return problems
+
+
 def quantised(load_in_4bit: bool) -> dict:
     """from_pretrained's arguments for QLoRA's 4-bit base (NF4, double quantisation, bf16 compute), on this process's
     GPU; none otherwise."""

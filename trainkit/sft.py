@@ -151,6 +151,53 @@ def pack(lengths: Sequence[int], seq_len: int) -> list[list[int]]:
     return rows
 
 
+def sample_weights(learned: list[int]) -> list[float]:
+    """loss_average samples: each learned position (1 in `learned`) weighs 1 / the example's learned count, so the
+    example's weights sum to 1 and a batch's weighed mean is the mean of its examples' means."""
+    share = 1.0 / max(1, sum(learned))
+    return [share * flag for flag in learned]
+
+
+FILL = {"labels": IGNORE, "weight": 0.0, "position_ids": 0, "segment": 0}  # past a sample's tokens (ids: pad)
+
+
+def padded(row: dict[str, list], length: int, pad: int) -> dict[str, list]:
+    """A sample of exactly `length` positions: every column filled past its tokens, attention_mask 1 on them."""
+    n = len(row["input_ids"])
+    return {**{key: values + [pad if key == "input_ids" else FILL[key]] * (length - n) for key, values in row.items()},
+            "attention_mask": [1] * n + [0] * (length - n)}
+
+
+def pad_id(tokenizer) -> int:
+    """Many causal LMs have no pad token; which token fills the padding does not matter, it is masked out of the
+    loss."""
+    return tokenizer.eos_token_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id
+
+
+def packed(examples, length: int, pad: int):
+    """Rows of seq_len tokens, each holding whole examples (pack), with position_ids that restart per example
+    and each token's example number (`segment`, from 1; 0 is padding) for the block-diagonal mask. Each example's
+    first label is dropped: in a row it would be predicted from the example before it (alone, nothing predicts it)."""
+    from datasets import Dataset
+
+    ids_of, labels_of = examples["input_ids"], examples["labels"]
+    weights_of = examples["weight"] if "weight" in examples.column_names else None
+    rows = []
+    for members in pack([len(ids) for ids in ids_of], length):
+        row = {"input_ids": [], "labels": [], "position_ids": [], "segment": [],
+               **({"weight": []} if weights_of else {})}
+        for number, i in enumerate(members, start=1):
+            n = len(ids_of[i])
+            row["input_ids"] += ids_of[i]
+            row["labels"] += [IGNORE] + labels_of[i][1:]
+            row["position_ids"] += list(range(n))
+            row["segment"] += [number] * n
+            if weights_of:
+                row["weight"] += [0.0] + weights_of[i][1:]  # its first position is the example before's target
+        rows.append(padded(row, length, pad))
+    return Dataset.from_dict({key: [row[key] for row in rows] for key in rows[0]})
+
+
 def block_mask(segments, eager: bool):
     """The attention mask of packed rows (segments: [batch, seq] example numbers from 1, 0 for padding): each token
     sees the earlier tokens of its own example only. position_ids that restart per example do not isolate examples

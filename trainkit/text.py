@@ -260,33 +260,6 @@ def train_tokenizer(docs, vocab_size: int, out_dir: Path):
 
 
 # Digits, spaces, case, accents and punctuation: what tokenizers' pre-tokenizers and normalisers treat differently.
-PROBE = "In 2024, 1234567 users wrote:  Naïve CAFÉ's code\n\tdef f(x): return x ** 2  # ok!"
-
-
-def tokenizer_mismatch(tokenizer, folder: Path) -> Problem | None:
-    """The tokenizer that AutoTokenizer loaded from `folder` must encode text as the one saved there (its
-    tokenizer.json) does. transformers picks the class from the model type for some types whatever
-    tokenizer_config.json says: a PreTrainedTokenizerFast saved beside a Qwen2 config loads as Qwen2Tokenizer, whose
-    own pre-tokenizer replaces the saved one ("123" then encodes as other ids), silently. Encodings are compared,
-    not the components' JSON: a Hub tokenizer's own class may spell the same components differently. None when they
-    agree."""
-    from tokenizers import Tokenizer
-
-    saved_file = folder / "tokenizer.json"
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if not saved_file.is_file() or backend is None:
-        return None
-    saved = Tokenizer.from_file(str(saved_file))
-    got, want = backend.encode(PROBE, add_special_tokens=False).ids, saved.encode(PROBE, add_special_tokens=False).ids
-    if got == want:
-        return None
-    name = type(tokenizer).__name__
-    return Problem(f"the tokenizer loaded from {folder} ({name}, chosen by transformers from the model type) is not "
-                   f"the one saved there: it encodes {PROBE!r} as {len(got)} ids, the saved one as {len(want)}",
-                   "--model_name_or_path", f"pass --tokenizer saved to train with the saved tokenizer.json, or "
-                   f"--tokenizer auto to take {name} (what AutoTokenizer gives every user of this folder)")
-
-
 # Preparation works in slices of about these sizes, so that its memory stays flat whatever the corpus's size: text is
 # tokenised 1 MiB at a time (datasets' default of 1000 rows held 0.3 GiB of Python lists on pydoc's long documents)
 # and packed 2^20 tokens (8 MiB) at a time.

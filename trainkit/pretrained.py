@@ -1,0 +1,75 @@
+"""Loading a pretrained Hugging Face model and tokenizer safely (recipes/causal_lm.py): weights only from
+safetensors unless allowed, a failure of from_pretrained said as a config problem with its fix, and a tokenizer that
+encodes text otherwise than the one saved beside the model refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from trainkit.errors import ConfigError, Problem
+
+
+def weights_problems(model_name_or_path: str, allow_pickle: bool) -> list[Problem]:
+    """A local model folder without weights, or with pickled ones only (unless allowed)."""
+    folder = Path(model_name_or_path)
+    if not (model_name_or_path and folder.is_dir() and (folder / "config.json").is_file()):
+        return []
+    safetensors, pickled = any(folder.glob("*.safetensors")), any(folder.glob("*.bin"))
+    if not (safetensors or pickled):
+        held = ", ".join(sorted(p.name for p in folder.iterdir())[:8])
+        return [Problem(f"no weights in {folder} (it holds: {held})", "config field model_name_or_path",
+                        "pass the folder that save_pretrained wrote the model into (model.safetensors beside "
+                        "config.json), such as a run's final/")]
+    if pickled and not safetensors and not allow_pickle:
+        return [Problem(f"{folder} has no .safetensors weights, only pickled ones (.bin)",
+                        "config field model_name_or_path", "pass --allow_pickle true to read pytorch_model.bin "
+                        "if you trust the file, or convert it to safetensors")]
+    return []
+
+
+PROBE = "In 2024, 1234567 users wrote:  Naïve CAFÉ's code\n\tdef f(x): return x ** 2  # ok!"
+
+
+def tokenizer_mismatch(tokenizer, folder: Path) -> Problem | None:
+    """The tokenizer that AutoTokenizer loaded from `folder` must encode text as the one saved there (its
+    tokenizer.json) does. transformers picks the class from the model type for some types whatever
+    tokenizer_config.json says: a PreTrainedTokenizerFast saved beside a Qwen2 config loads as Qwen2Tokenizer, whose
+    own pre-tokenizer replaces the saved one ("123" then encodes as other ids), silently. Encodings are compared,
+    not the components' JSON: a Hub tokenizer's own class may spell the same components differently. None when they
+    agree."""
+    from tokenizers import Tokenizer
+
+    saved_file = folder / "tokenizer.json"
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if not saved_file.is_file() or backend is None:
+        return None
+    saved = Tokenizer.from_file(str(saved_file))
+    got, want = backend.encode(PROBE, add_special_tokens=False).ids, saved.encode(PROBE, add_special_tokens=False).ids
+    if got == want:
+        return None
+    name = type(tokenizer).__name__
+    return Problem(f"the tokenizer loaded from {folder} ({name}, chosen by transformers from the model type) is not "
+                   f"the one saved there: it encodes {PROBE!r} as {len(got)} ids, the saved one as {len(want)}",
+                   "--model_name_or_path", f"pass --tokenizer saved to train with the saved tokenizer.json, or "
+                   f"--tokenizer auto to take {name} (what AutoTokenizer gives every user of this folder)")
+
+
+def load(what: str, cfg: Any, from_pretrained: Callable[..., Any]) -> Any:
+    """from_pretrained(cfg.model_name_or_path) with the recipe's safety settings (trust_remote_code; allow_pickle
+    where the caller passes it on); a failure is a config problem naming the model and the fix."""
+    where = f"--model_name_or_path {cfg.model_name_or_path}"
+    try:
+        return from_pretrained(cfg.model_name_or_path, trust_remote_code=cfg.trust_remote_code)
+    except (OSError, ValueError) as e:
+        said = " ".join(str(e).split())
+        local = Path(cfg.model_name_or_path).is_dir()
+        fix = ("pass --trust_remote_code true if you trust the code that comes with it" if "trust_remote_code" in said
+               else "pass --allow_pickle true to read pytorch_model.bin (it unpickles the file)"
+               if "safetensors" in said.lower() and not cfg.allow_pickle and not local else
+               "check the folder (from_pretrained's layout: config.json, the weights, the tokenizer's files)" if local
+               else "check the Hub id and the network (a Hub id downloads once into HF_HOME)")
+        said = said if len(said) < 400 else said[:400] + " ..."
+        raise ConfigError([Problem(f"cannot load the {what}: {type(e).__name__}: {said}", where, fix)]) from None
