@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import FLAG_STRATEGIES, LM, PARITY_BOUND, ROOT, architecture, entry, launch, max_rel_diff, processes
-from trainkit.strategies.dims import DIMS
+from trainkit.strategies.dims import ParallelDims
 from trainkit.strategies.stages import balanced_cuts
 
 DDP = str(ROOT / "accelerate_configs" / "ddp.yaml")
@@ -133,7 +133,7 @@ def test_a_pipeline_of_sharded_or_cut_stages_trains_like_one_process_and_resumes
     holding its share, and a bit-exact resume (final/ reloads in tests/test_strategies.py, the matrix's lm_run)."""
     run, (dims, share) = lm_runs(name), PRODUCTS[name]
     resolved = run.resolved
-    assert tuple(resolved[d] for d in DIMS) == dims and resolved["strategy"] == "pipeline"
+    assert tuple(resolved[d] for d in ParallelDims.names) == dims and resolved["strategy"] == "pipeline"
     assert resolved["world_size"] == FLAG_STRATEGIES[name][2] and resolved["global_batch_size"] == 8
     assert resolved["data_parallel_size"] == dims[1] * dims[2]
     assert max_rel_diff(run.losses, lm_reference.losses) <= PARITY_BOUND

@@ -20,7 +20,7 @@ from conftest import LM, PARITY_BOUND, ROOT, assert_refused, entry, launch, max_
 from trainkit.launch import Launch, shipped_configs
 from trainkit.recipes import load_recipe
 from trainkit.strategies import for_launch
-from trainkit.strategies.dims import DIMS, ParallelDims
+from trainkit.strategies.dims import ParallelDims
 from trainkit.strategies.mesh import Mesh
 
 # config -> (dp_replicate, dp_shard, tp). The runs are the strategy matrix's (conftest's lm_runs: the transformer with
@@ -233,7 +233,7 @@ def test_gradient_clipping_and_adamw_over_parameters_on_different_meshes():
     strategy.accelerator = type("Accelerator", (), {"unscale_gradients": lambda self: None})()
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        mesh = init_device_mesh("cpu", (1, 1, 1, 1), mesh_dim_names=DIMS)
+        mesh = init_device_mesh("cpu", (1, 1, 1, 1), mesh_dim_names=ParallelDims.names)
         parallelize(model, ParallelDims(), mesh, FSDPSettings(), mixed_precision="no", compile=False,
                     tp_layers=tp_layers(model), classes=set(model._no_split_modules))  # cut, on a tp mesh of one
         strategy.model = model

@@ -97,9 +97,6 @@ class ParallelDims:
         return init_device_mesh(device_type, tuple(self.sizes().values()), mesh_dim_names=self.names)
 
 
-DIMS = ParallelDims.names
-
-
 def data_mesh(mesh: Any, dims: ParallelDims) -> Any:
     """The sub-mesh FSDP2 shards over: (dp_replicate, dp_shard) for HSDP (replicas of shards), else dp_shard."""
     return mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 and dims.dp_shard > 1 else mesh["dp_shard"]
