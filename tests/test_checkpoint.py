@@ -306,3 +306,62 @@ def test_a_folder_left_by_a_crash_gets_advice_that_works(check_only, run_dir, re
                           f"(--output_dir): pass --overwrite to start it again")
     assert "--resume" not in plain.stderr
     assert_refused(check_only(out, "--recipe", "mlp", "--resume", resume, "--dry_run"), message.format(out=out))
+
+
+# --- the checkpoint format's bookkeeping, in this process (no launch) ---------------------------------------------
+
+def tiny_engine(seed: int, frozen: bool = False, stepped: bool = True):
+    """What a format reads from its engine: the model and the optimizer (after a step: it then has state)."""
+    from types import SimpleNamespace
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    model[0].weight.requires_grad_(not frozen)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    if stepped:
+        model(torch.randn(5, 4)).square().sum().backward()
+        optimizer.step()
+    return SimpleNamespace(model=model, unwrapped_model=model, optimizer=optimizer)
+
+
+def test_the_dcp_format_restores_what_trains_and_leaves_the_frozen_weights_out(tmp_path):
+    from trainkit.strategies.dcp_format import DCP
+
+    saved = tiny_engine(0, frozen=True)
+    DCP(saved).save(tmp_path)
+    fresh = tiny_engine(1, frozen=True, stepped=False)  # a resumed launch: other weights, no optimizer state yet
+    built = fresh.model[0].weight.clone()
+    DCP(fresh).load(tmp_path)
+    kept = saved.model.state_dict()
+    for name, value in fresh.model.state_dict().items():
+        if name == "0.weight":  # frozen: not in the checkpoint, so build_model's value stays
+            assert torch.equal(value, built) and not torch.equal(value, kept[name])
+        else:
+            assert torch.equal(value, kept[name]), name
+    moments = [(s["exp_avg"], s["exp_avg_sq"]) for s in saved.optimizer.state.values()]
+    restored = [(s["exp_avg"], s["exp_avg_sq"]) for s in fresh.optimizer.state.values()]
+    assert len(restored) == len(moments) == 3 and all(
+        torch.equal(a, b) and torch.equal(c, d) for (a, c), (b, d) in zip(moments, restored, strict=True))
+    warm = tiny_engine(2, frozen=True, stepped=False).model
+    DCP.load_weights(warm, tmp_path)  # a warm start: the weights without an optimizer
+    assert torch.equal(warm[1].weight, kept["1.weight"])
+
+
+def test_each_format_has_one_name_and_the_deepspeed_one_says_which_moves_it_restores():
+    from types import SimpleNamespace
+
+    from trainkit.strategies import REGISTRY, for_format
+    from trainkit.strategies.deepspeed import DeepSpeedFormat
+
+    formats = {cls.format for cls in REGISTRY}
+    assert len({f.name for f in formats}) == len(formats) and len({f.folder for f in formats}) == 2
+    assert all(for_format(f.name) is f for f in formats)
+
+    def restores(stage, world_size, saved_stage, saved_world_size, saved_format="deepspeed"):
+        engine = SimpleNamespace(stage=stage, launch=SimpleNamespace(world_size=world_size))
+        return DeepSpeedFormat(engine).resumes_exactly(
+            {"format": saved_format, "zero_stage": saved_stage, "world_size": saved_world_size})
+
+    assert restores(3, 2, 3, 2) and restores(2, 4, 1, 2) and restores(1, 1, 2, 2)  # natively; universal for 1/2
+    assert not restores(3, 4, 3, 2) and not restores(2, 2, 3, 2) and not restores(3, 2, 2, 2)  # ZeRO-3 moves: warm
+    assert not restores(2, 2, 2, 2, saved_format="dcp")

@@ -4,7 +4,7 @@ A checkpoint is `checkpoints/step_<N>/`:
 
     trainer_state.json   step, data position, scheduler, loss scaler, resolved config (written last, by rank 0)
     rng/rank_<r>.pt      every rank's RNG states (torch, CUDA, Python, NumPy)
-    state/ or deepspeed/ model + optimizer, in the strategy's own format (Strategy.save_state):
+    state/ or deepspeed/ model + optimizer, in the strategy's format (its CheckpointFormat, strategies/dcp_format.py):
                          torch.distributed.checkpoint (single, DDP, FSDP2: reshardable) or DeepSpeed's (ZeRO-1/2/3)
 
 It is written as `step_<N>.tmp`; after every rank's part is on disk (a barrier) rank 0 renames it, then points
@@ -78,6 +78,7 @@ class Checkpointer:
 
     def __init__(self, strategy: Strategy, output_dir: Path, keep_last: int):
         self.strategy = strategy
+        self.format = strategy.format(strategy)  # the model + optimizer part of every step folder
         self.accelerator = strategy.accelerator
         self.output_dir = output_dir
         self.root = output_dir / "checkpoints"
@@ -96,11 +97,11 @@ class Checkpointer:
                 (tmp / "rng").mkdir(parents=True)
             acc.wait_for_everyone()
             torch.save(_rng_state(), tmp / "rng" / f"rank_{acc.process_index}.pt")
-            self.strategy.save_state(tmp)
+            self.format.save(tmp)
             acc.wait_for_everyone()  # every rank's part is on disk
             if acc.is_main_process:
                 state = {
-                    "format": self.strategy.checkpoint_format, "step": step, "epoch": position[0],
+                    "format": self.format.name, "step": step, "epoch": position[0],
                     "batch_in_epoch": position[1], "skipped_steps": skipped_steps,
                     "scheduler": self.strategy.scheduler.state_dict(),
                     "scaler": acc.scaler.state_dict() if acc.scaler is not None else None,
@@ -143,9 +144,8 @@ class Checkpointer:
         """What must happen before the strategy prepares the model: a checkpoint this strategy cannot restore
         exactly gives its consolidated weights (a warm start, said out loud); one it can restore after a conversion
         is converted. Returns the note that says which, or None."""
-        strategy = self.strategy
-        if strategy.resumes_exactly(found.state):
-            return strategy.before_resume(found.path, found.state, self.output_dir)
+        if self.format.resumes_exactly(found.state):
+            return self.format.before_resume(found.path, found.state, self.output_dir)
         for_format(found.format).load_weights(model, found.path)
         saved = found.state
         under = saved["strategy"] + (f" (ZeRO-{saved['zero_stage']})" if saved["zero_stage"] else "") + " "
@@ -155,9 +155,9 @@ class Checkpointer:
     def load(self, found: Found) -> None:
         """After prepare: model and optimizer (when exact), scheduler, loss scaler, and this rank's RNG last."""
         acc, strategy = self.accelerator, self.strategy
-        if strategy.resumes_exactly(found.state):
+        if self.format.resumes_exactly(found.state):
             try:
-                strategy.load_state(found.path)
+                self.format.load(found.path)
             except (Exception, _dcp_error()) as e:  # damage the sizes cannot show: the library's words
                 if isinstance(e, RuntimeError) and lost_contact(e):
                     raise

@@ -1,6 +1,7 @@
 """The distributed strategies, one module each, and the registry that picks one for a launch.
 
-    base.py       the interface (Strategy)
+    base.py         the interface (Strategy)
+    dcp_format.py   the checkpoint format's interface, and torch.distributed.checkpoint's format
     dims.py         the one device mesh: the sizes of (pp, dp_replicate, dp_shard, tp)
     parallelize.py  applying it to a model or a stage: tensor parallel, checkpointing, compile, FSDP2, in that order
     tp_plan.py      which layers tensor parallelism cuts
@@ -20,6 +21,7 @@ from trainkit.launch import Launch, shipped_configs
 from trainkit.recipes import Recipe
 from trainkit.step import StepResult
 from trainkit.strategies.base import Strategy
+from trainkit.strategies.dcp_format import CheckpointFormat
 from trainkit.strategies.ddp import DDP, Single
 from trainkit.strategies.deepspeed import DeepSpeed
 from trainkit.strategies.mesh import Mesh
@@ -40,9 +42,9 @@ def for_launch(launch: Launch, cfg: TrainConfig, sources: Mapping[str, str], rec
                                "use a config from accelerate_configs/")])
 
 
-def for_format(checkpoint_format: str) -> type[Strategy]:
-    """The strategy class that writes checkpoints in this format (to read another strategy's weights)."""
-    return next(cls for cls in REGISTRY if cls.checkpoint_format == checkpoint_format)
+def for_format(name: str) -> type[CheckpointFormat]:
+    """The checkpoint format of this name (trainer_state.json's "format"), to read another strategy's weights."""
+    return next(cls.format for cls in REGISTRY if cls.format.name == name)
 
 
 def shipped_strategies() -> dict[str, Launch]:

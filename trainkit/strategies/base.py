@@ -2,8 +2,9 @@
 
 A strategy is everything that differs between single/DDP, DeepSpeed, FSDP2, pipeline and tensor parallelism: what
 it refuses before anything is built, the Accelerator it needs, how it prepares the model and optimizer, one optimizer
-step (micro-batches, gradient communication, clipping, the loss check), its checkpoint format, the consolidated
-weights, and its memory estimate. train.py, checkpoint.py and metrics.py call these methods and never ask which
+step (micro-batches, gradient communication, clipping, the loss check), which checkpoint format holds it
+(strategies/dcp_format.py: the format is its own object, the Checkpointer's), the consolidated weights, and its memory
+estimate. train.py, checkpoint.py and metrics.py call these methods and never ask which
 strategy runs.
 
 The defaults here are those of an Accelerate-driven data-parallel run with torch.distributed.checkpoint; a strategy
@@ -40,8 +41,8 @@ class Strategy:
     """One distributed strategy; an instance per run, made at plan time (no process group yet) and built later."""
 
     name: ClassVar[str]  # resolved_config.json's "strategy"
-    checkpoint_format: ClassVar[str] = "dcp"  # recorded in trainer_state.json; resume compares it
-    state_dir: ClassVar[str] = "state"  # the folder of model + optimizer state inside checkpoints/step_<N>/
+    # How checkpoints hold this engine's model and optimizer (trainkit/checkpoint.py's Checkpointer makes one).
+    format: ClassVar[type[dcp_format.CheckpointFormat]] = dcp_format.DCP
     # Whether the strategy cuts the model itself between ranks (pipeline stages, tensor-parallel matrices): it then
     # needs the recipe to say where (a split the recipe declares), and refuses a model that declares none.
     splits_model: ClassVar[bool] = False
@@ -334,30 +335,6 @@ class Strategy:
         """Where the main process alone builds a model (a recipe's export: the LoRA merge) as plain torch modules."""
         return contextlib.nullcontext()
 
-    # --- checkpoint format: torch.distributed.checkpoint, reshardable across world sizes and these strategies ------
-
-    def save_state(self, folder: Path) -> None:
-        """Write this rank's part of the trained state into the checkpoint folder."""
-        dcp_format.save(self.unwrapped_model, _raw(self.optimizer), folder / self.state_dir)
-
-    def load_state(self, folder: Path) -> None:
-        dcp_format.load(self.unwrapped_model, _raw(self.optimizer), folder / self.state_dir)
-
-    def resumes_exactly(self, saved: Mapping[str, Any]) -> bool:
-        """Whether a checkpoint saved under `saved` (its trainer_state) restores model and optimizer here.
-        torch.distributed.checkpoint reshards between single, DDP and FSDP2 at any world size."""
-        return saved["format"] == self.checkpoint_format
-
-    def before_resume(self, folder: Path, saved: Mapping[str, Any], output_dir: Path) -> str | None:
-        """Before `prepare`: anything the checkpoint needs converted; returns a note to print, or None."""
-        return None
-
-    @classmethod
-    def load_weights(cls, model: torch.nn.Module, folder: Path) -> None:
-        """Load the consolidated weights of a checkpoint in this format into an unprepared model (a warm start
-        under another strategy)."""
-        dcp_format.load_weights(model, folder / cls.state_dir)
-
 
 def _samples(batch: Any) -> int:
     """The number of samples in a collated batch: the length of its first tensor."""
@@ -365,7 +342,3 @@ def _samples(batch: Any) -> int:
         else batch
     return len(first)
 
-
-def _raw(optimizer):
-    """The torch optimizer inside Accelerate's wrapper."""
-    return getattr(optimizer, "optimizer", optimizer)

@@ -1,5 +1,10 @@
-"""The checkpoint format of the torch engines (one process, DDP, the FSDP2 / tensor-parallel mesh, the pipeline):
+"""A checkpoint format, the object that writes and reads the model and optimizer part of checkpoints/step_<N>/, and
+the format of the torch engines (one process, DDP, the FSDP2 / tensor-parallel mesh, the pipeline):
 torch.distributed.checkpoint, each rank writing its own shards, reshardable across world sizes and these strategies.
+
+A strategy names its format class (`Strategy.format`); trainkit/checkpoint.py's Checkpointer makes the one instance
+of a run and is the only caller. The step folder around it (trainer_state.json, every rank's RNG, the atomic rename)
+is the Checkpointer's and the same for every format.
 
 What it holds is what trains: the frozen parameters never change, and build_model makes them again in every launch
 (from the seed or the pretrained weights), so they are left out (under LoRA a checkpoint holds the adapters and
@@ -8,9 +13,69 @@ their optimizer states); loading checks that every parameter that trains, and no
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
+
+if TYPE_CHECKING:
+    from trainkit.strategies.base import Strategy
+
+
+class CheckpointFormat:
+    """How one engine's trained state is written into, and read back from, a checkpoint's step folder."""
+
+    name: ClassVar[str]  # trainer_state.json's "format": a resume compares it
+    folder: ClassVar[str]  # the model + optimizer state's folder inside checkpoints/step_<N>/
+
+    def __init__(self, engine: Strategy) -> None:
+        self.engine = engine  # prepared by the time save or load runs
+
+    def save(self, step_dir: Path) -> None:
+        """Write this rank's part of the trained state into the step folder."""
+        raise NotImplementedError
+
+    def load(self, step_dir: Path) -> None:
+        """Read this rank's part back, into the prepared model and optimizer."""
+        raise NotImplementedError
+
+    def resumes_exactly(self, saved: Mapping[str, Any]) -> bool:
+        """Whether a checkpoint saved under `saved` (its trainer_state) restores model and optimizer here."""
+        return saved["format"] == self.name
+
+    def before_resume(self, step_dir: Path, saved: Mapping[str, Any], output_dir: Path) -> str | None:
+        """Before the engine prepares the model: anything the checkpoint needs converted; returns a note, or None."""
+        return None
+
+    @classmethod
+    def load_weights(cls, model: torch.nn.Module, step_dir: Path) -> None:
+        """The consolidated weights of a checkpoint in this format into an unprepared model (a warm start under a
+        format that cannot read its optimizer state)."""
+        raise NotImplementedError
+
+
+class DCP(CheckpointFormat):
+    """torch.distributed.checkpoint under the model's own parameter names: single, DDP and FSDP2 / TP at any world
+    size read each other's."""
+
+    name = "dcp"
+    folder = "state"
+
+    def save(self, step_dir: Path) -> None:
+        save(self.engine.unwrapped_model, _raw(self.engine.optimizer), step_dir / self.folder)
+
+    def load(self, step_dir: Path) -> None:
+        load(self.engine.unwrapped_model, _raw(self.engine.optimizer), step_dir / self.folder)
+
+    @classmethod
+    def load_weights(cls, model: torch.nn.Module, step_dir: Path) -> None:
+        load_weights(model, step_dir / cls.folder)
+
+
+def _raw(optimizer):
+    """The torch optimizer inside Accelerate's wrapper."""
+    return getattr(optimizer, "optimizer", optimizer)
 
 
 def save(model: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> None:

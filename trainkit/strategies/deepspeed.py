@@ -35,18 +35,93 @@ from trainkit.launch import Launch
 from trainkit.recipes import Recipe
 from trainkit.step import StepResult, agree, loss_weights, optimizer_step
 from trainkit.strategies.base import LossFn, Strategy
-from trainkit.strategies.dcp_format import load_trained_weights
+from trainkit.strategies.dcp_format import CheckpointFormat, load_trained_weights
 from trainkit.strategies.deepspeed_config import fill_bucket_sizes, persistence_threshold, resolve
 
 TAG = "deepspeed"  # the one tag under checkpoints/step_<N>/deepspeed/
+
+
+class DeepSpeedFormat(CheckpointFormat):
+    """DeepSpeed's own checkpoint (the engine's save_checkpoint / load_checkpoint), with its universal format for a
+    ZeRO-1/2 checkpoint resumed under another stage or process count."""
+
+    name = "deepspeed"
+    folder = "deepspeed"
+
+    def __init__(self, engine: DeepSpeed) -> None:
+        super().__init__(engine)
+        self.universal: Path | None = None  # set by before_resume when a checkpoint was converted
+
+    def save(self, step_dir: Path) -> None:
+        # the frozen parameters stay out, as in dcp_format.trained_state: build_model makes them again
+        self.engine.model.save_checkpoint(str(step_dir / self.folder), tag=TAG, save_latest=False,
+                                          exclude_frozen_parameters=True)
+
+    def load(self, step_dir: Path) -> None:
+        load_dir, tag = ((self.universal.parent, self.universal.name) if self.universal
+                         else (step_dir / self.folder, TAG))
+        model = self.engine.model
+        model.load_checkpoint(str(load_dir), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=False,
+                              load_module_strict=all(p.requires_grad for p in model.parameters()))
+
+    def _same_layout(self, saved: Mapping[str, Any]) -> bool:
+        return saved["zero_stage"] == self.engine.stage and saved["world_size"] == self.engine.launch.world_size
+
+    def resumes_exactly(self, saved: Mapping[str, Any]) -> bool:
+        """Natively under the same ZeRO stage and world size; between ZeRO-1 and ZeRO-2 of any world size through
+        DeepSpeed's universal checkpoint (`before_resume`). Measured here, universal checkpoints of ZeRO-3 either fail
+        to load (into ZeRO-2) or lose optimizer precision (1.4e-3 off after a step), so ZeRO-3 moves carry only the
+        consolidated weights over (a warm start)."""
+        if not super().resumes_exactly(saved):
+            return False
+        return self._same_layout(saved) or (saved["zero_stage"] in (1, 2) and self.engine.stage in (1, 2))
+
+    def before_resume(self, step_dir: Path, saved: Mapping[str, Any], output_dir: Path) -> str | None:
+        """Convert a ZeRO-1/2 checkpoint of another world size or stage into DeepSpeed's universal format (main
+        process, once, into output_dir/universal/), and tell the engine to load that format."""
+        if not self.resumes_exactly(saved) or self._same_layout(saved):
+            return None
+        accelerator, stage, world_size = self.engine.accelerator, self.engine.stage, self.engine.launch.world_size
+        target = output_dir / "universal" / step_dir.name
+        failed = target.with_name(target.name + ".failed")  # how the other ranks learn that rank 0's conversion failed
+        if accelerator.is_main_process and not target.exists():
+            tmp = target.with_name(target.name + ".tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            failed.unlink(missing_ok=True)
+            tmp.parent.mkdir(parents=True, exist_ok=True)
+            convert = subprocess.run(
+                [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                 str(step_dir / self.folder / TAG), "--output_folder", str(tmp),
+                 "--num_extract_workers", "1", "--num_merge_workers", "1", "--inject_missing_state"],
+                capture_output=True, text=True)
+            if convert.returncode == 0:
+                tmp.rename(target)
+            else:
+                failed.write_text((convert.stderr.strip().splitlines() or ["?"])[-1])
+        accelerator.wait_for_everyone()
+        if failed.exists():
+            raise ConfigError([Problem(f"DeepSpeed could not convert {step_dir} to a universal checkpoint: "
+                                       f"{failed.read_text()}", "--resume",
+                                       "resume under the ZeRO stage and process count it was saved with")])
+        accelerator.state.deepspeed_plugin.deepspeed_config["checkpoint"] = {"load_universal": True}
+        self.universal = target
+        return (f"resuming a ZeRO-{saved['zero_stage']} checkpoint of {saved['world_size']} process(es) as "
+                f"ZeRO-{stage} on {world_size}: converted to DeepSpeed's universal checkpoint "
+                f"({target}), optimizer state kept")
+
+    @classmethod
+    def load_weights(cls, model: torch.nn.Module, step_dir: Path) -> None:
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        load_trained_weights(model, get_fp32_state_dict_from_zero_checkpoint(str(step_dir / cls.folder), tag=TAG,
+                                                                              exclude_frozen_parameters=True))
 
 
 class DeepSpeed(Strategy):
     """DeepSpeed's engine with the ZeRO stage, offload and precision of the resolved JSON."""
 
     name = "deepspeed"
-    checkpoint_format = "deepspeed"
-    state_dir = "deepspeed"
+    format = DeepSpeedFormat
 
     def __init__(self, launch: Launch, cfg: TrainConfig, sources: Mapping[str, str],
                  recipe: Recipe | None = None) -> None:
@@ -54,7 +129,6 @@ class DeepSpeed(Strategy):
         self.resolved = resolve(launch, cfg, sources)
         self.config = self.resolved.config  # the filled JSON that the engine gets
         self.notes += self.resolved.notes
-        self._universal: Path | None = None  # set by before_resume when a checkpoint was converted
 
     @classmethod
     def selects(cls, launch: Launch, cfg: TrainConfig) -> bool:
@@ -260,71 +334,6 @@ class DeepSpeed(Strategy):
             yield
         finally:
             set_hf_deepspeed_config(self.accelerator.state.deepspeed_plugin.dschf)
-
-    # --- checkpoint format: DeepSpeed's own -------------------------------------------------------------------------
-
-    def save_state(self, folder: Path) -> None:
-        # the frozen parameters stay out, as in dcp_format.trained_state: build_model makes them again
-        self.model.save_checkpoint(str(folder / self.state_dir), tag=TAG, save_latest=False,
-                                   exclude_frozen_parameters=True)
-
-    def load_state(self, folder: Path) -> None:
-        load_dir, tag = ((self._universal.parent, self._universal.name) if self._universal
-                         else (folder / self.state_dir, TAG))
-        self.model.load_checkpoint(str(load_dir), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=False,
-                                   load_module_strict=all(p.requires_grad for p in self.model.parameters()))
-
-    def _same_layout(self, saved: Mapping[str, Any]) -> bool:
-        return saved["zero_stage"] == self.stage and saved["world_size"] == self.launch.world_size
-
-    def resumes_exactly(self, saved: Mapping[str, Any]) -> bool:
-        """Natively under the same ZeRO stage and world size; between ZeRO-1 and ZeRO-2 of any world size through
-        DeepSpeed's universal checkpoint (`before_resume`). Measured here, universal checkpoints of ZeRO-3 either fail
-        to load (into ZeRO-2) or lose optimizer precision (1.4e-3 off after a step), so ZeRO-3 moves carry only the
-        consolidated weights over (a warm start)."""
-        if saved["format"] != self.checkpoint_format:
-            return False
-        return self._same_layout(saved) or (saved["zero_stage"] in (1, 2) and self.stage in (1, 2))
-
-    def before_resume(self, folder: Path, saved: Mapping[str, Any], output_dir: Path) -> str | None:
-        """Convert a ZeRO-1/2 checkpoint of another world size or stage into DeepSpeed's universal format (main
-        process, once, into output_dir/universal/), and tell the engine to load that format."""
-        if not self.resumes_exactly(saved) or self._same_layout(saved):
-            return None
-        accelerator = self.accelerator
-        target = output_dir / "universal" / folder.name
-        failed = target.with_name(target.name + ".failed")  # how the other ranks learn that rank 0's conversion failed
-        if accelerator.is_main_process and not target.exists():
-            tmp = target.with_name(target.name + ".tmp")
-            shutil.rmtree(tmp, ignore_errors=True)
-            failed.unlink(missing_ok=True)
-            tmp.parent.mkdir(parents=True, exist_ok=True)
-            convert = subprocess.run(
-                [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-                 str(folder / self.state_dir / TAG), "--output_folder", str(tmp),
-                 "--num_extract_workers", "1", "--num_merge_workers", "1", "--inject_missing_state"],
-                capture_output=True, text=True)
-            if convert.returncode == 0:
-                tmp.rename(target)
-            else:
-                failed.write_text((convert.stderr.strip().splitlines() or ["?"])[-1])
-        accelerator.wait_for_everyone()
-        if failed.exists():
-            raise ConfigError([Problem(f"DeepSpeed could not convert {folder} to a universal checkpoint: "
-                                       f"{failed.read_text()}", "--resume",
-                                       "resume under the ZeRO stage and process count it was saved with")])
-        accelerator.state.deepspeed_plugin.deepspeed_config["checkpoint"] = {"load_universal": True}
-        self._universal = target
-        return (f"resuming a ZeRO-{saved['zero_stage']} checkpoint of {saved['world_size']} process(es) as "
-                f"ZeRO-{self.stage} on {self.launch.world_size}: converted to DeepSpeed's universal checkpoint "
-                f"({target}), optimizer state kept")
-
-    @classmethod
-    def load_weights(cls, model: torch.nn.Module, folder: Path) -> None:
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-        load_trained_weights(model, get_fp32_state_dict_from_zero_checkpoint(str(folder / cls.state_dir), tag=TAG,
-                                                                              exclude_frozen_parameters=True))
 
 
 @functools.cache

@@ -62,11 +62,26 @@ from trainkit.strategies.tp_plan import plan_problems, tp_layers
 STAGES_PER_PROCESS = {"gpipe": 1, "1f1b": 1, "interleaved": 2}
 
 
+class PipelineDCP(dcp_format.DCP):
+    """torch.distributed.checkpoint of the stages under the whole model's parameter names, which every strategy's
+    DCP format reads (the names are the engine's, made when it prepared the stages)."""
+
+    name = "dcp_pipeline"
+
+    def save(self, step_dir) -> None:
+        engine = self.engine
+        dcp_format.save_renamed(engine.model, engine.optimizer.optimizer, engine.names, step_dir / self.folder)
+
+    def load(self, step_dir) -> None:
+        engine = self.engine
+        dcp_format.load_renamed(engine.model, engine.optimizer.optimizer, engine.names, step_dir / self.folder)
+
+
 class Pipeline(Strategy):
     """Stages over point-to-point sends (NCCL or gloo), each replicated, sharded or cut by the rest of the mesh."""
 
     name = "pipeline"
-    checkpoint_format = "dcp_pipeline"
+    format = PipelineDCP
     splits_model = True
 
     def __init__(self, launch: Launch, cfg: TrainConfig, sources: Mapping[str, str],
@@ -209,7 +224,7 @@ class Pipeline(Strategy):
                           f"{self.cfg.pipeline_schedule} with {self.cfg.grad_accum} micro-batch(es) per step; this "
                           f"process runs stage(s) {', '.join(map(str, mine))}")
         shared = shared_groups(every, self.model, self.mesh.mesh.reshape(self.stages, -1), self.pp_rank)
-        self._names = full_names(model, self.model)
+        self.names = full_names(model, self.model)
         self.full_model = model
         release_others(model, self.model)  # this process holds only its stages' weights from here on
         self._parallelize_stages(model)
@@ -371,20 +386,12 @@ class Pipeline(Strategy):
         """None: generating needs the whole model in one process (the plan said so in a note)."""
         return []
 
-    # --- checkpoints: torch.distributed.checkpoint under the whole model's parameter names ---------------------
-
-    def save_state(self, folder) -> None:
-        dcp_format.save_renamed(self.model, self.optimizer.optimizer, self._names, folder / self.state_dir)
-
-    def load_state(self, folder) -> None:
-        dcp_format.load_renamed(self.model, self.optimizer.optimizer, self._names, folder / self.state_dir)
-
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every stage's weights gathered on the main process, under the whole model's names."""
         local = {}
         for name, value in self.model.state_dict().items():  # sharded or cut: made whole (a collective per tensor)
             tensor = whole(value).detach().cpu()
-            local.update({alias: tensor for alias in self._names[name]})
+            local.update({alias: tensor for alias in self.names[name]})
         gathered: list[dict | None] = [None] * self.stages
         sends = self.data_parallel_rank == 0 and self.tp_rank == 0  # one copy of each stage
         dist.all_gather_object(gathered, local if sends else {}, group=self.pp_group)
