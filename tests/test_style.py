@@ -1,7 +1,9 @@
-"""The code stays as pyproject.toml's ruff settings say: line length, import order, no unused or undefined names."""
+"""The code stays as pyproject.toml's ruff settings say (line length, import order, no unused or undefined names), and
+readable in pieces: no module of the package, train.py or a recipe over 400 lines, no function over 60."""
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 
@@ -12,3 +14,13 @@ def test_ruff_finds_nothing():
     done = subprocess.run([sys.executable, "-m", "ruff", "check", "--output-format", "concise", "."], cwd=ROOT,
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_no_module_over_400_lines_and_no_function_over_60():
+    files = [ROOT / "train.py", *sorted((ROOT / "trainkit").rglob("*.py")), *sorted((ROOT / "recipes").glob("*.py"))]
+    long = [f"{f.relative_to(ROOT)}: {f.read_text().count(chr(10))} lines" for f in files
+            if f.read_text().count("\n") > 400]
+    long += [f"{f.relative_to(ROOT)}:{node.lineno} {node.name}: {node.end_lineno - node.lineno + 1} lines"
+             for f in files for node in ast.walk(ast.parse(f.read_text()))
+             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno - node.lineno >= 60]
+    assert len(files) > 40 and not long, "\n".join(long)

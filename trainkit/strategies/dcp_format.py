@@ -73,6 +73,21 @@ class DCP(CheckpointFormat):
         load_weights(model, step_dir / cls.folder)
 
 
+class PipelineDCP(DCP):
+    """torch.distributed.checkpoint of a pipeline's stages under the whole model's parameter names, which every
+    strategy's DCP format reads (the names are the engine's, made when it prepared the stages)."""
+
+    name = "dcp_pipeline"
+
+    def save(self, step_dir: Path) -> None:
+        engine = self.engine
+        save_renamed(engine.model, engine.optimizer.optimizer, engine.names, step_dir / self.folder)
+
+    def load(self, step_dir: Path) -> None:
+        engine = self.engine
+        load_renamed(engine.model, engine.optimizer.optimizer, engine.names, step_dir / self.folder)
+
+
 def _raw(optimizer):
     """The torch optimizer inside Accelerate's wrapper."""
     return getattr(optimizer, "optimizer", optimizer)

@@ -62,26 +62,11 @@ from trainkit.strategies.tp_plan import plan_problems, tp_layers
 STAGES_PER_PROCESS = {"gpipe": 1, "1f1b": 1, "interleaved": 2}
 
 
-class PipelineDCP(dcp_format.DCP):
-    """torch.distributed.checkpoint of the stages under the whole model's parameter names, which every strategy's
-    DCP format reads (the names are the engine's, made when it prepared the stages)."""
-
-    name = "dcp_pipeline"
-
-    def save(self, step_dir) -> None:
-        engine = self.engine
-        dcp_format.save_renamed(engine.model, engine.optimizer.optimizer, engine.names, step_dir / self.folder)
-
-    def load(self, step_dir) -> None:
-        engine = self.engine
-        dcp_format.load_renamed(engine.model, engine.optimizer.optimizer, engine.names, step_dir / self.folder)
-
-
 class Pipeline(Strategy):
     """Stages over point-to-point sends (NCCL or gloo), each replicated, sharded or cut by the rest of the mesh."""
 
     name = "pipeline"
-    format = PipelineDCP
+    format = dcp_format.PipelineDCP
     splits_model = True
 
     def __init__(self, launch: Launch, cfg: TrainConfig, sources: Mapping[str, str],
