@@ -6,7 +6,8 @@
 Reads top to bottom: plan (trainkit/plan.py: everything that can be checked before a model exists; --dry_run and
 --estimate stop there) -> build (the Accelerator, data, model and optimizer, a resumed checkpoint) -> loop (one
 optimizer step per iteration: trainkit/step.py) -> finish (final/ and the summary line). The strategies live in
-trainkit/strategies/, one module each: nothing here knows which one runs.
+trainkit/strategies/, one module each (the plan holds the strategy; build makes its engine): nothing here knows which
+one runs.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from trainkit.plan import Plan, estimate_report, make_plan
 from trainkit.process import end_process, keep_until_exit, lost_contact
 from trainkit.quiet import silence_library_noise
 from trainkit.step import train_step
-from trainkit.strategies import Strategy
+from trainkit.strategies import Engine
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,9 +91,9 @@ def refuse(error: ConfigError | TrainingError) -> int:
 
 @dataclass
 class Run:
-    """What build() made; the strategy holds the prepared model, optimizer and schedule."""
+    """What build() made; the engine holds the prepared model, optimizer and schedule."""
 
-    strategy: Strategy
+    engine: Engine
     resolved: dict[str, Any]  # resolved_config.json: the plan's, with the machine's threads and peak
     checkpointer: Checkpointer
     stream: TrainStream
@@ -108,14 +109,15 @@ class Run:
 
 
 def build(plan: Plan) -> Run:
-    options, cfg, recipe, strategy = plan.options, plan.cfg, plan.recipe, plan.strategy
-    accelerator = strategy.build_accelerator(options.output_dir, options.report_to)
-    keep_until_exit(strategy)  # freeing its process groups can hang a launched rank (trainkit/process.py)
+    options, cfg, recipe = plan.options, plan.cfg, plan.recipe
+    engine = plan.strategy.engine(plan.strategy)
+    accelerator = engine.build_accelerator(options.output_dir, options.report_to)
+    keep_until_exit(engine)  # freeing its process groups can hang a launched rank (trainkit/process.py)
     if (leak := exposed_secrets(os.environ, accelerator.is_local_main_process)) and accelerator.is_main_process:
         print(f"warning: {leak}", file=sys.stderr, flush=True)
     compute = Compute.set_up(accelerator, plan.launch.mixed_precision, options.peak_flops, options.cache_dir)
     resolved = compute.resolved(plan.resolved)  # the threads and peak of the machine it runs on
-    notes = [*plan.notes, *compute.notes()]  # said once, after the strategy's own
+    notes = [*plan.notes, *compute.notes()]  # said once, after the strategy's and the engine's own
     if accelerator.is_main_process:
         if options.overwrite:  # asked for explicitly: the earlier run's outputs go
             clear_outputs(options.output_dir)
@@ -125,16 +127,16 @@ def build(plan: Plan) -> Run:
     accelerator.init_trackers("train", config={k: v for k, v in resolved.items() if isinstance(v, (int, float, str))})
     with accelerator.local_main_process_first():  # one process per machine builds the data caches
         train_set, eval_set = recipe.make_datasets(cfg, options.cache_dir)
-    layout = BatchLayout(cfg.batch_size, cfg.grad_accum, strategy.data_parallel_rank, strategy.data_parallel_size)
+    layout = BatchLayout(cfg.batch_size, cfg.grad_accum, engine.data_parallel_rank, engine.data_parallel_size)
     held_out, note = split_layouts(layout, len(train_set), len(eval_set))  # refuses splits too small
     notes += [note] if note else []
     set_seed(cfg.seed)  # the same initial weights on every rank and in a one-process run
     model = recipe.make_model(cfg)
-    checkpointer = Checkpointer(strategy, options.output_dir, options.keep_last)
+    checkpointer = Checkpointer(engine, options.output_dir, options.keep_last)
     if plan.resume and (note := checkpointer.before_prepare(plan.resume, model)):
         notes.append(note)
-    strategy.prepare(model, build_optimizer, build_scheduler)
-    run = Run(strategy, resolved, checkpointer, TrainStream(train_set, layout, cfg.seed), eval_set, layout, held_out,
+    engine.prepare(model, build_optimizer, build_scheduler)
+    run = Run(engine, resolved, checkpointer, TrainStream(train_set, layout, cfg.seed), eval_set, layout, held_out,
               compute.peak.flops)
     if plan.resume:
         checkpointer.load(plan.resume)  # last: it restores this rank's RNG
@@ -142,26 +144,26 @@ def build(plan: Plan) -> Run:
         run.stream.seek(saved["epoch"], saved["batch_in_epoch"])
         run.step, run.skipped_steps = saved["step"], saved["skipped_steps"]
         notes.append(f"resumed from {plan.resume.path} at step {run.step}")
-    for note in [*strategy.notes, *notes] if accelerator.is_main_process else []:
+    for note in [*plan.strategy.notes, *engine.notes, *notes] if accelerator.is_main_process else []:
         print(f"note: {note}", file=sys.stderr)
     return run
 
 
 def loop(plan: Plan, run: Run) -> str | None:
     """Train to --max_steps (or --stop_at); returns what stopped it early (a signal's name, --stop_at) or None."""
-    cfg, options, strategy = plan.cfg, plan.options, run.strategy
-    device = strategy.accelerator.device
-    log = MetricsLog(strategy.accelerator, options.output_dir, cfg.max_steps, initial_step=run.step)
-    tokens, peak, processes = plan.recipe.tokens_per_sample(cfg), run.peak_flops, strategy.accelerator.num_processes
+    cfg, options, engine = plan.cfg, plan.options, run.engine
+    device = engine.accelerator.device
+    log = MetricsLog(engine.accelerator, options.output_dir, cfg.max_steps, initial_step=run.step)
+    tokens, peak, processes = plan.recipe.tokens_per_sample(cfg), run.peak_flops, engine.accelerator.num_processes
     throughput, finite, signal = Throughput(), FiniteCheck(fp16=plan.launch.mixed_precision == "fp16"), StopSignal()
     held = 0  # model-state bytes: every tensor walked once, after the first step made the optimizer states
     stopped_by, first, started = None, run.step, time.perf_counter()
     for step in range(run.step + 1, min(cfg.max_steps, options.stop_at or cfg.max_steps) + 1):
-        result = train_step(strategy, step, run.stream.next_global_batch(), plan.recipe.compute_loss, finite,
+        result = train_step(engine, step, run.stream.next_global_batch(), plan.recipe.compute_loss, finite,
                                      signal.requested)
         run.step, run.skipped_steps = step, run.skipped_steps + result.skipped
         samples_per_s = throughput.lap(run.layout.global_batch)
-        held = held or state_bytes(strategy.state_tensors())
+        held = held or state_bytes(engine.state_tensors())
         run.record = {"step": step, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
                       "samples_per_s": samples_per_s,
                       # per process: the global batch's FLOPs over every process's peak (all processes, also those
@@ -173,8 +175,8 @@ def loop(plan: Plan, run: Run) -> str | None:
             run.record["tokens_per_s"] = samples_per_s * tokens
         if step == cfg.max_steps or (cfg.eval_every and step % cfg.eval_every == 0):
             batches = eval_batches(run.eval_set, run.eval_layout, cfg.eval_batches)
-            run.record.update(strategy.evaluate(batches, plan.recipe.compute_loss, plan.recipe.eval_metrics))
-            log.answers(step, strategy.generate(plan.recipe.generate, run.eval_set))
+            run.record.update(engine.evaluate(batches, plan.recipe.compute_loss, plan.recipe.eval_metrics))
+            log.answers(step, engine.generate(plan.recipe.generate, run.eval_set))
         log.step(run.record)
         if result.stop or step == options.stop_at:
             stopped_by = signal.name or "--stop_at"
@@ -189,19 +191,19 @@ def loop(plan: Plan, run: Run) -> str | None:
 
 def finish(plan: Plan, run: Run, stopped_by: str | None) -> int:
     """final/ and the summary line; after a stop, only where to continue from."""
-    accelerator = run.strategy.accelerator
+    accelerator = run.engine.accelerator
     if stopped_by:
         accelerator.end_training()
         if accelerator.is_main_process:
             print(f"stopped after step {run.step} ({stopped_by}); checkpoint in "
                   f"{run.checkpointer.root / f'step_{run.step}'}; continue with --resume latest")
         return 0
-    final = export_final(run.strategy, plan.recipe, plan.cfg, plan.options.cache_dir, plan.options.output_dir)
+    final = export_final(run.engine, plan.recipe, plan.cfg, plan.options.cache_dir, plan.options.output_dir)
     accelerator.end_training()
     if accelerator.is_main_process:
         extra = plan.recipe.summary(plan.cfg, plan.options.cache_dir)
         print(summary_line(run.record, run.steps_trained, run.seconds, extra, final))
-        if report := run.strategy.report():
+        if report := run.engine.report():
             print(report)
     return 0
 

@@ -53,8 +53,8 @@ def measure(argv: list[str], report: Path) -> None:
     silence_library_noise()
     plan = make_plan(*parse_command_line(argv))
     run = train.build(plan)
-    strategy, cfg = run.strategy, plan.cfg
-    accelerator, model, loss_fn = strategy.accelerator, strategy.model, plan.recipe.compute_loss
+    engine, cfg = run.engine, plan.cfg
+    accelerator, model, loss_fn = engine.accelerator, engine.model, plan.recipe.compute_loss
     log = MetricsLog(accelerator, plan.options.output_dir, cfg.max_steps, initial_step=0)
     finite = FiniteCheck(fp16=False)
 
@@ -62,26 +62,26 @@ def measure(argv: list[str], report: Path) -> None:
 
     def trainkit_step() -> None:  # train.py's loop body, less its evaluation and checkpoint branches
         step = next(trainkit_steps)
-        result = train_step(strategy, step, run.stream.next_global_batch(), loss_fn, finite, False)
+        result = train_step(engine, step, run.stream.next_global_batch(), loss_fn, finite, False)
         log.step({"step": step, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
                   "peak_mem_bytes": peak_memory_bytes(accelerator.device), "elapsed_s": process_seconds()})
 
     def loop_step() -> None:  # bench/peers/accelerate_loop.py's body, on trainkit's next batch
-        batch = strategy.cast_batch(run.stream.next_global_batch()[0])
+        batch = engine.cast_batch(run.stream.next_global_batch()[0])
         with accelerator.accumulate(model):
             accelerator.backward(loss_fn(model, batch))
             if accelerator.sync_gradients:
                 accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-            strategy.optimizer.step()
-            strategy.scheduler.step()
-            strategy.optimizer.zero_grad(set_to_none=False)  # as trainkit: the gradient buffers stay allocated
+            engine.optimizer.step()
+            engine.scheduler.step()
+            engine.optimizer.zero_grad(set_to_none=False)  # as trainkit: the gradient buffers stay allocated
 
     def bare_step() -> None:  # bench/peers/torch_loop.py's body, without Accelerate's wrappers (one process only)
-        raw_model, raw_optimizer = strategy.unwrapped_model, strategy.optimizer.optimizer
+        raw_model, raw_optimizer = engine.unwrapped_model, engine.optimizer.optimizer
         loss_fn(raw_model, run.stream.next_global_batch()[0]).backward()
         torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.max_grad_norm)
         raw_optimizer.step()
-        strategy.scheduler.scheduler.step()
+        engine.scheduler.scheduler.step()
         raw_optimizer.zero_grad(set_to_none=False)
 
     steps = {"trainkit": trainkit_step, "loop": loop_step, **({"bare": bare_step} if accelerator.num_processes == 1

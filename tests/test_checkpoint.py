@@ -353,12 +353,12 @@ def test_each_format_has_one_name_and_the_deepspeed_one_says_which_moves_it_rest
     from trainkit.strategies import REGISTRY, for_format
     from trainkit.strategies.deepspeed import DeepSpeedFormat
 
-    formats = {cls.format for cls in REGISTRY}
+    formats = {cls.engine.format for cls in REGISTRY}
     assert len({f.name for f in formats}) == len(formats) and len({f.folder for f in formats}) == 2
     assert all(for_format(f.name) is f for f in formats)
 
     def restores(stage, world_size, saved_stage, saved_world_size, saved_format="deepspeed"):
-        engine = SimpleNamespace(stage=stage, launch=SimpleNamespace(world_size=world_size))
+        engine = SimpleNamespace(strategy=SimpleNamespace(stage=stage), launch=SimpleNamespace(world_size=world_size))
         return DeepSpeedFormat(engine).resumes_exactly(
             {"format": saved_format, "zero_stage": saved_stage, "world_size": saved_world_size})
 

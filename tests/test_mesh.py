@@ -122,7 +122,7 @@ def test_one_training_step_calls_the_engine_in_order(monkeypatch):
     answers["agree"] = (2.0, False, 1.0, [])
     assert train_step(Engine(), 3, [None], None, FiniteCheck(fp16=False), False).loss == 2.0
     assert calls[-2:] == ["optimizer_step", "step_metrics"]
-    assert strategy_of("deepspeed_zero2").owns_step and not strategy_of("fsdp").owns_step
+    assert strategy_of("deepspeed_zero2").engine.owns_step and not strategy_of("fsdp").engine.owns_step
 
 
 def test_a_new_dimension_is_a_field_and_its_place_in_the_order():

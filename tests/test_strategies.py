@@ -92,8 +92,8 @@ def most_demanding_of_each(key, names: list[str]) -> list[str]:
 # is the checkpoint format each strategy writes. Exact resume is checked under every config with the MLP (and the
 # transformer for the model-splitting ones, tests/test_tensor_parallel.py, tests/test_pipeline.py); with dropout and
 # with the zoo's models, once per checkpoint format, under its most demanding config.
-PER_FORMAT = most_demanding_of_each(lambda s: s.format.name, sorted(LAUNCHES))
-ZOO_PER_FORMAT = most_demanding_of_each(lambda s: s.format.name, CONFIGS)
+PER_FORMAT = most_demanding_of_each(lambda s: s.engine.format.name, sorted(LAUNCHES))
+ZOO_PER_FORMAT = most_demanding_of_each(lambda s: s.engine.format.name, CONFIGS)
 
 
 def dropout_args(name: str) -> list[str]:

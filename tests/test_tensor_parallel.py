@@ -230,6 +230,7 @@ def test_gradient_clipping_and_adamw_over_parameters_on_different_meshes():
     plain.load_state_dict(model.state_dict())
     one = dataclasses.replace(shipped_configs()["tp"], world_size=1, parallelism={"tp": 1})
     strategy = Mesh(one, cfg, {})
+    strategy = strategy.engine(strategy)  # the engine, built by hand: a fake Accelerator, the model below
     strategy.accelerator = type("Accelerator", (), {"unscale_gradients": lambda self: None})()
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:

@@ -32,7 +32,7 @@ from trainkit.config import TrainConfig, config_dict
 from trainkit.errors import ConfigError, Problem, TrainingError, said, write_failure
 from trainkit.process import lost_contact
 from trainkit.recipes import Recipe
-from trainkit.strategies import Strategy, for_format
+from trainkit.strategies import Engine, for_format
 
 
 def _rng_state() -> dict[str, Any]:
@@ -74,12 +74,12 @@ class Found:
 
 
 class Checkpointer:
-    """Saves and restores training state under the run's strategy (see the module docstring for the layout)."""
+    """Saves and restores training state under the run's engine (see the module docstring for the layout)."""
 
-    def __init__(self, strategy: Strategy, output_dir: Path, keep_last: int):
-        self.strategy = strategy
-        self.format = strategy.format(strategy)  # the model + optimizer part of every step folder
-        self.accelerator = strategy.accelerator
+    def __init__(self, engine: Engine, output_dir: Path, keep_last: int):
+        self.engine = engine
+        self.format = engine.format(engine)  # the model + optimizer part of every step folder
+        self.accelerator = engine.accelerator
         self.output_dir = output_dir
         self.root = output_dir / "checkpoints"
         self.keep_last = keep_last
@@ -103,7 +103,7 @@ class Checkpointer:
                 state = {
                     "format": self.format.name, "step": step, "epoch": position[0],
                     "batch_in_epoch": position[1], "skipped_steps": skipped_steps,
-                    "scheduler": self.strategy.scheduler.state_dict(),
+                    "scheduler": self.engine.scheduler.state_dict(),
                     "scaler": acc.scaler.state_dict() if acc.scaler is not None else None,
                     "strategy": resolved["strategy"], "world_size": resolved["world_size"],
                     "zero_stage": resolved["zero_stage"], "resolved_config": resolved,
@@ -154,7 +154,7 @@ class Checkpointer:
 
     def load(self, found: Found) -> None:
         """After prepare: model and optimizer (when exact), scheduler, loss scaler, and this rank's RNG last."""
-        acc, strategy = self.accelerator, self.strategy
+        acc, engine = self.accelerator, self.engine
         if self.format.resumes_exactly(found.state):
             try:
                 self.format.load(found.path)
@@ -166,7 +166,7 @@ class Checkpointer:
                 raise TrainingError(f"could not load checkpoint {found.path}: {said(e)}",
                                     f"resume from an older one (--resume {older[0]})" if older else
                                     "start again (--overwrite)") from None
-        strategy.scheduler.load_state_dict(found.state["scheduler"])
+        engine.scheduler.load_state_dict(found.state["scheduler"])
         if acc.scaler is not None and found.state["scaler"]:
             acc.scaler.load_state_dict(found.state["scaler"])
         rng_file = found.path / "rng" / f"rank_{acc.process_index}.pt"
@@ -372,21 +372,21 @@ def clear_outputs(output_dir: Path) -> None:
         (output_dir / name).unlink(missing_ok=True)
 
 
-def export_final(strategy: Strategy, recipe: Recipe, cfg: TrainConfig, cache_dir: Path, output_dir: Path) -> Path:
+def export_final(engine: Engine, recipe: Recipe, cfg: TrainConfig, cache_dir: Path, output_dir: Path) -> Path:
     """Consolidated weights in output_dir/final, whatever the strategy; written by the main process only.
 
     Gathering the full state dict is a collective (every rank calls this). The folder is written under a temporary
     name and renamed, so `final/` is never half-written.
     """
-    accelerator = strategy.accelerator
-    state_dict = strategy.full_state_dict()
+    accelerator = engine.accelerator
+    state_dict = engine.full_state_dict()
     final = output_dir / "final"
     if accelerator.is_main_process:
         tmp = output_dir / "final.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-        with strategy.building_alone():
-            recipe.export(strategy.unwrapped_model, state_dict, cfg, cache_dir, tmp)
+        with engine.building_alone():
+            recipe.export(engine.unwrapped_model, state_dict, cfg, cache_dir, tmp)
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
     accelerator.wait_for_everyone()

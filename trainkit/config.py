@@ -55,7 +55,7 @@ class TrainConfig:
     # Where stages start, as layer indices ("2" or "1,3"); empty: cut where the stages' parameter counts balance.
     pipeline_split: str = ""
     # torch.compile (inductor) on the model's repeated blocks, or the whole model where it declares none
-    # (trainkit/strategies/base.py, Strategy.compile_model); a strategy it does not work under refuses it at plan time.
+    # (trainkit/strategies/engine.py, Engine.compile_model); a strategy it does not work under refuses it at plan time.
     compile: bool = False
 
     # What a resumed run may set anew (--resume restores every other field from the checkpoint and refuses a flag that

@@ -39,8 +39,8 @@ def _launched() -> bool:
     return "LOCAL_RANK" in os.environ
 
 
-def keep_until_exit(strategy: object) -> None:
-    """A launched rank never frees its strategy (the prepared model, optimizer and their process groups).
+def keep_until_exit(engine: object) -> None:
+    """A launched rank never frees its engine (the prepared model, optimizer and their process groups).
 
     After Accelerate's end_training has destroyed the process group, the DDP model's Reducer holds its last reference:
     freeing the model (when main() returns) runs ~ProcessGroupGloo from pybind11's dealloc, which keeps the GIL while it
@@ -49,7 +49,7 @@ def keep_until_exit(strategy: object) -> None:
     destructor pytorch/pytorch#56297 lists). end_process skips finalization, so what is kept here is never freed.
     """
     if _launched():
-        _KEPT.append(strategy)
+        _KEPT.append(engine)
 
 
 def end_process(code: int) -> NoReturn:

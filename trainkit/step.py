@@ -1,24 +1,24 @@
 """One optimizer step, as train.py's loop runs it under every strategy.
 
 Read top to bottom, the step of every engine that torch.distributed drives (one process, DDP, the FSDP2 / tensor-
-parallel mesh, the pipeline); where engines differ, the step calls the strategy (strategy.<method>):
+parallel mesh, the pipeline); where engines differ, the step calls the engine (engine.<method>, strategies/engine.py):
 
 1. every trainable parameter holds a gradient (zeros before its first use: the same optimizer state everywhere);
 2. each micro-batch's weight: its share of the global batch (1 each, unless the recipe weighs them by their
    learned tokens: loss_weights);
 3. forward and backward over this rank's micro-batches, gradients communicated once, on the last
-   (strategy.forward_backward: Accelerate's accumulate under DDP, FSDP2's set_requires_gradient_sync, the pipeline's
+   (engine.forward_backward: Accelerate's accumulate under DDP, FSDP2's set_requires_gradient_sync, the pipeline's
    schedule and its tied weights' sum);
 4. the gradient norm over the whole model, every shard, slice and stage, and the clip to max_grad_norm
-   (strategy.clip_grad_norm);
-5. one collective: the loss over the whole global batch (strategy.loss_holders: the ranks that compute one), whether
+   (engine.clip_grad_norm);
+5. one collective: the loss over the whole global batch (engine.loss_holders: the ranks that compute one), whether
    any rank was asked to stop, the engine's own numbers (a pipeline's idle time): agree;
 6. the finite checks: a non-finite loss or gradient norm stops the run before the optimizer step (guards.py);
 7. the optimizer and schedule step, and whether fp16's loss scaler skipped it (optimizer_step); then the engine's
-   own metrics (strategy.step_metrics).
+   own metrics (engine.step_metrics).
 
-DeepSpeed's engine owns its step (it clips and steps inside the last micro-batch's backward): its strategy says so
-(owns_step), and the step is its own (DeepSpeed.engine_step in strategies/deepspeed.py), made of the same
+DeepSpeed's engine owns its step (it clips and steps inside the last micro-batch's backward): it says so
+(owns_step), and the step is its own (ZeroEngine.engine_step in strategies/deepspeed.py), made of the same
 loss_weights, agree and optimizer_step.
 """
 
@@ -32,7 +32,7 @@ import torch
 from trainkit.guards import FiniteCheck
 
 if TYPE_CHECKING:
-    from trainkit.strategies.base import Strategy
+    from trainkit.strategies.engine import Engine
 
 __all__ = ["StepResult", "agree", "loss_weights", "optimizer_step", "train_step"]
 
@@ -42,67 +42,67 @@ class StepResult:
     """What one optimizer step reports to the loop."""
 
     loss: float  # mean over the whole global batch: every rank and micro-batch
-    grad_norm: float | None  # total norm before clipping; None when the strategy computes none
+    grad_norm: float | None  # total norm before clipping; None when the engine computes none
     lr: float  # the rate this step used
     skipped: bool  # fp16's loss scaler skipped the step
     stop: bool  # some rank was asked to stop (a signal): every rank stops after this step
-    extra: dict[str, Any] = field(default_factory=dict)  # the strategy's own metrics (a pipeline's idle time)
+    extra: dict[str, Any] = field(default_factory=dict)  # the engine's own metrics (a pipeline's idle time)
 
 
-def train_step(strategy: Strategy, step: int, micro_batches: list, loss_fn: Any, finite: FiniteCheck,
+def train_step(engine: Engine, step: int, micro_batches: list, loss_fn: Any, finite: FiniteCheck,
                stop_requested: bool) -> StepResult:
-    if strategy.owns_step:
-        return strategy.engine_step(step, micro_batches, loss_fn, finite, stop_requested)
-    strategy.hold_gradients()
-    weights = loss_weights(strategy, micro_batches)
-    loss, extra = strategy.forward_backward(step, micro_batches, weights, loss_fn)
-    norm = strategy.clip_grad_norm()
-    loss_value, stop, grad_norm, extra_sums = agree(strategy, loss, stop_requested, norm, extra)
+    if engine.owns_step:
+        return engine.engine_step(step, micro_batches, loss_fn, finite, stop_requested)
+    engine.hold_gradients()
+    weights = loss_weights(engine, micro_batches)
+    loss, extra = engine.forward_backward(step, micro_batches, weights, loss_fn)
+    norm = engine.clip_grad_norm()
+    loss_value, stop, grad_norm, extra_sums = agree(engine, loss, stop_requested, norm, extra)
     finite.loss(step, loss_value)
     finite.grad_norm(step, grad_norm)
-    result = optimizer_step(strategy, loss_value, grad_norm, stop)
-    result.extra.update(strategy.step_metrics(step, extra_sums))
+    result = optimizer_step(engine, loss_value, grad_norm, stop)
+    result.extra.update(engine.step_metrics(step, extra_sums))
     return result
 
 
-def loss_weights(strategy: Strategy, micro_batches: list) -> list[float]:
+def loss_weights(engine: Engine, micro_batches: list) -> list[float]:
     """The factor on each micro-batch's mean loss, 1 each unless the recipe weighs them (its loss_weight: the
     learned tokens a mean is over). Then micro-batch m's factor is w_m x A x D / N, with A micro-batches per
     rank, D data-parallel ranks and N the units of the whole global batch (one all-reduce, before the first
     forward): Accelerate's backward divides by A and the gradient reduction averages over D, so the step's
     gradient and loss are the sum over every unit divided by N, whatever the split."""
-    weigh = strategy.loss_weigher
+    weigh = engine.loss_weigher
     if weigh is None:
         return [1.0] * len(micro_batches)
-    local = [float(weigh(strategy.cfg, batch)) for batch in micro_batches]
-    total = strategy.accelerator.reduce(torch.tensor([sum(local)], device=strategy.accelerator.device), "sum").item()
-    total *= strategy.data_parallel_size / strategy.accelerator.num_processes  # ranks that share a batch count it once
-    return [w * len(micro_batches) * strategy.data_parallel_size / total if total else 0.0 for w in local]
+    local = [float(weigh(engine.cfg, batch)) for batch in micro_batches]
+    total = engine.accelerator.reduce(torch.tensor([sum(local)], device=engine.accelerator.device), "sum").item()
+    total *= engine.data_parallel_size / engine.accelerator.num_processes  # ranks that share a batch count it once
+    return [w * len(micro_batches) * engine.data_parallel_size / total if total else 0.0 for w in local]
 
 
-def agree(strategy: Strategy, loss: torch.Tensor, stop_requested: bool, grad_norm: torch.Tensor | None = None,
+def agree(engine: Engine, loss: torch.Tensor, stop_requested: bool, grad_norm: torch.Tensor | None = None,
           extra: torch.Tensor | None = None) -> tuple[float, bool, float | None, list[float]]:
     """The mean loss over the ranks that hold one, whether any rank asked to stop, and the sum over all ranks of
-    a strategy's own numbers (`extra`): one collective, then one transfer to the host that also brings the
+    an engine's own numbers (`extra`): one collective, then one transfer to the host that also brings the
     gradient norm."""
     parts = [loss.reshape(1), torch.tensor([float(stop_requested)], device=loss.device)]
-    summed = strategy.accelerator.reduce(torch.cat(parts if extra is None else [*parts, extra]), "sum")
+    summed = engine.accelerator.reduce(torch.cat(parts if extra is None else [*parts, extra]), "sum")
     values = torch.cat([summed, grad_norm.detach().reshape(1).float()]) if grad_norm is not None else summed
     numbers = values.tolist()
     end = len(summed)
-    return (numbers[0] / strategy.loss_holders, numbers[1] > 0, numbers[end] if grad_norm is not None else None,
+    return (numbers[0] / engine.loss_holders, numbers[1] > 0, numbers[end] if grad_norm is not None else None,
             numbers[2:end])
 
 
-def optimizer_step(strategy: Strategy, loss: float, grad_norm: float | None, stop: bool) -> StepResult:
+def optimizer_step(engine: Engine, loss: float, grad_norm: float | None, stop: bool) -> StepResult:
     """The optimizer and schedule step; whether fp16's scaler skipped it: under torch's GradScaler the scale halves
-    exactly when it found an overflow and skipped (strategy.step_was_skipped where another library scales).
+    exactly when it found an overflow and skipped (engine.step_was_skipped where another library scales).
     Gradient buffers are kept (zeroed): state_bytes counts them as held."""
-    lr = strategy.scheduler.get_last_lr()[0]
-    scaler = strategy.accelerator.scaler
+    lr = engine.scheduler.get_last_lr()[0]
+    scaler = engine.accelerator.scaler
     scale = scaler.get_scale() if scaler is not None else None
-    strategy.optimizer.step()
-    skipped = scaler.get_scale() < scale if scaler is not None else strategy.step_was_skipped()
-    strategy.scheduler.step()
-    strategy.optimizer.zero_grad(set_to_none=False)
+    engine.optimizer.step()
+    skipped = scaler.get_scale() < scale if scaler is not None else engine.step_was_skipped()
+    engine.scheduler.step()
+    engine.optimizer.zero_grad(set_to_none=False)
     return StepResult(loss, grad_norm, lr, skipped, stop)

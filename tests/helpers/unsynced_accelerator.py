@@ -15,7 +15,8 @@ from trainkit.strategies import for_launch
 
 accelerator = Accelerator()
 try:
-    built.verify(accelerator, for_launch(Launch.from_env(), TrainConfig(), {}))
+    strategy = for_launch(Launch.from_env(), TrainConfig(), {})
+    built.verify(accelerator, strategy.engine(strategy))
 except ConfigError as e:
     print("\n".join(f"error: {line}" for line in e.lines()), file=sys.stderr)
     sys.exit(2)

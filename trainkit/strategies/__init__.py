@@ -1,6 +1,7 @@
 """The distributed strategies, one module each, and the registry that picks one for a launch.
 
-    base.py         the interface (Strategy)
+    base.py         the interface at plan time (Strategy): checks, resolved fields, labels, the estimate
+    engine.py       what a strategy builds and runs (Engine): the Accelerator, prepare, the step's points
     dcp_format.py   the checkpoint format's interface, and torch.distributed.checkpoint's format
     dims.py         the one device mesh: the sizes of (pp, dp_replicate, dp_shard, tp)
     parallelize.py  applying it to a model or a stage: tensor parallel, checkpointing, compile, FSDP2, in that order
@@ -24,13 +25,14 @@ from trainkit.strategies.base import Strategy
 from trainkit.strategies.dcp_format import CheckpointFormat
 from trainkit.strategies.ddp import DDP, Single
 from trainkit.strategies.deepspeed import DeepSpeed
+from trainkit.strategies.engine import Engine
 from trainkit.strategies.mesh import Mesh
 from trainkit.strategies.pipeline import Pipeline
 
 # Asked in this order, the most specific first: a pipeline runs on a data-parallel or FSDP launch (a YAML + flags).
 REGISTRY: tuple[type[Strategy], ...] = (Pipeline, DeepSpeed, Mesh, DDP, Single)
 
-__all__ = ["REGISTRY", "StepResult", "Strategy", "for_format", "for_launch", "shipped_strategies"]
+__all__ = ["REGISTRY", "Engine", "StepResult", "Strategy", "for_format", "for_launch", "shipped_strategies"]
 
 
 def for_launch(launch: Launch, cfg: TrainConfig, sources: Mapping[str, str], recipe: Recipe | None = None) -> Strategy:
@@ -44,7 +46,7 @@ def for_launch(launch: Launch, cfg: TrainConfig, sources: Mapping[str, str], rec
 
 def for_format(name: str) -> type[CheckpointFormat]:
     """The checkpoint format of this name (trainer_state.json's "format"), to read another strategy's weights."""
-    return next(cls.format for cls in REGISTRY if cls.format.name == name)
+    return next(cls.engine.format for cls in REGISTRY if cls.engine.format.name == name)
 
 
 def shipped_strategies() -> dict[str, Launch]:

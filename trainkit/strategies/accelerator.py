@@ -1,4 +1,4 @@
-"""The Accelerator a strategy runs under: built from what the strategy adds (its kwargs, handlers, the CPU flag), and
+"""The Accelerator an engine runs under: built from what the engine adds (its kwargs, handlers, the CPU flag), and
 refused unless Accelerate then does what the launch asked (N unsynchronised copies are the worst failure)."""
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ import torch
 from trainkit.errors import ConfigError, Problem
 
 
-def build(strategy: Any, output_dir: Path, report_to: list[str]) -> tuple[Any, list[str]]:
-    """(the verified Accelerator, notes to print) for `strategy` (a strategies/base.py Strategy)."""
+def build(engine: Any, output_dir: Path, report_to: list[str]) -> tuple[Any, list[str]]:
+    """(the verified Accelerator, notes to print) for `engine` (a strategies/engine.py Engine)."""
     from accelerate import Accelerator
     from accelerate.utils import GradScalerKwargs, InitProcessGroupKwargs
 
-    cfg, launch = strategy.cfg, strategy.launch
-    init = strategy.process_group_kwargs()
+    cfg, launch = engine.cfg, engine.launch
+    init = engine.process_group_kwargs()
     scaler = [GradScalerKwargs(init_scale=cfg.loss_scale)] if launch.mixed_precision == "fp16" else []
     accelerator = Accelerator(
         gradient_accumulation_steps=cfg.grad_accum,
@@ -25,11 +25,11 @@ def build(strategy: Any, output_dir: Path, report_to: list[str]) -> tuple[Any, l
         step_scheduler_with_optimizer=False,
         log_with=report_to or None,
         project_dir=str(output_dir),
-        kwargs_handlers=([InitProcessGroupKwargs(**init)] if init else []) + strategy.wrapper_kwargs() + scaler,
-        **strategy.accelerator_kwargs(),
+        kwargs_handlers=([InitProcessGroupKwargs(**init)] if init else []) + engine.wrapper_kwargs() + scaler,
+        **engine.accelerator_kwargs(),
     )
-    verify(accelerator, strategy)
-    return accelerator, [use_cpu_fp16(accelerator, cfg.loss_scale)] if strategy.cpu_fp16 else []
+    verify(accelerator, engine)
+    return accelerator, [use_cpu_fp16(accelerator, cfg.loss_scale)] if engine.strategy.cpu_fp16 else []
 
 
 def use_cpu_fp16(accelerator: Any, loss_scale: float) -> str:
@@ -45,19 +45,19 @@ def use_cpu_fp16(accelerator: Any, loss_scale: float) -> str:
             "for speed")
 
 
-def verify(accelerator: Any, strategy: Any) -> None:
+def verify(accelerator: Any, engine: Any) -> None:
     """Refuse to train unless Accelerate does what the launch asked."""
-    launch = strategy.launch
-    expected, actual = strategy.expected_distributed_type(), accelerator.distributed_type.value
+    launch = engine.launch
+    expected, actual = engine.expected_distributed_type(), accelerator.distributed_type.value
     problems = []
     if actual != expected:
-        problems.append(Problem(f"Accelerate runs as {actual}, but the launch asked for {strategy.name} "
+        problems.append(Problem(f"Accelerate runs as {actual}, but the launch asked for {engine.strategy.name} "
                                 f"({expected} on this machine)", launch.source,
-                                "build the Accelerator with the strategy's build_accelerator"))
+                                "build the Accelerator with the engine's build_accelerator"))
     if accelerator.num_processes != launch.world_size:
         problems.append(Problem(f"Accelerate sees {accelerator.num_processes} process(es) but the launcher started "
                                 f"{launch.world_size}: each would train alone on all the data", launch.source,
-                                "build the Accelerator with the strategy's build_accelerator"))
+                                "build the Accelerator with the engine's build_accelerator"))
     if accelerator.mixed_precision != launch.mixed_precision:
         problems.append(Problem(f"Accelerate uses precision {accelerator.mixed_precision}, the launch asked for "
                                 f"{launch.mixed_precision}", launch.source, "check mixed_precision in the YAML"))

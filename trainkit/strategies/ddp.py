@@ -13,17 +13,12 @@ from trainkit.config import TrainConfig
 from trainkit.errors import TrainingError
 from trainkit.estimate import OPTIMIZER_BYTES, Estimate, ModelShape
 from trainkit.launch import Launch
-from trainkit.strategies.base import LossFn, Strategy
+from trainkit.strategies.base import Strategy
+from trainkit.strategies.engine import Engine, LossFn
 
 
-class DDP(Strategy):
-    """PyTorch DistributedDataParallel over NCCL (GPUs) or gloo (CPUs)."""
-
-    name = "ddp"
-
-    @classmethod
-    def selects(cls, launch: Launch, cfg: TrainConfig) -> bool:
-        return launch.distributed_type in ("MULTI_GPU", "MULTI_CPU") and launch.world_size > 1
+class DDPEngine(Engine):
+    """Accelerate's DistributedDataParallel around the model (no wrapper for a world of one)."""
 
     def wrapper_kwargs(self) -> list:
         from accelerate.utils import DistributedDataParallelKwargs
@@ -42,6 +37,24 @@ class DDP(Strategy):
                                 "pass --find_unused_parameters true (DDP then looks for such parameters every "
                                 "step), or make every parameter take part in every step") from None
 
+
+class SingleEngine(DDPEngine):
+    def expected_distributed_type(self) -> str:
+        # A data-parallel YAML launched with --num_processes 1 still goes through torchrun, and Accelerate then makes
+        # a process group of one (DDP around the model, the same numbers); only a launch without one is NO.
+        return super().expected_distributed_type() if self.launch.distributed_type != "NO" else "NO"
+
+
+class DDP(Strategy):
+    """PyTorch DistributedDataParallel over NCCL (GPUs) or gloo (CPUs)."""
+
+    name = "ddp"
+    engine = DDPEngine
+
+    @classmethod
+    def selects(cls, launch: Launch, cfg: TrainConfig) -> bool:
+        return launch.distributed_type in ("MULTI_GPU", "MULTI_CPU") and launch.world_size > 1
+
     def estimate(self, shape: ModelShape, world_size: int, activations: int) -> Estimate:
         """Everything replicated: fp32 weights, fp32 gradients (kept between steps), the optimizer's fp32 states.
         Accelerate's bf16 is autocast: the weights stay fp32, so bf16 saves no state memory."""
@@ -53,13 +66,9 @@ class Single(DDP):
     """One process on one device: no process group, no wrapper. The reference every other strategy reproduces."""
 
     name = "single"
+    engine = SingleEngine
 
     @classmethod
     def selects(cls, launch: Launch, cfg: TrainConfig) -> bool:
         return launch.distributed_type == "NO" or (launch.distributed_type in ("MULTI_GPU", "MULTI_CPU")
                                                    and launch.world_size == 1)
-
-    def expected_distributed_type(self) -> str:
-        # A data-parallel YAML launched with --num_processes 1 still goes through torchrun, and Accelerate then makes
-        # a process group of one (DDP around the model, the same numbers); only a launch without one is NO.
-        return super().expected_distributed_type() if self.launch.distributed_type != "NO" else "NO"

@@ -34,9 +34,10 @@ from trainkit.guards import FiniteCheck
 from trainkit.launch import Launch
 from trainkit.recipes import Recipe
 from trainkit.step import StepResult, agree, loss_weights, optimizer_step
-from trainkit.strategies.base import LossFn, Strategy
+from trainkit.strategies.base import Strategy
 from trainkit.strategies.dcp_format import CheckpointFormat, load_trained_weights
 from trainkit.strategies.deepspeed_config import fill_bucket_sizes, persistence_threshold, resolve
+from trainkit.strategies.engine import Engine, LossFn
 
 TAG = "deepspeed"  # the one tag under checkpoints/step_<N>/deepspeed/
 
@@ -48,7 +49,7 @@ class DeepSpeedFormat(CheckpointFormat):
     name = "deepspeed"
     folder = "deepspeed"
 
-    def __init__(self, engine: DeepSpeed) -> None:
+    def __init__(self, engine: ZeroEngine) -> None:
         super().__init__(engine)
         self.universal: Path | None = None  # set by before_resume when a checkpoint was converted
 
@@ -65,7 +66,8 @@ class DeepSpeedFormat(CheckpointFormat):
                               load_module_strict=all(p.requires_grad for p in model.parameters()))
 
     def _same_layout(self, saved: Mapping[str, Any]) -> bool:
-        return saved["zero_stage"] == self.engine.stage and saved["world_size"] == self.engine.launch.world_size
+        engine = self.engine
+        return saved["zero_stage"] == engine.strategy.stage and saved["world_size"] == engine.launch.world_size
 
     def resumes_exactly(self, saved: Mapping[str, Any]) -> bool:
         """Natively under the same ZeRO stage and world size; between ZeRO-1 and ZeRO-2 of any world size through
@@ -74,14 +76,15 @@ class DeepSpeedFormat(CheckpointFormat):
         consolidated weights over (a warm start)."""
         if not super().resumes_exactly(saved):
             return False
-        return self._same_layout(saved) or (saved["zero_stage"] in (1, 2) and self.engine.stage in (1, 2))
+        return self._same_layout(saved) or (saved["zero_stage"] in (1, 2) and self.engine.strategy.stage in (1, 2))
 
     def before_resume(self, step_dir: Path, saved: Mapping[str, Any], output_dir: Path) -> str | None:
         """Convert a ZeRO-1/2 checkpoint of another world size or stage into DeepSpeed's universal format (main
         process, once, into output_dir/universal/), and tell the engine to load that format."""
         if not self.resumes_exactly(saved) or self._same_layout(saved):
             return None
-        accelerator, stage, world_size = self.engine.accelerator, self.engine.stage, self.engine.launch.world_size
+        accelerator, stage = self.engine.accelerator, self.engine.strategy.stage
+        world_size = self.engine.launch.world_size
         target = output_dir / "universal" / step_dir.name
         failed = target.with_name(target.name + ".failed")  # how the other ranks learn that rank 0's conversion failed
         if accelerator.is_main_process and not target.exists():
@@ -117,24 +120,155 @@ class DeepSpeedFormat(CheckpointFormat):
                                                                               exclude_frozen_parameters=True))
 
 
+class ZeroEngine(Engine):
+    """DeepSpeed's engine (Accelerate's DeepSpeedPlugin around the resolved JSON), which owns the step."""
+
+    format = DeepSpeedFormat
+
+    def build_accelerator(self, output_dir, report_to):
+        # Accelerate refuses DeepSpeed settings from its YAML (mixed_precision, zero_stage, ...) next to a config it is
+        # handed, because its plugin would ignore them. Here they are that config's one source: the YAML's keys were
+        # translated into it and its "auto" values filled from the YAML's precision (deepspeed_config.py), so
+        # nothing is left for Accelerate to ignore.
+        os.environ["ACCELERATE_CONFIG_DS_FIELDS"] = ""
+        return super().build_accelerator(output_dir, report_to)
+
+    def accelerator_kwargs(self) -> dict[str, Any]:
+        from accelerate.utils import DeepSpeedPlugin
+
+        # Given explicitly so that nothing from the environment overrides the resolved JSON. Never cpu=True: under
+        # it Accelerate silently trains plain DDP.
+        return {"deepspeed_plugin": DeepSpeedPlugin(hf_ds_config=self.strategy.config,
+                                                    gradient_accumulation_steps=self.cfg.grad_accum,
+                                                    gradient_clipping=float(self.cfg.max_grad_norm))}
+
+    def process_group_kwargs(self) -> dict[str, Any]:
+        kwargs = super().process_group_kwargs()
+        if not torch.cuda.is_available() and self.launch.world_size > 1:
+            kwargs["backend"] = "gloo"
+        return kwargs
+
+    def expected_distributed_type(self) -> str:
+        return "DEEPSPEED"
+
+    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        fill_bucket_sizes(self.accelerator.state.deepspeed_plugin.deepspeed_config, model)
+        if self.strategy.stage == 3 and all(hasattr(p, "ds_id") for p in model.parameters()):
+            # transformers' from_pretrained builds inside zero.Init once Accelerate has selected a ZeRO-3 config
+            self.notes.append(f"ZeRO-3: the model was built partitioned across {self.launch.world_size} process(es) "
+                              f"(zero.Init): no rank held it whole")
+        return super().prepare_model(model)
+
+    def make_optimizer(self, model: torch.nn.Module,
+                       build_optimizer: Callable[..., torch.optim.Optimizer]) -> torch.optim.Optimizer:
+        if not self.strategy.offloads_optimizer:
+            return build_optimizer(self.cfg, model)
+        if self.accelerator.is_main_process:
+            print("note: ZeRO-Offload runs Adam in DeepSpeed's cpu_adam op; its first use compiles it (about a "
+                  "minute), later runs reuse ~/.cache/torch_extensions", flush=True)
+        return build_optimizer(self.cfg, model, adam_class=_resumable_cpu_adam())
+
+    @property
+    def deepspeed_engine(self):
+        return self.accelerator.deepspeed_engine_wrapped.engine
+
+    # --- one optimizer step -----------------------------------------------------------------------------------------
+
+    owns_step = True
+
+    def engine_step(self, step: int, micro_batches: list, loss_fn: LossFn, finite: FiniteCheck,
+                    stop_requested: bool) -> StepResult:
+        """The engine clips and steps inside the last micro-batch's backward: the loss is agreed on and checked
+        before it, the gradient norm (computed by the engine) only after.
+
+        Accumulation costs ZeRO-2/3 communication on every micro-batch, by design of their gradient partitioning:
+        a rank keeps only its own partition of the gradients, so each micro-batch's gradients are reduce-scattered
+        (in buckets, during backward) into the partitions' owners and added there, instead of being held whole
+        until the last micro-batch as DDP and FSDP2 do (strategies/mesh.py). ZeRO-3 also gathers every layer's
+        parameters again in each micro-batch's forward and backward."""
+        accelerator, model = self.accelerator, self.model
+        loss_sum = torch.zeros(1, device=accelerator.device)
+        weights = loss_weights(self, micro_batches)
+        for i, batch in enumerate(micro_batches):
+            with accelerator.accumulate(model):
+                loss = loss_fn(model, self.cast_batch(batch)) * weights[i]
+                loss_sum += loss.detach().float()
+                if i == len(micro_batches) - 1:
+                    loss_value, stop, _, _ = agree(self, loss_sum / len(micro_batches), stop_requested)
+                    finite.loss(step, loss_value)
+                accelerator.backward(loss)
+        # None when the JSON turns the norm's computation off (compute_grad_norm: false, allowed without clipping).
+        norm = self.deepspeed_engine.get_global_grad_norm()
+        grad_norm = float(norm) if norm is not None else None
+        finite.grad_norm(step, grad_norm, step_taken=True)
+        return optimizer_step(self, loss_value, grad_norm, stop)
+
+    def step_was_skipped(self) -> bool:
+        return bool(getattr(self.deepspeed_engine.optimizer, "overflow", False))
+
+    def cast_batch(self, batch: Any) -> Any:
+        """Under bf16/fp16 DeepSpeed turns the weights themselves to low precision: float inputs must follow
+        ("mat1 and mat2 must have the same dtype" otherwise)."""
+        batch = super().cast_batch(batch)
+        if self.launch.mixed_precision == "no":
+            return batch
+        dtype = torch.bfloat16 if self.launch.mixed_precision == "bf16" else torch.float16
+        if isinstance(batch, dict):
+            return {k: v.to(dtype) if torch.is_floating_point(v) else v for k, v in batch.items()}
+        return [t.to(dtype) if torch.is_floating_point(t) else t for t in batch]
+
+    def state_tensors(self) -> Iterator[torch.Tensor]:
+        """Also a ZeRO-3 parameter's partition and the ZeRO optimizer's own buffers (flat parameter groups, the fp32
+        master partition, gradient partitions), which hold the same state under other names."""
+        yield from super().state_tensors()
+        for p in self.model.parameters():
+            if getattr(p, "ds_tensor", None) is not None:
+                yield p.ds_tensor
+        zero_optimizer = self.deepspeed_engine.optimizer
+        for value in vars(zero_optimizer).values():
+            for item in value if isinstance(value, (list, tuple)) else [value]:
+                for t in item if isinstance(item, (list, tuple)) else [item]:
+                    if torch.is_tensor(t):
+                        yield t
+
+    @property
+    def unwrapped_model(self) -> torch.nn.Module:
+        return self.accelerator.unwrap_model(self.model)  # the engine's module
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """ZeRO-3 gathers the partitions (zero3_save_16bit_model / stage3_gather_16bit_weights_on_model_save)."""
+        return self.accelerator.get_state_dict(self.model)
+
+    @contextlib.contextmanager
+    def building_alone(self) -> Iterator[None]:
+        """Without ZeRO-3's zero.Init, which transformers enters for every model it builds while Accelerate's DeepSpeed
+        config is registered with it: it partitions each parameter as it is made, a collective that would wait for
+        ranks that are not building. (Accelerate's zero3_init_context_manager(enable=False) registers it again.)"""
+        from transformers.integrations.deepspeed import set_hf_deepspeed_config, unset_hf_deepspeed_config
+
+        unset_hf_deepspeed_config()
+        try:
+            yield
+        finally:
+            set_hf_deepspeed_config(self.accelerator.state.deepspeed_plugin.dschf)
+
+
 class DeepSpeed(Strategy):
     """DeepSpeed's engine with the ZeRO stage, offload and precision of the resolved JSON."""
 
     name = "deepspeed"
-    format = DeepSpeedFormat
+    engine = ZeroEngine
 
     def __init__(self, launch: Launch, cfg: TrainConfig, sources: Mapping[str, str],
                  recipe: Recipe | None = None) -> None:
         super().__init__(launch, cfg, sources, recipe)
         self.resolved = resolve(launch, cfg, sources)
         self.config = self.resolved.config  # the filled JSON that the engine gets
-        self.notes += self.resolved.notes
+        self.notes = tuple(self.resolved.notes)
 
     @classmethod
     def selects(cls, launch: Launch, cfg: TrainConfig) -> bool:
         return launch.distributed_type == "DEEPSPEED"
-
-    # --- plan ---------------------------------------------------------------------------------------------------------
 
     @property
     def zero(self) -> dict[str, Any]:
@@ -205,135 +339,6 @@ class DeepSpeed(Strategy):
         params = low * (math.ceil((n - persistent) / w) + persistent)
         host = (params if self.offloads_params else 0) + (optimizer if self.offloads_optimizer else 0)
         return Estimate(self.label, params, low * math.ceil(t / w), optimizer, host, activations)
-
-    # --- build --------------------------------------------------------------------------------------------------------
-
-    def build_accelerator(self, output_dir, report_to):
-        # Accelerate refuses DeepSpeed settings from its YAML (mixed_precision, zero_stage, ...) next to a config it is
-        # handed, because its plugin would ignore them. Here they are that config's one source: the YAML's keys were
-        # translated into it and its "auto" values filled from the YAML's precision (deepspeed_config.py), so
-        # nothing is left for Accelerate to ignore.
-        os.environ["ACCELERATE_CONFIG_DS_FIELDS"] = ""
-        return super().build_accelerator(output_dir, report_to)
-
-    def accelerator_kwargs(self) -> dict[str, Any]:
-        from accelerate.utils import DeepSpeedPlugin
-
-        # Given explicitly so that nothing from the environment overrides the resolved JSON. Never cpu=True: under
-        # it Accelerate silently trains plain DDP.
-        return {"deepspeed_plugin": DeepSpeedPlugin(hf_ds_config=self.config,
-                                                    gradient_accumulation_steps=self.cfg.grad_accum,
-                                                    gradient_clipping=float(self.cfg.max_grad_norm))}
-
-    def process_group_kwargs(self) -> dict[str, Any]:
-        kwargs = super().process_group_kwargs()
-        if not torch.cuda.is_available() and self.launch.world_size > 1:
-            kwargs["backend"] = "gloo"
-        return kwargs
-
-    def expected_distributed_type(self) -> str:
-        return "DEEPSPEED"
-
-    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        fill_bucket_sizes(self.accelerator.state.deepspeed_plugin.deepspeed_config, model)
-        if self.stage == 3 and all(hasattr(p, "ds_id") for p in model.parameters()):
-            # transformers' from_pretrained builds inside zero.Init once Accelerate has selected a ZeRO-3 config
-            self.notes.append(f"ZeRO-3: the model was built partitioned across {self.launch.world_size} process(es) "
-                              f"(zero.Init): no rank held it whole")
-        return super().prepare_model(model)
-
-    def make_optimizer(self, model: torch.nn.Module,
-                       build_optimizer: Callable[..., torch.optim.Optimizer]) -> torch.optim.Optimizer:
-        if not self.offloads_optimizer:
-            return build_optimizer(self.cfg, model)
-        if self.accelerator.is_main_process:
-            print("note: ZeRO-Offload runs Adam in DeepSpeed's cpu_adam op; its first use compiles it (about a "
-                  "minute), later runs reuse ~/.cache/torch_extensions", flush=True)
-        return build_optimizer(self.cfg, model, adam_class=_resumable_cpu_adam())
-
-    @property
-    def engine(self):
-        return self.accelerator.deepspeed_engine_wrapped.engine
-
-    # --- one optimizer step -----------------------------------------------------------------------------------------
-
-    owns_step = True
-
-    def engine_step(self, step: int, micro_batches: list, loss_fn: LossFn, finite: FiniteCheck,
-                    stop_requested: bool) -> StepResult:
-        """The engine clips and steps inside the last micro-batch's backward: the loss is agreed on and checked
-        before it, the gradient norm (computed by the engine) only after.
-
-        Accumulation costs ZeRO-2/3 communication on every micro-batch, by design of their gradient partitioning:
-        a rank keeps only its own partition of the gradients, so each micro-batch's gradients are reduce-scattered
-        (in buckets, during backward) into the partitions' owners and added there, instead of being held whole
-        until the last micro-batch as DDP and FSDP2 do (strategies/mesh.py). ZeRO-3 also gathers every layer's
-        parameters again in each micro-batch's forward and backward."""
-        accelerator, model = self.accelerator, self.model
-        loss_sum = torch.zeros(1, device=accelerator.device)
-        weights = loss_weights(self, micro_batches)
-        for i, batch in enumerate(micro_batches):
-            with accelerator.accumulate(model):
-                loss = loss_fn(model, self.cast_batch(batch)) * weights[i]
-                loss_sum += loss.detach().float()
-                if i == len(micro_batches) - 1:
-                    loss_value, stop, _, _ = agree(self, loss_sum / len(micro_batches), stop_requested)
-                    finite.loss(step, loss_value)
-                accelerator.backward(loss)
-        # None when the JSON turns the norm's computation off (compute_grad_norm: false, allowed without clipping).
-        norm = self.engine.get_global_grad_norm()
-        grad_norm = float(norm) if norm is not None else None
-        finite.grad_norm(step, grad_norm, step_taken=True)
-        return optimizer_step(self, loss_value, grad_norm, stop)
-
-    def step_was_skipped(self) -> bool:
-        return bool(getattr(self.engine.optimizer, "overflow", False))
-
-    def cast_batch(self, batch: Any) -> Any:
-        """Under bf16/fp16 DeepSpeed turns the weights themselves to low precision: float inputs must follow
-        ("mat1 and mat2 must have the same dtype" otherwise)."""
-        batch = super().cast_batch(batch)
-        if self.launch.mixed_precision == "no":
-            return batch
-        dtype = torch.bfloat16 if self.launch.mixed_precision == "bf16" else torch.float16
-        if isinstance(batch, dict):
-            return {k: v.to(dtype) if torch.is_floating_point(v) else v for k, v in batch.items()}
-        return [t.to(dtype) if torch.is_floating_point(t) else t for t in batch]
-
-    def state_tensors(self) -> Iterator[torch.Tensor]:
-        """Also a ZeRO-3 parameter's partition and the ZeRO optimizer's own buffers (flat parameter groups, the fp32
-        master partition, gradient partitions), which hold the same state under other names."""
-        yield from super().state_tensors()
-        for p in self.model.parameters():
-            if getattr(p, "ds_tensor", None) is not None:
-                yield p.ds_tensor
-        zero_optimizer = self.engine.optimizer
-        for value in vars(zero_optimizer).values():
-            for item in value if isinstance(value, (list, tuple)) else [value]:
-                for t in item if isinstance(item, (list, tuple)) else [item]:
-                    if torch.is_tensor(t):
-                        yield t
-
-    @property
-    def unwrapped_model(self) -> torch.nn.Module:
-        return self.accelerator.unwrap_model(self.model)  # the engine's module
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """ZeRO-3 gathers the partitions (zero3_save_16bit_model / stage3_gather_16bit_weights_on_model_save)."""
-        return self.accelerator.get_state_dict(self.model)
-
-    @contextlib.contextmanager
-    def building_alone(self) -> Iterator[None]:
-        """Without ZeRO-3's zero.Init, which transformers enters for every model it builds while Accelerate's DeepSpeed
-        config is registered with it: it partitions each parameter as it is made, a collective that would wait for
-        ranks that are not building. (Accelerate's zero3_init_context_manager(enable=False) registers it again.)"""
-        from transformers.integrations.deepspeed import set_hf_deepspeed_config, unset_hf_deepspeed_config
-
-        unset_hf_deepspeed_config()
-        try:
-            yield
-        finally:
-            set_hf_deepspeed_config(self.accelerator.state.deepspeed_plugin.dschf)
 
 
 @functools.cache

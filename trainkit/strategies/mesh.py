@@ -33,14 +33,80 @@ from trainkit.launch import Launch
 from trainkit.recipes import Recipe
 from trainkit.strategies.base import Strategy
 from trainkit.strategies.dims import ParallelDims, data_parallel_rank, parallelism_problems
+from trainkit.strategies.engine import Engine
 from trainkit.strategies.parallelize import FSDPSettings, block_classes, clip_to, grad_norm, parallelize
 from trainkit.strategies.tp_plan import plan_problems, split_parameters, tp_layers
+
+
+class MeshEngine(Engine):
+    """The mesh built once the process group exists, the model parallelized on it, FSDP2's gradient sync per step."""
+
+    def __init__(self, strategy: Mesh) -> None:
+        super().__init__(strategy)
+        self.dims, self.settings = strategy.dims, strategy.settings
+        self.mesh: Any = None  # the DeviceMesh, once built
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return data_parallel_rank(self.mesh, self.dims)
+
+    def build_accelerator(self, output_dir, report_to):
+        without_accelerate_fsdp()
+        accelerator = super().build_accelerator(output_dir, report_to)  # verified: world size, type, precision
+        self.mesh = self.dims.build(accelerator.device.type)
+        return accelerator
+
+    def prepare(self, model: torch.nn.Module, build_optimizer: Callable[..., torch.optim.Optimizer],
+                build_scheduler: Callable[[TrainConfig, torch.optim.Optimizer], Any]) -> None:
+        self.notes += parallelize(model, self.dims, self.mesh, self.settings,
+                                  mixed_precision=self.launch.mixed_precision, compile=self.cfg.compile,
+                                  tp_layers=tp_layers(model) if self.dims.tp > 1 else {},
+                                  classes=block_classes(model, self.settings))
+        self.model = model
+        optimizer = build_optimizer(self.cfg, self.model)
+        self.optimizer, self.scheduler = self.accelerator.prepare(optimizer, build_scheduler(self.cfg, optimizer))
+
+    # --- one optimizer step -------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def gradient_sync(self, last: bool) -> Iterator[None]:
+        """One reduce-scatter and the all-gathers of one micro-batch per step, not per micro-batch: on all but the
+        last micro-batch FSDP2 keeps each block's unsharded gradient and adds the next one to it
+        (`set_requires_gradient_sync(False)`), and keeps the gathered parameters after forward and after backward
+        (`set_reshard_after_forward(False)` on the blocks, `set_reshard_after_backward(False)`), so that the next
+        micro-batch gathers nothing. The last micro-batch reshards as without accumulation (HSDP: its all-reduce
+        too). The cost, during accumulation only: the blocks' gathered parameters and unsharded gradients stay in
+        memory until the last micro-batch, as DDP holds them. Tests: the accumulation parity and exact resume of
+        tests/test_strategies.py."""
+        self.model.set_requires_gradient_sync(last)
+        self.model.set_reshard_after_backward(last)
+        if self.cfg.grad_accum > 1:
+            from torch.distributed.fsdp import FSDPModule
+
+            for block in self.model.modules():  # not the root, whose own setting (False) FSDP2 chose
+                if isinstance(block, FSDPModule) and block is not self.model:
+                    block.set_reshard_after_forward(last and self.settings.reshard_after_forward, recurse=False)
+        yield
+
+    def clip_grad_norm(self) -> torch.Tensor:
+        """The total gradient norm before clipping (over slices and shards, made whole), and the clip."""
+        self.accelerator.unscale_gradients()  # fp16's loss scale, as Accelerate's clip_grad_norm_ does
+        params = list(self.model.parameters())
+        total = grad_norm(params)
+        clip_to(params, self.cfg.max_grad_norm, total)
+        return total
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 class Mesh(Strategy):
     """FSDP2 over the data-parallel dimensions of the mesh, tensor parallelism over its tp dimension."""
 
     name = "fsdp"
+    engine = MeshEngine
 
     def __init__(self, launch: Launch, cfg: TrainConfig, sources: Mapping[str, str],
                  recipe: Recipe | None = None) -> None:
@@ -48,7 +114,6 @@ class Mesh(Strategy):
         self.dims = ParallelDims.of(launch)
         self.settings = FSDPSettings.of(launch)
         self.name = "tp" if self.dims.tp > 1 else "hsdp" if self.dims.dp_replicate > 1 else "fsdp"
-        self.mesh: Any = None  # the DeviceMesh, once built
 
     @classmethod
     def selects(cls, launch: Launch, cfg: TrainConfig) -> bool:
@@ -104,63 +169,6 @@ class Mesh(Strategy):
     @property
     def data_parallel_size(self) -> int:
         return self.dims.data_parallel
-
-    @property
-    def data_parallel_rank(self) -> int:
-        return data_parallel_rank(self.mesh, self.dims)
-
-    # --- build ------------------------------------------------------------------------------------------------
-
-    def build_accelerator(self, output_dir, report_to):
-        without_accelerate_fsdp()
-        accelerator = super().build_accelerator(output_dir, report_to)  # verified: world size, type, precision
-        self.mesh = self.dims.build(accelerator.device.type)
-        return accelerator
-
-    def prepare(self, model: torch.nn.Module, build_optimizer: Callable[..., torch.optim.Optimizer],
-                build_scheduler: Callable[[TrainConfig, torch.optim.Optimizer], Any]) -> None:
-        self.notes += parallelize(model, self.dims, self.mesh, self.settings,
-                                  mixed_precision=self.launch.mixed_precision, compile=self.cfg.compile,
-                                  tp_layers=tp_layers(model) if self.dims.tp > 1 else {},
-                                  classes=block_classes(model, self.settings))
-        self.model = model
-        optimizer = build_optimizer(self.cfg, self.model)
-        self.optimizer, self.scheduler = self.accelerator.prepare(optimizer, build_scheduler(self.cfg, optimizer))
-
-    # --- one optimizer step -------------------------------------------------------------------------------------
-
-    @contextlib.contextmanager
-    def gradient_sync(self, last: bool) -> Iterator[None]:
-        """One reduce-scatter and the all-gathers of one micro-batch per step, not per micro-batch: on all but the
-        last micro-batch FSDP2 keeps each block's unsharded gradient and adds the next one to it
-        (`set_requires_gradient_sync(False)`), and keeps the gathered parameters after forward and after backward
-        (`set_reshard_after_forward(False)` on the blocks, `set_reshard_after_backward(False)`), so that the next
-        micro-batch gathers nothing. The last micro-batch reshards as without accumulation (HSDP: its all-reduce
-        too). The cost, during accumulation only: the blocks' gathered parameters and unsharded gradients stay in
-        memory until the last micro-batch, as DDP holds them. Tests: the accumulation parity and exact resume of
-        tests/test_strategies.py."""
-        self.model.set_requires_gradient_sync(last)
-        self.model.set_reshard_after_backward(last)
-        if self.cfg.grad_accum > 1:
-            from torch.distributed.fsdp import FSDPModule
-
-            for block in self.model.modules():  # not the root, whose own setting (False) FSDP2 chose
-                if isinstance(block, FSDPModule) and block is not self.model:
-                    block.set_reshard_after_forward(last and self.settings.reshard_after_forward, recurse=False)
-        yield
-
-    def clip_grad_norm(self) -> torch.Tensor:
-        """The total gradient norm before clipping (over slices and shards, made whole), and the clip."""
-        self.accelerator.unscale_gradients()  # fp16's loss scale, as Accelerate's clip_grad_norm_ does
-        params = list(self.model.parameters())
-        total = grad_norm(params)
-        clip_to(params, self.cfg.max_grad_norm, total)
-        return total
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 def held_numel(shape: ModelShape, dims: ParallelDims) -> int:

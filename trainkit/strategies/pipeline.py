@@ -43,8 +43,9 @@ from trainkit.launch import Launch
 from trainkit.metrics import state_bytes
 from trainkit.recipes import Recipe, no_generations
 from trainkit.strategies import dcp_format
-from trainkit.strategies.base import LossFn, MetricsFn, Strategy
+from trainkit.strategies.base import Strategy
 from trainkit.strategies.dims import ParallelDims, data_parallel_rank, parallelism_problems
+from trainkit.strategies.engine import Engine, LossFn, MetricsFn
 from trainkit.strategies.mesh import held_numel, without_accelerate_fsdp
 from trainkit.strategies.parallelize import FSDPSettings, block_classes, clip_to, grad_norm, local, parallelize, whole
 from trainkit.strategies.stages import (
@@ -62,127 +63,28 @@ from trainkit.strategies.tp_plan import plan_problems, tp_layers
 STAGES_PER_PROCESS = {"gpipe": 1, "1f1b": 1, "interleaved": 2}
 
 
-class Pipeline(Strategy):
-    """Stages over point-to-point sends (NCCL or gloo), each replicated, sharded or cut by the rest of the mesh."""
+class PipelineEngine(Engine):
+    """This process's stages on the mesh, torch's schedule over them, the tied weights' sum between stages."""
 
-    name = "pipeline"
     format = dcp_format.PipelineDCP
-    splits_model = True
 
-    def __init__(self, launch: Launch, cfg: TrainConfig, sources: Mapping[str, str],
-                 recipe: Recipe | None = None) -> None:
-        super().__init__(launch, cfg, sources, recipe)
-        self.dims = ParallelDims.of(launch, cfg.pipeline_stages)
-        self.sharded = launch.distributed_type == "FSDP"  # each stage under FSDP2 (and tensor parallelism)
-        self.settings = FSDPSettings.of(launch)
-
-    @classmethod
-    def selects(cls, launch: Launch, cfg: TrainConfig) -> bool:
-        return cfg.pipeline_stages > 1
-
-    # --- plan ---------------------------------------------------------------------------------------------------
-
-    @property
-    def stages(self) -> int:
-        """Processes per pipeline."""
-        return self.dims.pp
-
-    @property
-    def total_stages(self) -> int:
-        """Stages per pipeline (interleaved: two on each process)."""
-        return self.stages * STAGES_PER_PROCESS[self.cfg.pipeline_schedule]
-
-    @property
-    def data_parallel_size(self) -> int:
-        return self.dims.data_parallel
+    def __init__(self, strategy: Pipeline) -> None:
+        super().__init__(strategy)
+        self.dims, self.settings, self.sharded = strategy.dims, strategy.settings, strategy.sharded
+        self.stages, self.total_stages, self.label = strategy.stages, strategy.total_stages, strategy.label
+        # made by build_accelerator and prepare: the DeviceMesh, the pp group, torch's schedule; this rank's place
+        self.mesh = self.pp_group = self.schedule = None
+        self.pp_rank = self.tp_rank = 0
+        self.first = self.last = False  # whether this process runs the first / the last stage
+        self.names: dict[str, list[str]] = {}  # each name in the stages' state dict -> its names in the whole model
+        self.full_model: torch.nn.Module | None = None  # the recipe's model; only the stages here hold weights
+        self._shared: list[tuple[torch.nn.Parameter, Any, bool]] = []  # tied weights across stages
+        self.busy, self.stage_bytes = [0.0], None  # seconds computed in the current step; each stage's bytes held
+        self.idle_sums, self.steps_timed = [0.0] * self.stages, 0
 
     @property
     def data_parallel_rank(self) -> int:
         return data_parallel_rank(self.mesh, self.dims)
-
-    @property
-    def label(self) -> str:
-        mesh = self.dims.fsdp_label(self.settings.offload) if self.sharded else ""
-        return "_".join(part for part in ("pipeline", self.cfg.pipeline_schedule, mesh) if part)
-
-    def resolved_fields(self) -> dict[str, Any]:
-        return {**super().resolved_fields(), **self.dims.sizes()}
-
-    def check(self) -> list[Problem]:
-        cfg, launch, where = self.cfg, self.launch, "--pipeline_stages"
-        problems = super().check() if launch.mixed_precision != "fp16" else [
-            # Measured on a CPU, and so on a GPU: torch's schedule runs each stage's backward itself, on the
-            # unscaled loss, and the scaler's step then fails ("Attempted step but _scale is None").
-            Problem("fp16 does not work with pipeline stages: the pipeline schedule runs each stage's backward "
-                    "itself, without the loss scaler", f"{where} with mixed_precision from {launch.source}",
-                    "train the pipeline in bf16 (--mixed_precision bf16) or fp32")]
-        if self.recipe is not None and self.recipe.generate is not no_generations:
-            self.notes.append(f"pipeline: recipe {self.recipe.path.name}'s answers at each evaluation (generate) are "
-                              "not written: each stage holds part of the model; final/ holds all of it (python -m "
-                              "trainkit.ask FOLDER QUESTION)")
-        if launch.distributed_type not in ("MULTI_GPU", "MULTI_CPU", "NO", "FSDP"):
-            problems.append(Problem(f"pipeline stages compose with the launches of one mesh (DDP, FSDP2, HSDP, tensor "
-                                    f"parallelism), not with {launch.distributed_type}",
-                                    f"{where} with {launch.source}",
-                                    "launch with accelerate_configs/ddp.yaml, fsdp.yaml, tp.yaml or fsdp_tp.yaml, or "
-                                    "drop --pipeline_stages"))
-        elif self.sharded:
-            problems += parallelism_problems(launch) + FSDPSettings.problems(launch, cfg)
-        problems += self.dims.problems(launch)
-        m, p = cfg.grad_accum, self.stages
-        if cfg.pipeline_schedule == "1f1b" and m < p:
-            problems.append(Problem(f"1F1B needs at least as many micro-batches per step as stages: grad_accum {m} < "
-                                    f"{p} stages", "--grad_accum", f"pass --grad_accum {p} or more (the "
-                                    f"micro-batches fill the pipeline), or --pipeline_schedule gpipe"))
-        rounds = max(1, m // p)
-        if cfg.pipeline_schedule == "interleaved" and m % rounds:
-            problems.append(Problem(f"interleaved 1F1B runs the micro-batches in {rounds} round(s) (grad_accum // "
-                                    f"stages), so grad_accum must be a multiple of {rounds}; got {m}", "--grad_accum",
-                                    f"pass --grad_accum {p * rounds} (a multiple of the {p} stages)"))
-        return problems
-
-    def check_model(self, model: torch.nn.Module) -> list[Problem]:
-        recipe = self.recipe
-        hooks = ("pipeline_layers", "pipeline_stage", "pipeline_loss")
-        if recipe is None or any(getattr(recipe, h) is None for h in hooks):
-            where = f"--recipe {recipe.path}" if recipe else "--recipe"
-            return [Problem("the recipe does not say where its model can be cut into pipeline stages", where,
-                            "define pipeline_layers, pipeline_stage and pipeline_loss in the recipe (recipes/README.md;"
-                            " recipes/tiny_transformer.py has them), or train it with another strategy (fsdp.yaml, "
-                            "deepspeed_zero3.yaml shard a model that does not fit)")]
-        problems = plan_problems(model, self.dims.tp, f"model._tp_plan of {recipe.path.name}'s build_model",
-                                 f"parallelism_config in {self.launch.source}") if self.dims.tp > 1 else []
-        try:
-            cut_points(recipe, model, self.total_stages, self.cfg.pipeline_split)
-        except ConfigError as e:
-            problems += e.problems
-        return problems
-
-    def estimate(self, shape: ModelShape, world_size: int, activations: int) -> Estimate:
-        """DDP's bytes per parameter for one process's stages: the layers (parameters named with a layer index)
-        balanced across the stages, plus all the rest (embeddings and head: the first and last stage hold them), of
-        which the rest of the mesh holds its share (mesh.py's held_numel: 1/tp of a cut layer, 1/dp_shard of each).
-        Activations: this process's share of the layers, for the micro-batches in flight at once (GPipe: every one
-        of the step; 1F1B: at most one per stage)."""
-        per_process = STAGES_PER_PROCESS[self.cfg.pipeline_schedule] / self.total_stages
-        dims = self.dims.resized(world_size)
-
-        def held(part: ModelShape) -> int:
-            names = part.names or ("",) * len(part.numels)
-            layered = [i for i, name in enumerate(names) if re.search(r"\.\d+\.", name)]
-            inside = held_numel(dataclasses.replace(part, names=tuple(names[i] for i in layered), frozen=(),
-                                                    numels=tuple(part.numels[i] for i in layered)), dims)
-            whole = held_numel(part, dims)
-            return min(whole, math.ceil(inside * per_process) + whole - inside)
-
-        n, trained = held(shape), held(shape.trained())
-        m = self.cfg.grad_accum
-        in_flight = m if self.cfg.pipeline_schedule == "gpipe" else min(m, self.stages)
-        host = (4 + 4 + OPTIMIZER_BYTES[self.cfg.optimizer]) * n if self.sharded and self.settings.offload else 0
-        return Estimate(self.label, 4 * n, 4 * trained, OPTIMIZER_BYTES[self.cfg.optimizer] * trained, host,
-                        int(activations * per_process * in_flight / dims.tp))
-
-    # --- build ------------------------------------------------------------------------------------------------
 
     def build_accelerator(self, output_dir, report_to):
         if self.sharded:
@@ -215,7 +117,6 @@ class Pipeline(Strategy):
         self._parallelize_stages(model)
         params = dict(self.model.named_parameters(remove_duplicate=False))
         self._shared = [(params[name], group, owner) for name, group, owner in shared]
-        self.busy = [0.0]  # seconds this process computed during the current step
         stages = [timed_stage()(every[i], i, self.total_stages, device, group=self.pp_group, busy=self.busy)
                   for i in mine]
         kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}[
@@ -225,8 +126,6 @@ class Pipeline(Strategy):
                              loss_fn=loss_fn)
         optimizer = build_optimizer(self.cfg, self.model)
         self.optimizer, self.scheduler = acc.prepare(optimizer, build_scheduler(self.cfg, optimizer))
-        self.stage_bytes: list[int] | None = None
-        self.idle_sums, self.steps_timed = [0.0] * self.stages, 0
 
     def _parallelize_stages(self, model: torch.nn.Module) -> None:
         """Each of this process's stages as the rest of the mesh asks (an FSDP launch: strategies/parallelize.py,
@@ -276,9 +175,8 @@ class Pipeline(Strategy):
         holds (gathered once, after the first step made the optimizer states)."""
         idle_per_stage = [x * self.stages / self.dims.world for x in extra_sums]
         if self.stage_bytes is None:
-            held = [None] * self.stages
-            dist.all_gather_object(held, state_bytes(self.state_tensors()), group=self.pp_group)
-            self.stage_bytes = held
+            self.stage_bytes = [None] * self.stages
+            dist.all_gather_object(self.stage_bytes, state_bytes(self.state_tensors()), group=self.pp_group)
         if self.steps_timed or step > 1 or self.cfg.max_steps == 1:  # step 1 also measures the stages' shapes
             self.idle_sums = [a + b for a, b in zip(self.idle_sums, idle_per_stage, strict=True)]
             self.steps_timed += 1
@@ -384,3 +282,118 @@ class Pipeline(Strategy):
         for part in gathered:
             merged.update(part or {})
         return merged
+
+
+class Pipeline(Strategy):
+    """Stages over point-to-point sends (NCCL or gloo), each replicated, sharded or cut by the rest of the mesh."""
+
+    name = "pipeline"
+    engine = PipelineEngine
+    splits_model = True
+
+    def __init__(self, launch: Launch, cfg: TrainConfig, sources: Mapping[str, str],
+                 recipe: Recipe | None = None) -> None:
+        super().__init__(launch, cfg, sources, recipe)
+        self.dims = ParallelDims.of(launch, cfg.pipeline_stages)
+        self.sharded = launch.distributed_type == "FSDP"  # each stage under FSDP2 (and tensor parallelism)
+        self.settings = FSDPSettings.of(launch)
+        if recipe is not None and recipe.generate is not no_generations:
+            self.notes = (f"pipeline: recipe {recipe.path.name}'s answers at each evaluation (generate) are not "
+                          "written: each stage holds part of the model; final/ holds all of it (python -m "
+                          "trainkit.ask FOLDER QUESTION)",)
+
+    @classmethod
+    def selects(cls, launch: Launch, cfg: TrainConfig) -> bool:
+        return cfg.pipeline_stages > 1
+
+    @property
+    def stages(self) -> int:
+        """Processes per pipeline."""
+        return self.dims.pp
+
+    @property
+    def total_stages(self) -> int:
+        """Stages per pipeline (interleaved: two on each process)."""
+        return self.stages * STAGES_PER_PROCESS[self.cfg.pipeline_schedule]
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.dims.data_parallel
+
+    @property
+    def label(self) -> str:
+        mesh = self.dims.fsdp_label(self.settings.offload) if self.sharded else ""
+        return "_".join(part for part in ("pipeline", self.cfg.pipeline_schedule, mesh) if part)
+
+    def resolved_fields(self) -> dict[str, Any]:
+        return {**super().resolved_fields(), **self.dims.sizes()}
+
+    def check(self) -> list[Problem]:
+        cfg, launch, where = self.cfg, self.launch, "--pipeline_stages"
+        problems = super().check() if launch.mixed_precision != "fp16" else [
+            # Measured on a CPU, and so on a GPU: torch's schedule runs each stage's backward itself, on the
+            # unscaled loss, and the scaler's step then fails ("Attempted step but _scale is None").
+            Problem("fp16 does not work with pipeline stages: the pipeline schedule runs each stage's backward "
+                    "itself, without the loss scaler", f"{where} with mixed_precision from {launch.source}",
+                    "train the pipeline in bf16 (--mixed_precision bf16) or fp32")]
+        if launch.distributed_type not in ("MULTI_GPU", "MULTI_CPU", "NO", "FSDP"):
+            problems.append(Problem(f"pipeline stages compose with the launches of one mesh (DDP, FSDP2, HSDP, tensor "
+                                    f"parallelism), not with {launch.distributed_type}",
+                                    f"{where} with {launch.source}",
+                                    "launch with accelerate_configs/ddp.yaml, fsdp.yaml, tp.yaml or fsdp_tp.yaml, or "
+                                    "drop --pipeline_stages"))
+        elif self.sharded:
+            problems += parallelism_problems(launch) + FSDPSettings.problems(launch, cfg)
+        problems += self.dims.problems(launch)
+        m, p = cfg.grad_accum, self.stages
+        if cfg.pipeline_schedule == "1f1b" and m < p:
+            problems.append(Problem(f"1F1B needs at least as many micro-batches per step as stages: grad_accum {m} < "
+                                    f"{p} stages", "--grad_accum", f"pass --grad_accum {p} or more (the "
+                                    f"micro-batches fill the pipeline), or --pipeline_schedule gpipe"))
+        rounds = max(1, m // p)
+        if cfg.pipeline_schedule == "interleaved" and m % rounds:
+            problems.append(Problem(f"interleaved 1F1B runs the micro-batches in {rounds} round(s) (grad_accum // "
+                                    f"stages), so grad_accum must be a multiple of {rounds}; got {m}", "--grad_accum",
+                                    f"pass --grad_accum {p * rounds} (a multiple of the {p} stages)"))
+        return problems
+
+    def check_model(self, model: torch.nn.Module) -> list[Problem]:
+        recipe = self.recipe
+        hooks = ("pipeline_layers", "pipeline_stage", "pipeline_loss")
+        if recipe is None or any(getattr(recipe, h) is None for h in hooks):
+            where = f"--recipe {recipe.path}" if recipe else "--recipe"
+            return [Problem("the recipe does not say where its model can be cut into pipeline stages", where,
+                            "define pipeline_layers, pipeline_stage and pipeline_loss in the recipe (recipes/README.md;"
+                            " recipes/tiny_transformer.py has them), or train it with another strategy (fsdp.yaml, "
+                            "deepspeed_zero3.yaml shard a model that does not fit)")]
+        problems = plan_problems(model, self.dims.tp, f"model._tp_plan of {recipe.path.name}'s build_model",
+                                 f"parallelism_config in {self.launch.source}") if self.dims.tp > 1 else []
+        try:
+            cut_points(recipe, model, self.total_stages, self.cfg.pipeline_split)
+        except ConfigError as e:
+            problems += e.problems
+        return problems
+
+    def estimate(self, shape: ModelShape, world_size: int, activations: int) -> Estimate:
+        """DDP's bytes per parameter for one process's stages: the layers (parameters named with a layer index)
+        balanced across the stages, plus all the rest (embeddings and head: the first and last stage hold them), of
+        which the rest of the mesh holds its share (mesh.py's held_numel: 1/tp of a cut layer, 1/dp_shard of each).
+        Activations: this process's share of the layers, for the micro-batches in flight at once (GPipe: every one
+        of the step; 1F1B: at most one per stage)."""
+        per_process = STAGES_PER_PROCESS[self.cfg.pipeline_schedule] / self.total_stages
+        dims = self.dims.resized(world_size)
+
+        def held(part: ModelShape) -> int:
+            names = part.names or ("",) * len(part.numels)
+            layered = [i for i, name in enumerate(names) if re.search(r"\.\d+\.", name)]
+            inside = held_numel(dataclasses.replace(part, names=tuple(names[i] for i in layered), frozen=(),
+                                                    numels=tuple(part.numels[i] for i in layered)), dims)
+            whole = held_numel(part, dims)
+            return min(whole, math.ceil(inside * per_process) + whole - inside)
+
+        n, trained = held(shape), held(shape.trained())
+        m = self.cfg.grad_accum
+        in_flight = m if self.cfg.pipeline_schedule == "gpipe" else min(m, self.stages)
+        host = (4 + 4 + OPTIMIZER_BYTES[self.cfg.optimizer]) * n if self.sharded and self.settings.offload else 0
+        return Estimate(self.label, 4 * n, 4 * trained, OPTIMIZER_BYTES[self.cfg.optimizer] * trained, host,
+                        int(activations * per_process * in_flight / dims.tp))

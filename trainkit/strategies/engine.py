@@ -1,0 +1,272 @@
+"""The engine: what a strategy builds and runs once the plan holds (trainkit/plan.py), one instance per run.
+
+An engine makes the Accelerator, prepares the model, optimizer and schedule, runs the points of one optimizer step
+where strategies differ (trainkit/step.py reads the step top to bottom and calls these), evaluates, and hands the
+checkpoint format (strategies/dcp_format.py) and the export what they read. Everything decided before a model exists
+is the strategy's (strategies/base.py), read-only here as `self.strategy`.
+
+The defaults are those of an Accelerate-driven data-parallel run (one process, DDP); each strategy module's engine
+overrides what differs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+from trainkit.config import TrainConfig
+from trainkit.guards import FiniteCheck
+from trainkit.metrics import model_state_tensors
+from trainkit.step import StepResult
+from trainkit.strategies import accelerator, dcp_format
+from trainkit.strategies.parallelize import compile_forward
+
+if TYPE_CHECKING:
+    from trainkit.strategies.base import Strategy
+
+LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
+MetricsFn = Callable[[torch.nn.Module, Any], dict[str, torch.Tensor]]
+
+
+class Engine:
+    """Builds and runs one strategy's plan: the Accelerator, the prepared model, optimizer and schedule."""
+
+    # How checkpoints hold this engine's model and optimizer (trainkit/checkpoint.py's Checkpointer makes one).
+    format: ClassVar[type[dcp_format.CheckpointFormat]] = dcp_format.DCP
+
+    def __init__(self, strategy: Strategy) -> None:
+        self.strategy = strategy
+        self.launch, self.cfg, self.recipe = strategy.launch, strategy.cfg, strategy.recipe
+        self.notes: list[str] = []  # what building decided on the user's behalf, printed before training
+        self.accelerator: Any = None
+        self.model: torch.nn.Module | None = None
+        self.optimizer: Any = None
+        self.scheduler: Any = None
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.strategy.data_parallel_size
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """Which part of each global batch this rank computes (after build): ranks that split one model between them
+        share a data-parallel rank and see the same samples."""
+        return self.accelerator.process_index
+
+    # --- build ------------------------------------------------------------------------------------------------------
+
+    def accelerator_kwargs(self) -> dict[str, Any]:
+        """What this engine adds to Accelerator(...). A MULTI_GPU launch on a machine without GPUs becomes
+        MULTI_CPU over gloo only when the script asks for the CPU; otherwise every process runs alone as
+        DistributedType.NO: N unsynchronised copies."""
+        return {"cpu": not torch.cuda.is_available()}
+
+    def process_group_kwargs(self) -> dict[str, Any]:
+        """InitProcessGroupKwargs for this launch (Accelerate takes one handler of each type)."""
+        if self.launch.dist_timeout_s and self.launch.world_size > 1:
+            # How long a collective waits for the other ranks (TRAINKIT_DIST_TIMEOUT): a machine that vanishes without
+            # closing its connections then fails the run after this, not after torch's 30 min (gloo) / 10 min (NCCL).
+            return {"timeout": timedelta(seconds=self.launch.dist_timeout_s)}
+        return {}
+
+    def wrapper_kwargs(self) -> list:
+        """Accelerate's kwargs handlers for the model wrapper it builds (DDP's)."""
+        return []
+
+    def expected_distributed_type(self) -> str:
+        """What Accelerate must report once built (verify refuses anything else)."""
+        return "MULTI_GPU" if torch.cuda.is_available() else "MULTI_CPU"
+
+    def build_accelerator(self, output_dir: Path, report_to: list[str]):
+        """An Accelerator that does what the launch asked for on this machine, verified before it is returned
+        (strategies/accelerator.py): the first thing build does, before any model exists."""
+        self.accelerator, notes = accelerator.build(self, output_dir, report_to)
+        self.notes += notes
+        return self.accelerator
+
+    def prepare(self, model: torch.nn.Module,
+                build_optimizer: Callable[..., torch.optim.Optimizer],
+                build_scheduler: Callable[[TrainConfig, torch.optim.Optimizer], Any]) -> None:
+        """Shard or wrap the model, build the optimizer and schedule for it, and hand them to Accelerate."""
+        model = self.prepare_model(model)
+        self.compile_model(model)
+        optimizer = self.make_optimizer(model, build_optimizer)
+        scheduler = build_scheduler(self.cfg, optimizer)
+        self.model, self.optimizer, self.scheduler = self.accelerator.prepare(model, optimizer, scheduler)
+
+    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Strategy-specific changes before Accelerate sees the model. Replicas normalise BatchNorm per rank unless it
+        is converted to SyncBatchNorm, which torch supports on GPU/XPU only."""
+        if self.launch.world_size == 1 or not any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
+                                                  for m in model.modules()):
+            return model
+        if self.accelerator.device.type == "cpu":
+            self.notes.append("BatchNorm stays per-rank: torch's SyncBatchNorm supports only GPU/XPU devices, so on "
+                              "CPU each rank normalises with its own micro-batch statistics (losses will differ from "
+                              "one process)")
+            return model
+        self.notes.append("BatchNorm converted to SyncBatchNorm")
+        return torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+
+    def compile_model(self, model: torch.nn.Module, units: list[torch.nn.Module] | None = None) -> None:
+        """--compile: torch.compile on the forward of each of `units` (by default the whole model), before any
+        wrapper or engine sees the model (strategies/parallelize.py's compile_forward says how and why)."""
+        if self.cfg.compile:
+            self.notes.append(compile_forward(model, units or []))
+
+    def make_optimizer(self, model: torch.nn.Module,
+                       build_optimizer: Callable[..., torch.optim.Optimizer]) -> torch.optim.Optimizer:
+        return build_optimizer(self.cfg, model)
+
+    # --- one optimizer step (trainkit/step.py runs it; these are the points where engines differ) ----------------
+
+    # Whether the strategy's engine runs the whole step itself (DeepSpeed's: engine_step), not trainkit/step.py.
+    owns_step: ClassVar[bool] = False
+
+    def forward_backward(self, step: int, micro_batches: list, weights: list[float],
+                         loss_fn: LossFn) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Forward and backward over this rank's micro-batches, each loss times its weight, gradients communicated
+        on the last only; returns the mean of the weighed losses (one element: gloo cannot reduce 0-d tensors) and
+        the engine's own numbers for the step's one collective (None)."""
+        accelerator, model = self.accelerator, self.model
+        loss_sum = torch.zeros(1, device=accelerator.device)
+        for i, batch in enumerate(micro_batches):
+            with accelerator.accumulate(model), self.gradient_sync(last=i == len(micro_batches) - 1):
+                loss = loss_fn(model, self.cast_batch(batch)) * weights[i]
+                loss_sum += loss.detach().float()
+                accelerator.backward(loss)
+        return loss_sum / len(micro_batches), None
+
+    def step_metrics(self, step: int, extra_sums: list[float]) -> dict[str, Any]:
+        """The engine's own entries for metrics.jsonl after a step (a pipeline's idle time), from the sums over
+        every rank of what forward_backward returned."""
+        return {}
+
+    def engine_step(self, step: int, micro_batches: list, loss_fn: LossFn, finite: FiniteCheck,
+                    stop_requested: bool) -> StepResult:
+        """The whole step, where the engine owns it (owns_step)."""
+        raise NotImplementedError
+
+    @property
+    def loss_weigher(self) -> Callable[[Any, Any], Any] | None:
+        """The recipe's loss_weight, or None: its micro-batches weigh alike."""
+        return self.recipe.loss_weight if self.recipe is not None else None
+
+    def hold_gradients(self) -> None:
+        """Give every trainable parameter a gradient before its first step (zeros; kept between steps).
+
+        A parameter that takes no part in a step (an expert no sample picked) would otherwise have no gradient, which
+        AdamW takes as "skip me": no decay, no optimizer state until its first use. Its state would then be missing
+        from a checkpoint, and whether it is skipped would depend on what happened before a resume. With a gradient
+        of zeros it is updated like under DeepSpeed (whose flat buffers hold zeros for it), in every run the same.
+        """
+        for param in self.model.parameters():
+            if param.requires_grad and param.grad is None:
+                param.grad = torch.zeros_like(param)
+
+    def gradient_sync(self, last: bool) -> contextlib.AbstractContextManager:
+        """Gradient communication off on all but the last micro-batch, where Accelerate's `accumulate` cannot do it."""
+        return contextlib.nullcontext()
+
+    def clip_grad_norm(self) -> torch.Tensor | None:
+        """Clip to max_grad_norm (0: no clipping) and return the total norm before clipping, on the device."""
+        return self.accelerator.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm or float("inf"))
+
+    @property
+    def loss_holders(self) -> int:
+        """How many ranks compute a loss each step (all of them, unless the strategy splits the model in depth)."""
+        return self.accelerator.num_processes
+
+    def step_was_skipped(self) -> bool:
+        """Whether the step just taken was skipped, where no torch loss scaler ran (a library's own scaler, as
+        DeepSpeed's). Under torch's GradScaler the runner reads the scale instead: it halves exactly when the scaler
+        found an overflow and skipped. Accelerate's own `optimizer_step_was_skipped` misses that skip with a fused
+        optimizer (which the runner uses): GradScaler hands the overflow flag to the fused kernel, which skips inside
+        an optimizer.step() that Accelerate then counts as taken (measured: always False)."""
+        return False
+
+    def cast_batch(self, batch: Any) -> Any:
+        from accelerate.utils import send_to_device
+
+        return send_to_device(batch, self.accelerator.device)
+
+    def evaluate(self, batches: Iterator, loss_fn: LossFn, metrics_fn: MetricsFn) -> dict[str, float]:
+        """eval_loss and eval_<metric> over every rank's held-out micro-batches, with one collective.
+
+        The loss is the mean of the micro-batch means (equal micro-batches: that is the mean), or with the recipe's
+        loss_weight the mean over every unit evaluated; each recipe metric is a sum over a micro-batch's samples,
+        divided here by the number of samples evaluated on all ranks.
+        """
+        model = self.model
+        model.eval()
+        weigh = self.loss_weigher
+        loss_sum, batch_count, sample_count, sums = 0.0, 0, 0, {}
+        with torch.no_grad():
+            for batch in batches:
+                weight = 1.0 if weigh is None else float(weigh(self.cfg, batch))
+                batch = self.cast_batch(batch)
+                loss_sum = loss_sum + loss_fn(model, batch).detach().float() * weight
+                for name, value in metrics_fn(model, batch).items():
+                    sums[name] = sums.get(name, 0.0) + value.detach().float()
+                batch_count += weight
+                sample_count += _samples(batch)
+        model.train()
+        device = self.accelerator.device
+        local = torch.stack([torch.as_tensor(v, dtype=torch.float32, device=device).reshape(()) for v in
+                             (loss_sum / batch_count, loss_sum, batch_count, sample_count, *sums.values())])
+        mean_of_means, loss_total, weight_total, samples, *metric_sums = self.accelerator.reduce(local, "sum").tolist()
+        # The mean of the ranks' means (their batches weigh the same), or, weighed, the mean over every unit evaluated
+        eval_loss = mean_of_means / self.accelerator.num_processes if weigh is None else loss_total / weight_total
+        return {"eval_loss": eval_loss,
+                **{f"eval_{name}": total / samples for name, total in zip(sums, metric_sums, strict=True)}}
+
+    def generate(self, generate_fn: Callable[[torch.nn.Module, TrainConfig, Any], list[dict[str, str]]],
+                 eval_set: Any) -> list[dict[str, str]]:
+        """The recipe's generate hook on this rank's model (the recipe's own module, its parameters gathered by the
+        strategy's hooks where they are sharded), in eval mode, without gradients."""
+        model = self.unwrapped_model
+        model.eval()
+        with torch.no_grad():
+            answers = generate_fn(model, self.cfg, eval_set)
+        model.train()
+        return answers
+
+    def report(self) -> str | None:
+        """A line for the end of the run about the strategy's own measurements (a pipeline's bubble), or None."""
+        return None
+
+    # --- what it holds --------------------------------------------------------------------------------------------
+
+    def state_tensors(self) -> Iterator[torch.Tensor]:
+        """Every tensor of model state this rank holds (metrics.py's model_state_tensors)."""
+        return model_state_tensors(self.model, self.optimizer)
+
+    @property
+    def unwrapped_model(self) -> torch.nn.Module:
+        """The recipe's model inside the strategy's wrapper: DDP holds it as `.module`. (Accelerate's unwrap_model
+        does the same after importing DeepSpeed to check for its engine: 1.2 s in every process of every run.)"""
+        from torch.nn.parallel import DistributedDataParallel
+
+        return self.model.module if isinstance(self.model, DistributedDataParallel) else self.model
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The consolidated weights on the main process (a collective: call on every rank). Here every rank holds
+        them whole."""
+        return self.unwrapped_model.state_dict()
+
+    def building_alone(self) -> contextlib.AbstractContextManager:
+        """Where the main process alone builds a model (a recipe's export: the LoRA merge) as plain torch modules."""
+        return contextlib.nullcontext()
+
+
+def _samples(batch: Any) -> int:
+    """The number of samples in a collated batch: the length of its first tensor."""
+    first = next(iter(batch.values())) if isinstance(batch, dict) else batch[0] if isinstance(batch, list | tuple) \
+        else batch
+    return len(first)
+
