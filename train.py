@@ -159,13 +159,15 @@ def loop(plan: Plan, run: Run) -> str | None:
     held = 0  # model-state bytes: every tensor walked once, after the first step made the optimizer states
     stopped_by, first, started = None, run.step, time.perf_counter()
     for step in range(run.step + 1, min(cfg.max_steps, options.stop_at or cfg.max_steps) + 1):
-        result = train_step(engine, step, run.stream.next_global_batch(), plan.recipe.compute_loss, finite,
-                                     signal.requested)
+        waited = time.perf_counter()
+        micro_batches = run.stream.next_global_batch()  # read and collated here: the time the step waits for data
+        data_wait_s = time.perf_counter() - waited
+        result = train_step(engine, step, micro_batches, plan.recipe.compute_loss, finite, signal.requested)
         run.step, run.skipped_steps = step, run.skipped_steps + result.skipped
         samples_per_s = throughput.lap(run.layout.global_batch)
         held = held or state_bytes(engine.state_tensors())
         run.record = {"step": step, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
-                      "samples_per_s": samples_per_s,
+                      "samples_per_s": samples_per_s, "data_wait_s": data_wait_s,
                       # per process: the global batch's FLOPs over every process's peak (all processes, also those
                       # that split the model rather than the data)
                       "mfu": samples_per_s * plan.flops.per_sample / (peak * processes) if peak else None,

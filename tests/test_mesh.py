@@ -125,6 +125,24 @@ def test_one_training_step_calls_the_engine_in_order(monkeypatch):
     assert strategy_of("deepspeed_zero2").engine.owns_step and not strategy_of("fsdp").engine.owns_step
 
 
+def test_each_role_is_its_own_object_the_plan_builds_nothing():
+    """docs/strategies.md#adding-a-strategy: a strategy (plan time) names its engine, the engine names its checkpoint
+    format; the plan-time objects hold nothing built (no Accelerator, model or optimizer, notes they cannot grow)
+    and none of the engine's methods, so a plan's checks cannot depend on what a build did."""
+    from trainkit.strategies import REGISTRY, Engine, Strategy
+    from trainkit.strategies.dcp_format import CheckpointFormat
+
+    built = {name for name in vars(Engine) if not name.startswith("__")} - {"data_parallel_size"}
+    assert {"prepare", "forward_backward", "clip_grad_norm", "evaluate", "full_state_dict"} <= built
+    for cls in REGISTRY:
+        assert issubclass(cls.engine, Engine) and issubclass(cls.engine.format, CheckpointFormat), cls
+        assert not built & {name for klass in cls.__mro__[:-1] for name in vars(klass)}, cls
+    for name in LAUNCHES:
+        strategy = strategy_of(name)
+        assert isinstance(strategy, Strategy) and isinstance(strategy.notes, tuple), name
+        assert not {"accelerator", "model", "optimizer", "scheduler", "mesh"} & set(vars(strategy)), name
+
+
 def test_a_new_dimension_is_a_field_and_its_place_in_the_order():
     """docs/strategies.md#adding-a-strategy, done here for context parallelism: a field and its place in `names`
     (torchtitan's: between dp_shard and tp) give the sizes from the YAML, the product rule, the data-parallel size

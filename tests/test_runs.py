@@ -18,7 +18,7 @@ from trainkit.compare import run_config
 from trainkit.recipes import load_recipe
 
 SMALL_LM = ["--hidden", "64", "--layers", "2", "--seq_len", "64"]
-STEP_KEYS = {"step", "loss", "lr", "grad_norm", "samples_per_s", "mfu", "state_bytes", "peak_mem_bytes"}
+STEP_KEYS = {"step", "loss", "lr", "grad_norm", "samples_per_s", "data_wait_s", "mfu", "state_bytes", "peak_mem_bytes"}
 
 
 @pytest.mark.parametrize("config", ["single"])  # every other config: tests/test_strategies.py
@@ -27,6 +27,9 @@ def test_mlp_trains_and_exports(run_dir, config):
     metrics = run.metrics
     assert len(metrics) == 60 and STEP_KEYS <= set(metrics[0])
     assert metrics[-1]["loss"] < 0.1 * metrics[0]["loss"]
+    # the wait for data is measured every step, and is a part of the step's time (which samples_per_s is taken over)
+    global_batch = run.resolved["global_batch_size"]
+    assert all(0 < m["data_wait_s"] < global_batch / m["samples_per_s"] for m in metrics[1:])
     assert [m["step"] for m in metrics if "eval_loss" in m] == [30, 60]
     resolved = run.resolved
     assert resolved["world_size"] == (2 if config == "ddp" else 1) and resolved["strategy"] == config

@@ -125,7 +125,7 @@ class Engine:
 
     # --- one optimizer step (trainkit/step.py runs it; these are the points where engines differ) ----------------
 
-    # Whether the strategy's engine runs the whole step itself (DeepSpeed's: engine_step), not trainkit/step.py.
+    # Whether the engine runs the whole step itself (DeepSpeed's: engine_step), not trainkit/step.py.
     owns_step: ClassVar[bool] = False
 
     def forward_backward(self, step: int, micro_batches: list, weights: list[float],
@@ -237,7 +237,7 @@ class Engine:
         return answers
 
     def report(self) -> str | None:
-        """A line for the end of the run about the strategy's own measurements (a pipeline's bubble), or None."""
+        """A line for the end of the run about the engine's own measurements (a pipeline's bubble), or None."""
         return None
 
     # --- what it holds --------------------------------------------------------------------------------------------
