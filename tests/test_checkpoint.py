@@ -44,6 +44,23 @@ def test_keep_last_prunes_only_after_the_new_one_is_complete(run_dir):
 
 
 @pytest.mark.slow
+def test_resume_auto_is_one_command_for_the_first_start_and_every_restart(run_dir):
+    """The same command line starts a new folder, continues a stopped run from its newest checkpoint, and finishes
+    it: the loss curve of the run that was never stopped, bit for bit, each step once in metrics.jsonl."""
+    args = [*MLP, "--save_every", "4", "--resume", "auto"]
+    whole = launch(run_dir("whole"), *MLP, "--save_every", "4").check()
+    out = run_dir("out")
+    first = launch(out, *args, "--stop_at", "6").check()
+    assert f"note: --resume auto: no checkpoint in {out}: a fresh start" in first.stderr
+    second = launch(out, *args).check()
+    assert f"note: --resume auto: continuing from {out / 'checkpoints' / 'step_6'}" in second.stderr
+    assert [m["step"] for m in second.metrics] == list(range(1, 13))
+    assert [m["loss"] for m in second.metrics] == [m["loss"] for m in whole.metrics]
+    again = launch(out, *args).check()  # a restart after the end: nothing left to do, final/ kept
+    assert "nothing left to train" in again.stdout and (out / "final" / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
 def test_sigkill_during_a_save_keeps_the_previous_checkpoint(run_dir):
     """Kill every process (SIGKILL) while a checkpoint is half-written; latest must still name a whole one, and
     resuming from it must finish exactly like an uninterrupted run."""
@@ -175,6 +192,11 @@ def test_nothing_is_lost(check_only, run_dir):
     assert_refused(check_only(out, "--recipe", "mlp", "--resume", str(out / "checkpoints" / "step_3")),
                    "is not a complete checkpoint")
     assert_refused(check_only(run_dir("empty"), "--recipe", "mlp", "--resume", "latest"), "no checkpoint to resume")
+    # --resume auto continues the newest checkpoint, so it refuses what --resume latest refuses
+    assert_refused(check_only(out, "--recipe", "mlp", "--max_steps", "4", "--resume", "auto", "--seed", "1"),
+                   "seed is 1 but the checkpoint was trained with 0")
+    assert_refused(check_only(out, "--recipe", "mlp", "--resume", "auto", "--overwrite"),
+                   "--resume auto and --overwrite contradict each other")
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
 
 
@@ -196,6 +218,10 @@ def test_a_damaged_checkpoint_is_named_with_the_newest_intact_one(check_only, ru
     assert_refused(run, f"checkpoint {out / 'checkpoints' / 'step_6'} is damaged: {damaged} has {size // 2} bytes, "
                         f"{size} when it was written")
     assert f"resume from the newest intact one: --resume {out / 'checkpoints' / 'step_4'}" in run.stderr
+    auto = check_only(out, "--recipe", "mlp", "--max_steps", "8", "--resume", "auto", "--dry_run")
+    assert auto.returncode == 0 and json.loads(auto.stdout)["max_steps"] == 8, auto.stderr
+    assert f"note: --resume auto: continuing from {out / 'checkpoints' / 'step_4'} (the newer step_6 damaged)" \
+        in auto.stderr
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
 
 
@@ -286,6 +312,8 @@ def test_resuming_a_run_that_finished_without_checkpoints_keeps_its_final(check_
                    f"no checkpoint to resume in {out} (--resume latest): the run there finished without saving a "
                    f"checkpoint to continue from (--save_every), and its weights are in {out / 'final'}: start a new "
                    f"run in a new --output_dir; --overwrite would delete them")
+    # --resume auto has nothing to continue either, and a fresh start is refused: final/ is never replaced unasked
+    assert_refused(check_only(out, "--recipe", "mlp", "--resume", "auto"), f"{out} already holds a run")
     assert (out / "final" / "model.safetensors").is_file()
 
 
@@ -306,6 +334,10 @@ def test_a_folder_left_by_a_crash_gets_advice_that_works(check_only, run_dir, re
                           f"(--output_dir): pass --overwrite to start it again")
     assert "--resume" not in plain.stderr
     assert_refused(check_only(out, "--recipe", "mlp", "--resume", resume, "--dry_run"), message.format(out=out))
+    auto = check_only(out, "--recipe", "mlp", "--resume", "auto", "--dry_run")  # what a restart loop runs
+    assert auto.returncode == 0 and f"note: --resume auto: the run in {out} stopped before its first checkpoint; " \
+        "a fresh start replaces what it left (metrics.jsonl)" in auto.stderr, auto.stderr
+    assert (out / "metrics.jsonl").exists()  # a dry run replaces nothing
 
 
 # --- the checkpoint format's bookkeeping, in this process (no launch) ---------------------------------------------

@@ -308,6 +308,27 @@ def _has_latest(output_dir: Path) -> bool:
     return (output_dir / "checkpoints" / "latest").is_file()
 
 
+def auto_resume(output_dir: Path) -> tuple[str | None, bool, str]:
+    """--resume auto, the one command line for a first start and every restart: (the checkpoint to resume, or None
+    for a fresh start; whether that fresh start replaces what a run left before its first checkpoint; the note).
+
+    The newest intact checkpoint when there is one (a damaged newer one is passed over, said); a new folder, or one
+    whose run died before its first checkpoint (nothing there can be continued: its metrics.jsonl, a killed save's
+    step_<N>.tmp), starts fresh. A folder holding only damaged checkpoints, or a finished run's final/ without one,
+    is left to the checks of a fresh start, which refuse it naming the fix: nothing there is deleted unasked."""
+    complete = _checkpoints(output_dir / "checkpoints")
+    intact = [p for p in complete if not _damage(p, _state(p))]
+    if intact:
+        skipped = f" (the newer {', '.join(p.name for p in complete[:complete.index(intact[0])])} damaged)" \
+            if intact[0] != complete[0] else ""
+        return str(intact[0]), False, f"--resume auto: continuing from {intact[0]}{skipped}"
+    left = [name for name in ("metrics.jsonl", "checkpoints") if (output_dir / name).exists()]
+    if complete or (output_dir / "final").exists() or not left:
+        return None, False, f"--resume auto: no checkpoint in {output_dir}: a fresh start"
+    return None, True, (f"--resume auto: the run in {output_dir} stopped before its first checkpoint; a fresh start "
+                        f"replaces what it left ({', '.join(left)})")
+
+
 def find_checkpoint(output_dir: Path, resume: str) -> Found:
     """The checkpoint `--resume latest|PATH` names; refuses anything incomplete or damaged, naming what can work."""
     where = f"--resume {resume}"

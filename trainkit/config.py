@@ -276,7 +276,9 @@ def _parser() -> argparse.ArgumentParser:
                         "a resumed run keeps its checkpoint's)")
     parser.add_argument("--keep_last", type=int, help="keep only the newest K checkpoints (0, the default: all; a "
                         "resumed run keeps its checkpoint's)")
-    parser.add_argument("--resume", help="continue from a checkpoint: latest (in --output_dir) or a step_<N> path")
+    parser.add_argument("--resume", help="continue from a checkpoint: latest (in --output_dir), a step_<N> path, or "
+                        "auto (the newest intact checkpoint if there is one, else a fresh start: one command line for "
+                        "the first start and every restart)")
     parser.add_argument("--stop_at", type=int, help="end after optimizer step N with a checkpoint there; the "
                         "schedule and data order still follow --max_steps (staged runs)")
     parser.add_argument("--estimate", action="store_true",

@@ -16,7 +16,14 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from trainkit.checkpoint import Found, check_output_dir, find_checkpoint, lock_output_dir, resume_problems
+from trainkit.checkpoint import (
+    Found,
+    auto_resume,
+    check_output_dir,
+    find_checkpoint,
+    lock_output_dir,
+    resume_problems,
+)
 from trainkit.config import (
     RESUMED_OPTIONS,
     RunOptions,
@@ -67,6 +74,14 @@ class Plan:
 def make_plan(options: RunOptions, overrides: list[tuple[str, str, str]]) -> Plan:
     """The plan for this command line and launch, or a ConfigError with every problem found."""
     recipe = load_recipe(options.recipe)
+    notes: list[str] = []
+    if options.resume == "auto" and options.overwrite:
+        raise ConfigError([Problem("--resume auto and --overwrite contradict each other", "command line",
+                                   "pass only one (--resume auto starts fresh where nothing can be continued)")])
+    if options.resume == "auto" and not options.estimate:
+        found, replaces, note = auto_resume(options.output_dir)
+        options = dataclasses.replace(options, resume=found, overwrite=replaces)
+        notes.append(note)
     resume = find_checkpoint(options.output_dir, options.resume) if options.resume and not options.estimate else None
     saved = resume.state["resolved_config"] if resume else {}  # --resume continues the checkpoint's settings
     options, restored = restore_run_options(options, saved)
@@ -94,7 +109,6 @@ def make_plan(options: RunOptions, overrides: list[tuple[str, str, str]]) -> Pla
         problems += check_output_dir(options.output_dir, options.resume, options.overwrite)
     if problems:
         raise ConfigError(problems)
-    notes = []
     if cfg.warmup_steps >= cfg.max_steps:  # legitimate in a short trial, a mistake in a long run: said, not refused
         notes.append(f"warmup_steps {cfg.warmup_steps} >= max_steps {cfg.max_steps}: the learning rate is "
                      f"still warming up when the run ends and never reaches lr {cfg.lr:g}; pass "
