@@ -15,9 +15,10 @@ from trainkit.launch import shipped_configs
 from trainkit.recipes import load_recipe
 from trainkit.strategies import Strategy, for_launch, shipped_strategies
 
-__all__ = ["EXAMPLES", "FLAG_STRATEGIES", "LAUNCHES", "LM", "ROOT", "TEST_ENV", "Run", "architecture", "assert_refused",
-           "conversation", "entry", "kill_tree", "launch", "launch_command", "max_rel_diff", "PARITY_BOUND",
-           "processes", "strategy_of", "write_yaml", "yaml_of", "zero2_json"]
+__all__ = ["EXAMPLES", "FLAG_STRATEGIES", "LAUNCHES", "LAUNCH_TIMEOUT", "LM", "ROOT", "TEST_ENV", "Run",
+           "architecture", "assert_refused", "conversation", "entry", "kill_tree", "launch",
+           "launch_command", "max_rel_diff", "PARITY_BOUND", "processes", "strategy_of", "write_yaml",
+           "yaml_of", "zero2_json"]
 
 # What every run in the tests gets: their own data cache, one thread per process (TRAINKIT_CPU_THREADS: under a
 # launcher OMP_NUM_THREADS=1 reads as the launcher's default, trainkit/hardware.py), no network.

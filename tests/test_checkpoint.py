@@ -15,7 +15,17 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT, TEST_ENV, assert_refused, kill_tree, launch, launch_command, max_rel_diff, tmpfs
+from conftest import (
+    LAUNCH_TIMEOUT,
+    ROOT,
+    TEST_ENV,
+    assert_refused,
+    kill_tree,
+    launch,
+    launch_command,
+    max_rel_diff,
+    tmpfs,
+)
 from trainkit.errors import write_failure
 
 MLP = ["--recipe", "mlp", "--max_steps", "12", "--eval_every", "0", "--batch_size", "8"]
@@ -58,6 +68,55 @@ def test_resume_auto_is_one_command_for_the_first_start_and_every_restart(run_di
     assert [m["loss"] for m in second.metrics] == [m["loss"] for m in whole.metrics]
     again = launch(out, *args).check()  # a restart after the end: nothing left to do, final/ kept
     assert "nothing left to train" in again.stdout and (out / "final" / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_a_killed_rank_restarts_and_the_run_continues_exactly(run_dir):
+    """`accelerate launch --max_restarts 1 ... --resume auto`: one rank SIGKILLed at a random step between two
+    checkpoints; its peer loses contact and ends, torchrun starts both again, and the run continues from the newest
+    checkpoint to the end. Each step is in metrics.jsonl once (those redone replace the lost ones) with the loss of
+    the run that was never killed, bit for bit; the work lost is less than --save_every steps."""
+    import random
+
+    import psutil
+
+    save_every, steps = 200, 600
+    args = ["--recipe", "mlp", "--max_steps", str(steps), "--eval_every", "0", "--batch_size", "4",
+            "--save_every", str(save_every)]
+    whole = launch(run_dir("whole"), *args, config="ddp").check()
+    out, kill_at = run_dir("out"), random.randint(save_every + 10, 2 * save_every - 40)
+    command = launch_command("ddp", out, [*args, "--resume", "auto"], launch_args=("--max_restarts", "1"))
+    log = run_dir("launch.log")  # a file, not a pipe: nothing reads the output while the test watches the run
+    proc = subprocess.Popen(command, cwd=ROOT, env={**os.environ, **TEST_ENV}, stdout=log.open("w"),
+                            stderr=subprocess.STDOUT)
+    metrics, deadline, killed = out / "metrics.jsonl", time.time() + 120, None
+    while killed is None and proc.poll() is None and time.time() < deadline:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= kill_at:
+            ranks = [p for p in psutil.Process(proc.pid).children(recursive=True) if "train.py" in p.cmdline()]
+            killed = len(metrics.read_text().splitlines())
+            max(ranks, key=lambda p: p.pid).kill()  # one rank of the two, as the kernel's OOM killer would
+        time.sleep(0.005)
+    killed_at, truncated, restart_s = time.time(), False, None  # the resume cuts metrics.jsonl back to its step
+    while restart_s is None and proc.poll() is None and time.time() < deadline + 60:
+        done = metrics.read_text().count("\n") if metrics.exists() else 0
+        truncated = truncated or done < killed
+        restart_s = time.time() - killed_at if truncated and done > save_every else None
+        time.sleep(0.005)
+    try:
+        proc.wait(timeout=LAUNCH_TIMEOUT)
+    finally:
+        kill_tree(proc)
+    output = log.read_text()
+    assert killed is not None and killed < 2 * save_every, output[-3000:]
+    assert proc.returncode == 0, output[-3000:]
+    assert f"note: --resume auto: continuing from {out / 'checkpoints' / f'step_{save_every}'}" in output
+    assert "note: restart 1 of this launch (torchrun --max_restarts): the ranks joined anew" in output
+    lines = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [m["step"] for m in lines] == list(range(1, steps + 1))
+    assert [m["loss"] for m in lines] == whole.losses
+    print(f"killed a rank at step {killed}: steps {save_every + 1}-{killed} redone; {restart_s:.1f} s from the kill "
+          f"to the restarted run's first step")
+    assert restart_s is not None and restart_s < 90, output[-3000:]
 
 
 @pytest.mark.slow

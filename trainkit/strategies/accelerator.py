@@ -3,6 +3,8 @@ refused unless Accelerate then does what the launch asked (N unsynchronised copi
 
 from __future__ import annotations
 
+import os
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,7 @@ def build(engine: Any, output_dir: Path, report_to: list[str]) -> tuple[Any, lis
     cfg, launch = engine.cfg, engine.launch
     init = engine.process_group_kwargs()
     scaler = [GradScalerKwargs(init_scale=cfg.loss_scale)] if launch.mixed_precision == "fp16" else []
+    notes = [note] if (note := join_restarted_group(init)) else []
     accelerator = Accelerator(
         gradient_accumulation_steps=cfg.grad_accum,
         # The schedule is defined in optimizer steps; a prepared scheduler otherwise steps once per process.
@@ -29,7 +32,31 @@ def build(engine: Any, output_dir: Path, report_to: list[str]) -> tuple[Any, lis
         **engine.accelerator_kwargs(),
     )
     verify(accelerator, engine)
-    return accelerator, [use_cpu_fp16(accelerator, cfg.loss_scale)] if engine.strategy.cpu_fp16 else []
+    return accelerator, notes + ([use_cpu_fp16(accelerator, cfg.loss_scale)] if engine.strategy.cpu_fp16 else [])
+
+
+def join_restarted_group(init: dict[str, Any]) -> str | None:
+    """After torchrun restarted the ranks (--max_restarts), make the process group under a key prefix of this attempt;
+    returns the note that says so, or None on a first start (Accelerate makes the group then).
+
+    torchrun's static rendezvous (every `accelerate launch` on one machine, and multinode.yaml's launches) keeps its
+    TCPStore across restarts, and the ranks' process group uses that store without a prefix per attempt (torch's
+    rendezvous.py assumes a new store for every retry). The restarted ranks then find the keys of the attempt before:
+    measured here, a rank read its dead peer's gloo address and failed ("Gloo connectFullMesh failed ... Connection
+    refused"), so the restart failed too (pytorch/pytorch#135712 is the same trap under the c10d rendezvous).
+    Accelerate makes no group of its own once one exists."""
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if not attempt or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    import torch.distributed as dist
+
+    world_size, timeout = int(os.environ["WORLD_SIZE"]), init.get("timeout", timedelta(minutes=10))
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
+                          timeout=timeout)
+    backend = init.get("backend") or ("nccl" if torch.cuda.is_available() else "gloo")
+    dist.init_process_group(backend, store=dist.PrefixStore(f"trainkit/attempt_{attempt}", store),
+                            rank=int(os.environ["RANK"]), world_size=world_size, timeout=timeout)
+    return f"restart {attempt} of this launch (torchrun --max_restarts): the ranks joined anew"
 
 
 def use_cpu_fp16(accelerator: Any, loss_scale: float) -> str:
