@@ -40,13 +40,14 @@ from trainkit.metrics import (
 )
 from trainkit.optim import build_optimizer, build_scheduler
 from trainkit.plan import Plan, estimate_report, make_plan
-from trainkit.process import end_process, keep_until_exit, lost_contact
+from trainkit.process import end_process, end_with_launcher, keep_until_exit, lost_contact
 from trainkit.quiet import silence_library_noise
 from trainkit.step import train_step
 from trainkit.strategies import Engine
 
 
 def main(argv: list[str] | None = None) -> int:
+    end_with_launcher()  # a rank never outlives the launcher that started it (trainkit/process.py)
     silence_library_noise()
     try:
         plan = make_plan(*parse_command_line(argv))

@@ -8,6 +8,7 @@ Two "machines" here are two launches on 127.0.0.1 (torchrun style) or the two lo
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
@@ -168,6 +169,32 @@ def test_a_dead_machine_stops_the_other(tmp_path):
                      r"Connection (closed|reset) by peer", run.stderr), run.stderr[-3000:]
     assert "ChildFailedError" in run.stderr  # torchrun on machine 0 reports its worker's failure and exits
     assert 1 <= first.steps_done() < 1000000
+
+
+@pytest.mark.slow
+def test_a_launcher_killed_alone_takes_its_ranks_and_the_other_machine_stops(tmp_path):
+    """SIGKILL to machine 1's `accelerate launch` only (torchrun started its rank in a session of its own, out of
+    the launcher's reach): the rank ends with its launcher (trainkit/process.py, end_with_launcher), and machine 0
+    loses contact and fails within seconds instead of training beside an orphan and waiting at the exit barrier."""
+    import psutil
+
+    first, second = start_long_run(tmp_path)
+    try:
+        ranks = [p for p in psutil.Process(second.proc.pid).children(recursive=True) if "train.py" in p.cmdline()]
+        assert len(ranks) == 1
+        second.proc.kill()
+        second.proc.wait()
+        gone, alive = psutil.wait_procs(ranks, timeout=10)
+        run, elapsed = wait_for_exit(first, limit=60)
+    finally:
+        kill_tree(first.proc)
+        for p in ranks:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+    print(f"\nmachine 1's launcher killed: its rank ended; machine 0 exited {run.returncode} after {elapsed:.1f} s")
+    assert not alive, alive  # the rank is gone too, within seconds of its launcher
+    assert run.returncode != 0 and elapsed < 60
+    assert re.search(r"error: rank 0 lost contact with the other processes", run.stderr), run.stderr[-3000:]
 
 
 @pytest.mark.slow

@@ -39,6 +39,26 @@ def _launched() -> bool:
     return "LOCAL_RANK" in os.environ
 
 
+def end_with_launcher() -> None:
+    """A launched rank ends (SIGKILL) when the process that started it dies, as a lost peer then ends the others.
+
+    torchrun starts each rank in a session of its own, so a launcher killed alone (SIGKILL of one machine's
+    `accelerate launch`) left its ranks running as orphans: measured on two loopback machines, the orphan trained on,
+    and the other machine waited at torchrun's exit barrier for 300 s and then exited 0. Linux's parent-death signal
+    (prctl PR_SET_PDEATHSIG) ends the rank with its launcher instead; the other ranks then lose contact within seconds
+    and say so (tests/test_multinode.py). A launcher that died before this call leaves the rank to init: it ends at
+    once."""
+    if not _launched() or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    pr_set_pdeathsig = 1  # linux/prctl.h
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def keep_until_exit(engine: object) -> None:
     """A launched rank never frees its engine (the prepared model, optimizer and their process groups).
 
