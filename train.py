@@ -22,7 +22,14 @@ from typing import Any
 
 from accelerate.utils import set_seed
 
-from trainkit.checkpoint import Checkpointer, check_folder_shared, clear_outputs, export_final
+from trainkit.checkpoint import (
+    STOP_RECORD,
+    Checkpointer,
+    check_folder_shared,
+    clear_outputs,
+    export_final,
+    record_stop,
+)
 from trainkit.config import parse_command_line
 from trainkit.data import BatchLayout, TrainStream, eval_batches, split_layouts
 from trainkit.errors import ConfigError, TrainingError, failure_in_user_code, out_of_memory
@@ -123,6 +130,7 @@ def build(plan: Plan) -> Run:
         if options.overwrite:  # asked for explicitly: the earlier run's outputs go
             clear_outputs(options.output_dir)
         options.output_dir.mkdir(parents=True, exist_ok=True)
+        (options.output_dir / STOP_RECORD).unlink(missing_ok=True)  # this launch's end writes its own, if it stops
         (options.output_dir / "resolved_config.json").write_text(json.dumps(resolved, indent=2) + "\n")
     check_folder_shared(options.output_dir)  # a folder local to each machine would fail only at the first save
     accelerator.init_trackers("train", config={k: v for k, v in resolved.items() if isinstance(v, (int, float, str))})
@@ -198,8 +206,10 @@ def finish(plan: Plan, run: Run, stopped_by: str | None) -> int:
     if stopped_by:
         accelerator.end_training()
         if accelerator.is_main_process:
-            print(f"stopped after step {run.step} ({stopped_by}); checkpoint in "
-                  f"{run.checkpointer.root / f'step_{run.step}'}; continue with --resume latest")
+            checkpoint = run.checkpointer.root / f"step_{run.step}"
+            record_stop(plan.options.output_dir, run.step, stopped_by, plan.cfg.max_steps, checkpoint)
+            print(f"stopped after step {run.step} ({stopped_by}); checkpoint in {checkpoint}; continue with "
+                  f"--resume latest")
         return 0
     final = export_final(run.engine, plan.recipe, plan.cfg, plan.options.cache_dir, plan.options.output_dir)
     accelerator.end_training()

@@ -164,7 +164,12 @@ def test_sigterm_stops_every_rank_at_one_step_with_a_checkpoint(run_dir):
     step = int(match.group(1))
     assert step < 400 and (out / "checkpoints" / "latest").read_text().strip() == f"step_{step}"
     assert len((out / "metrics.jsonl").read_text().splitlines()) == step
+    # what a scheduler's script reads to tell this preemption from a crash (the launcher's exit status cannot)
+    assert json.loads((out / "stopped.json").read_text()) == {
+        "stopped_by": "SIGTERM", "step": step, "max_steps": 400,
+        "checkpoint": str(out / "checkpoints" / f"step_{step}"), "continue_with": "--resume auto"}
     resumed = launch(out, *args, "--resume", "latest", config="ddp").check()
+    assert not (out / "stopped.json").exists()  # the run went on and finished: no stop stands
     full = launch(run_dir("full"), *args, config="ddp").check()
     assert resumed.losses == full.losses
 

@@ -389,8 +389,21 @@ def clear_outputs(output_dir: Path) -> None:
     """Remove an earlier run's outputs (--overwrite): stale checkpoints would otherwise mix with the new ones."""
     for folder in ("checkpoints", "final", "train", "universal"):  # train/: TensorBoard's events
         shutil.rmtree(output_dir / folder, ignore_errors=True)
-    for name in ("metrics.jsonl", "resolved_config.json", "generations.jsonl"):
+    for name in ("metrics.jsonl", "resolved_config.json", "generations.jsonl", STOP_RECORD):
         (output_dir / name).unlink(missing_ok=True)
+
+
+# Written by rank 0 when a run stops early with a checkpoint (a signal, --stop_at), and removed when a launch starts:
+# a scheduler's script tells a preemption from a crash by it, whatever the launcher's exit status (torchrun exits 1
+# after forwarding a SIGTERM, even when every rank stopped cleanly).
+STOP_RECORD = "stopped.json"
+
+
+def record_stop(output_dir: Path, step: int, stopped_by: str, max_steps: int, checkpoint: Path) -> None:
+    """STOP_RECORD for a stop after `step`: what stopped the run, where it stands, and how to continue it."""
+    record = {"stopped_by": stopped_by, "step": step, "max_steps": max_steps,
+              "checkpoint": str(checkpoint), "continue_with": "--resume auto"}
+    _write_atomically(output_dir / STOP_RECORD, json.dumps(record, indent=2) + "\n")
 
 
 def export_final(engine: Engine, recipe: Recipe, cfg: TrainConfig, cache_dir: Path, output_dir: Path) -> Path:
