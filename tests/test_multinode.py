@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import re
 import shutil
@@ -231,21 +232,67 @@ for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
 exit $status
 """
 FAKE_SCONTROL = """#!/usr/bin/env bash
-# scontrol stand-in: `scontrol show hostnames LIST` prints one host per node.
+# scontrol stand-in: `scontrol show hostnames LIST` prints one host per node; `scontrol requeue ID` is recorded.
+if [[ $1 == requeue ]]; then echo "requeue $2" >> "$SCONTROL_LOG"; exit 0; fi
 for ((node = 0; node < SLURM_NNODES; node++)); do echo 127.0.0.1; done
 """
 
 
-@pytest.mark.slow
-def test_slurm_example_starts_one_launch_per_node(ddp_reference, tmp_path):
+def slurm_job(tmp_path: Path) -> dict[str, str]:
+    """The environment of a 2-node SLURM job whose srun and scontrol are the stand-ins above."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
-    env = {**ENV, "PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}", "SLURM_NNODES": "2",
-           "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_JOB_ID": "4242", "SLURM_CPUS_PER_TASK": "1",
-           "GPUS_PER_NODE": "1", "MAIN_PORT": str(free_port())}
+    return {**ENV, "PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}", "SLURM_NNODES": "2",
+            "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_JOB_ID": "4242", "SLURM_CPUS_PER_TASK": "1",
+            "GPUS_PER_NODE": "1", "MAIN_PORT": str(free_port()), "SCONTROL_LOG": str(tmp_path / "scontrol.log")}
+
+
+@pytest.mark.slow
+def test_slurm_example_requeues_itself_after_a_preemption_and_continues(tmp_path):
+    """SLURM's --signal=TERM sends SIGTERM to the job's launchers: every rank stops with a checkpoint, the launchers
+    exit 1 (torchrun), the script reads stopped.json, requeues the job and exits 0; the requeued job (the same
+    script and arguments) continues from the checkpoint (--resume auto, which the script adds) to the end."""
+    import psutil
+
+    env, out = slurm_job(tmp_path), tmp_path / "out"
+    args = ["--recipe", "mlp", "--max_steps", "600", "--eval_every", "0", "--batch_size", "8", "--output_dir",
+            str(out), "--report_to", "none"]
+    log = tmp_path / "job1.log"
+    job = subprocess.Popen(["bash", str(ROOT / "examples" / "slurm.sbatch"), *args], cwd=ROOT, env=env,
+                           stdout=log.open("w"), stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 90
+        while not (out / "metrics.jsonl").exists() or len((out / "metrics.jsonl").read_text().splitlines()) < 20:
+            assert time.monotonic() < deadline and job.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.05)
+        launchers = [p for p in psutil.Process(job.pid).children(recursive=True)
+                     if "launch" in p.cmdline() and "train.py" in p.cmdline()]
+        assert len(launchers) == 2, [p.cmdline() for p in launchers]
+        for launcher in launchers:
+            launcher.send_signal(signal.SIGTERM)
+        job.wait(timeout=120)
+    finally:
+        kill_tree(job)
+    first = log.read_text()
+    stopped = json.loads((out / "stopped.json").read_text())
+    assert job.returncode == 0 and "requeueing job 4242" in first, first[-3000:]
+    assert (tmp_path / "scontrol.log").read_text() == "requeue 4242\n"
+    assert stopped["stopped_by"] == "SIGTERM" and 20 <= stopped["step"] < 600
+    requeued = subprocess.run(["bash", str(ROOT / "examples" / "slurm.sbatch"), *args], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=120)
+    assert requeued.returncode == 0, requeued.stderr[-3000:]
+    assert f"continuing from {out / 'checkpoints' / ('step_' + str(stopped['step']))}" in requeued.stderr
+    assert [m["step"] for m in Run("slurm", 0, "", "", out).metrics] == list(range(1, 601))
+    assert not (out / "stopped.json").exists() and (out / "final").is_dir()
+    assert (tmp_path / "scontrol.log").read_text() == "requeue 4242\n"  # a finished job is not requeued
+
+
+@pytest.mark.slow
+def test_slurm_example_starts_one_launch_per_node(ddp_reference, tmp_path):
+    env = slurm_job(tmp_path)
     out = tmp_path / "out"
     proc = subprocess.run(["bash", str(ROOT / "examples" / "slurm.sbatch"), *MLP, "--output_dir", str(out),
                            "--report_to", "none"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=110)
