@@ -70,31 +70,38 @@ def test_resume_auto_is_one_command_for_the_first_start_and_every_restart(run_di
     assert "nothing left to train" in again.stdout and (out / "final" / "model.safetensors").is_file()
 
 
+RESTARTED = ["--recipe", "mlp", "--max_steps", "600", "--eval_every", "0", "--batch_size", "4", "--save_every", "200"]
+
+
+@pytest.fixture(scope="module")
+def never_restarted(tmp_path_factory):
+    return launch(tmp_path_factory.mktemp("whole") / "out", *RESTARTED, config="ddp").check()
+
+
 @pytest.mark.slow
-def test_a_killed_rank_restarts_and_the_run_continues_exactly(run_dir):
-    """`accelerate launch --max_restarts 1 ... --resume auto`: one rank SIGKILLed at a random step between two
-    checkpoints; its peer loses contact and ends, torchrun starts both again, and the run continues from the newest
-    checkpoint to the end. Each step is in metrics.jsonl once (those redone replace the lost ones) with the loss of
-    the run that was never killed, bit for bit; the work lost is less than --save_every steps."""
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "frozen"])
+def test_a_killed_or_frozen_rank_restarts_and_the_run_continues_exactly(never_restarted, run_dir, sig):
+    """`accelerate launch --max_restarts 1 ... --resume auto`: one rank SIGKILLed (the kernel's OOM killer) or
+    SIGSTOPped (a hung rank) at a random step between two checkpoints; its peer loses contact at once or after
+    TRAINKIT_DIST_TIMEOUT and ends, torchrun ends the other and starts both again, and the run continues from the
+    newest checkpoint to the end. Each step is in metrics.jsonl once (those redone replace the lost ones) with the loss
+    of the run that was never stopped, bit for bit; the work lost is less than --save_every steps."""
     import random
 
     import psutil
 
-    save_every, steps = 200, 600
-    args = ["--recipe", "mlp", "--max_steps", str(steps), "--eval_every", "0", "--batch_size", "4",
-            "--save_every", str(save_every)]
-    whole = launch(run_dir("whole"), *args, config="ddp").check()
+    save_every, steps, whole, args = 200, 600, never_restarted, RESTARTED
     out, kill_at = run_dir("out"), random.randint(save_every + 10, 2 * save_every - 40)
     command = launch_command("ddp", out, [*args, "--resume", "auto"], launch_args=("--max_restarts", "1"))
     log = run_dir("launch.log")  # a file, not a pipe: nothing reads the output while the test watches the run
-    proc = subprocess.Popen(command, cwd=ROOT, env={**os.environ, **TEST_ENV}, stdout=log.open("w"),
-                            stderr=subprocess.STDOUT)
+    env = {**os.environ, **TEST_ENV, "TRAINKIT_DIST_TIMEOUT": "10"}  # how long a frozen rank is waited for
+    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
     metrics, deadline, killed = out / "metrics.jsonl", time.time() + 120, None
     while killed is None and proc.poll() is None and time.time() < deadline:
         if metrics.exists() and len(metrics.read_text().splitlines()) >= kill_at:
             ranks = [p for p in psutil.Process(proc.pid).children(recursive=True) if "train.py" in p.cmdline()]
             killed = len(metrics.read_text().splitlines())
-            max(ranks, key=lambda p: p.pid).kill()  # one rank of the two, as the kernel's OOM killer would
+            max(ranks, key=lambda p: p.pid).send_signal(sig)  # one rank of the two
         time.sleep(0.005)
     killed_at, truncated, restart_s = time.time(), False, None  # the resume cuts metrics.jsonl back to its step
     while restart_s is None and proc.poll() is None and time.time() < deadline + 60:
@@ -114,8 +121,8 @@ def test_a_killed_rank_restarts_and_the_run_continues_exactly(run_dir):
     lines = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [m["step"] for m in lines] == list(range(1, steps + 1))
     assert [m["loss"] for m in lines] == whole.losses
-    print(f"killed a rank at step {killed}: steps {save_every + 1}-{killed} redone; {restart_s:.1f} s from the kill "
-          f"to the restarted run's first step")
+    print(f"{sig.name} to a rank at step {killed}: steps {save_every + 1}-{killed} redone; {restart_s:.1f} s from "
+          f"the signal to the restarted run's first step")
     assert restart_s is not None and restart_s < 90, output[-3000:]
 
 
