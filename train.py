@@ -22,14 +22,7 @@ from typing import Any
 
 from accelerate.utils import set_seed
 
-from trainkit.checkpoint import (
-    STOP_RECORD,
-    Checkpointer,
-    check_folder_shared,
-    clear_outputs,
-    export_final,
-    record_stop,
-)
+from trainkit.checkpoint import Checkpointer, export_final
 from trainkit.config import parse_command_line
 from trainkit.data import BatchLayout, TrainStream, eval_batches, split_layouts
 from trainkit.errors import ConfigError, TrainingError, failure_in_user_code, out_of_memory
@@ -49,6 +42,7 @@ from trainkit.optim import build_optimizer, build_scheduler
 from trainkit.plan import Plan, estimate_report, make_plan
 from trainkit.process import end_process, end_with_launcher, keep_until_exit, lost_contact
 from trainkit.quiet import silence_library_noise
+from trainkit.run_folder import STOP_RECORD, check_folder_shared, clear_outputs, record_stop
 from trainkit.step import train_step
 from trainkit.strategies import Engine
 

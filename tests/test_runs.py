@@ -112,7 +112,7 @@ def test_a_second_run_in_a_folder_a_run_is_writing_is_refused(check_only, run_di
     out = run_dir("out")
     launch(out, "--recipe", "mlp", "--max_steps", "4", "--save_every", "2").check()
     before = sorted(p.relative_to(out) for p in out.rglob("*"))
-    with open(out / ".trainkit.lock", "a+") as held:  # as trainkit.checkpoint.lock_output_dir takes it
+    with open(out / ".trainkit.lock", "a+") as held:  # as trainkit.run_folder.lock_output_dir takes it
         fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
         held.truncate(0)
         held.write("pid 12345 on elsewhere\n")

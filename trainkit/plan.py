@@ -16,14 +16,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from trainkit.checkpoint import (
-    Found,
-    auto_resume,
-    check_output_dir,
-    find_checkpoint,
-    lock_output_dir,
-    resume_problems,
-)
+from trainkit.checkpoint import Found, auto_resume, find_checkpoint, resume_problems
 from trainkit.config import (
     RESUMED_OPTIONS,
     RunOptions,
@@ -51,6 +44,7 @@ from trainkit.hosts import check_hosts, environment_note, rendezvous_note
 from trainkit.launch import Launch, check_machine, check_yaml
 from trainkit.metrics import FlopCount, check_trackers, count_flops
 from trainkit.recipes import Recipe, load_recipe
+from trainkit.run_folder import check_output_dir, lock_output_dir
 from trainkit.strategies import Strategy, for_launch, shipped_strategies
 
 
@@ -74,14 +68,7 @@ class Plan:
 def make_plan(options: RunOptions, overrides: list[tuple[str, str, str]]) -> Plan:
     """The plan for this command line and launch, or a ConfigError with every problem found."""
     recipe = load_recipe(options.recipe)
-    notes: list[str] = []
-    if options.resume == "auto" and options.overwrite:
-        raise ConfigError([Problem("--resume auto and --overwrite contradict each other", "command line",
-                                   "pass only one (--resume auto starts fresh where nothing can be continued)")])
-    if options.resume == "auto" and not options.estimate:
-        found, replaces, note = auto_resume(options.output_dir)
-        options = dataclasses.replace(options, resume=found, overwrite=replaces)
-        notes.append(note)
+    options, notes = resolve_resume_auto(options)
     resume = find_checkpoint(options.output_dir, options.resume) if options.resume and not options.estimate else None
     saved = resume.state["resolved_config"] if resume else {}  # --resume continues the checkpoint's settings
     options, restored = restore_run_options(options, saved)
@@ -133,6 +120,20 @@ def make_plan(options: RunOptions, overrides: list[tuple[str, str, str]]) -> Pla
         raise ConfigError(problems)
     return Plan(options, recipe, cfg, launch, strategy, shape, estimate, MappingProxyType(resolved), resume, flops,
                 tuple(notes))
+
+
+def resolve_resume_auto(options: RunOptions) -> tuple[RunOptions, list[str]]:
+    """--resume auto as what it resolves to in this folder (a checkpoint, or a fresh start that may replace a run's
+    remains: checkpoint.auto_resume), and the note that says which; other options as they are."""
+    if options.resume != "auto":
+        return options, []
+    if options.overwrite:
+        raise ConfigError([Problem("--resume auto and --overwrite contradict each other", "command line",
+                                   "pass only one (--resume auto starts fresh where nothing can be continued)")])
+    if options.estimate:
+        return dataclasses.replace(options, resume=None), []
+    found, replaces, note = auto_resume(options.output_dir)
+    return dataclasses.replace(options, resume=found, overwrite=replaces), [note]
 
 
 def resolved_config(recipe: Recipe, cfg: TrainConfig, sources: dict[str, str], launch: Launch, strategy: Strategy,
