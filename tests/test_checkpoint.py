@@ -168,6 +168,9 @@ def test_sigterm_stops_every_rank_at_one_step_with_a_checkpoint(run_dir):
     output = proc.communicate(timeout=120)[0]
     match = re.search(r"stopped after step (\d+) \(SIGTERM\)", output)
     assert match, output[-3000:]
+    # every rank exited 0, but torchrun exits 1 after forwarding a SIGTERM, as docs/command-line.md's exit statuses
+    # say: stopped.json below is what tells the stop from a crash
+    assert proc.returncode == 1 and "SignalException" in output, output[-3000:]
     step = int(match.group(1))
     assert step < 400 and (out / "checkpoints" / "latest").read_text().strip() == f"step_{step}"
     assert len((out / "metrics.jsonl").read_text().splitlines()) == step
