@@ -6,6 +6,7 @@ import atexit
 import os
 import re
 import sys
+from pathlib import Path
 from typing import NoReturn
 
 import torch
@@ -46,8 +47,8 @@ def end_with_launcher() -> None:
     `accelerate launch`) left its ranks running as orphans: measured on two loopback machines, the orphan trained on,
     and the other machine waited at torchrun's exit barrier for 300 s and then exited 0. Linux's parent-death signal
     (prctl PR_SET_PDEATHSIG) ends the rank with its launcher instead; the other ranks then lose contact within seconds
-    and say so (tests/test_multinode.py). A launcher that died before this call leaves the rank to init: it ends at
-    once."""
+    and say so (tests/test_multinode.py). A launcher that died before this call left the rank to init (pid 1): it
+    ends at once, unless pid 1 is a Python process, the launcher itself as a container's entry point."""
     if not _launched() or not sys.platform.startswith("linux"):
         return
     import ctypes
@@ -55,8 +56,16 @@ def end_with_launcher() -> None:
 
     pr_set_pdeathsig = 1  # linux/prctl.h
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
-    if os.getppid() == 1:
+    if os.getppid() == 1 and b"python" not in _command_line(1):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _command_line(pid: int) -> bytes:
+    """The command line of process `pid`, or b"python" where it cannot be read (then nothing is ended)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b"python"
 
 
 def keep_until_exit(engine: object) -> None:
