@@ -4,7 +4,6 @@ refused unless Accelerate then does what the launch asked (N unsynchronised copi
 from __future__ import annotations
 
 import os
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -50,9 +49,9 @@ def join_restarted_group(init: dict[str, Any]) -> str | None:
         return None
     import torch.distributed as dist
 
-    world_size, timeout = int(os.environ["WORLD_SIZE"]), init.get("timeout", timedelta(minutes=10))
+    world_size, timeout = int(os.environ["WORLD_SIZE"]), init.get("timeout")  # None: torch's defaults, as at start
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
-                          timeout=timeout)
+                          **({"timeout": timeout} if timeout else {}))
     backend = init.get("backend") or ("nccl" if torch.cuda.is_available() else "gloo")
     dist.init_process_group(backend, store=dist.PrefixStore(f"trainkit/attempt_{attempt}", store),
                             rank=int(os.environ["RANK"]), world_size=world_size, timeout=timeout)
