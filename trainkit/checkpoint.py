@@ -159,8 +159,7 @@ class Checkpointer:
             except (Exception, _dcp_error()) as e:  # damage the sizes cannot show: the library's words
                 if isinstance(e, RuntimeError) and lost_contact(e):
                     raise
-                older = [p for p in _checkpoints(found.path.parent)
-                         if _step(p) < _step(found.path) and not _damage(p, _state(p))]
+                older = [p for p in _intact(found.path.parent) if _step(p) < _step(found.path)]
                 raise TrainingError(f"could not load checkpoint {found.path}: {said(e)}",
                                     f"resume from an older one (--resume {older[0]})" if older else
                                     "start again (--overwrite)") from None
@@ -185,6 +184,11 @@ def _checkpoints(root: Path) -> list[Path]:
     steps = [p for p in root.glob("step_*") if p.name.removeprefix("step_").isdigit()
              and (p / "trainer_state.json").is_file()]
     return sorted(steps, key=_step, reverse=True)
+
+
+def _intact(root: Path) -> list[Path]:
+    """Complete checkpoints under root whose files are as they were written (_damage), newest first."""
+    return [p for p in _checkpoints(root) if not _damage(p, _state(p))]
 
 
 def _step(path: Path) -> int:
@@ -223,8 +227,7 @@ def auto_resume(output_dir: Path) -> tuple[str | None, bool, str]:
     whose run died before its first checkpoint (nothing there can be continued: its metrics.jsonl, a killed save's
     step_<N>.tmp), starts fresh. A folder holding only damaged checkpoints, or a finished run's final/ without one,
     is left to the checks of a fresh start, which refuse it naming the fix: nothing there is deleted unasked."""
-    complete = _checkpoints(output_dir / "checkpoints")
-    intact = [p for p in complete if not _damage(p, _state(p))]
+    complete, intact = _checkpoints(output_dir / "checkpoints"), _intact(output_dir / "checkpoints")
     if intact:
         skipped = f" (the newer {', '.join(p.name for p in complete[:complete.index(intact[0])])} damaged)" \
             if intact[0] != complete[0] else ""
@@ -262,7 +265,7 @@ def find_checkpoint(output_dir: Path, resume: str) -> Found:
     state = _state(path)
     damage = _damage(path, state)
     if damage:
-        intact = [p for p in _checkpoints(path.parent) if p != path and not _damage(p, _state(p))]
+        intact = [p for p in _intact(path.parent) if p != path]
         raise ConfigError([Problem(f"checkpoint {path} is damaged: {damage}", where,
                                    f"resume from the newest intact one: --resume {intact[0]}" if intact else
                                    "no intact checkpoint is left: start again (--overwrite)")])
