@@ -135,7 +135,7 @@ def build(plan: Plan) -> Run:
     notes += [note] if note else []
     set_seed(cfg.seed)  # the same initial weights on every rank and in a one-process run
     model = recipe.make_model(cfg)
-    checkpointer = Checkpointer(engine, options.output_dir, options.keep_last)
+    checkpointer = Checkpointer(engine, options.output_dir, options.keep_last, options.async_save)
     if plan.resume and (note := checkpointer.before_prepare(plan.resume, model)):
         notes.append(note)
     engine.prepare(model, build_optimizer, build_scheduler)
@@ -165,12 +165,14 @@ def loop(plan: Plan, run: Run) -> str | None:
         waited = time.perf_counter()
         micro_batches = run.stream.next_global_batch()  # read and collated here: the time the step waits for data
         data_wait_s = time.perf_counter() - waited
+        run.checkpointer.poll()  # an asynchronous save that has ended becomes the checkpoint
         result = train_step(engine, step, micro_batches, plan.recipe.compute_loss, finite, signal.requested)
         run.step, run.skipped_steps = step, run.skipped_steps + result.skipped
         samples_per_s = throughput.lap(run.layout.global_batch)
         held = held or state_bytes(engine.state_tensors())
         run.record = {"step": step, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
                       "samples_per_s": samples_per_s, "data_wait_s": data_wait_s,
+                      "checkpoint_s": run.checkpointer.blocked(),
                       # per process: the global batch's FLOPs over every process's peak (all processes, also those
                       # that split the model rather than the data)
                       "mfu": samples_per_s * plan.flops.per_sample / (peak * processes) if peak else None,
@@ -189,6 +191,7 @@ def loop(plan: Plan, run: Run) -> str | None:
             run.checkpointer.save(step, run.stream.position, run.skipped_steps, run.resolved)
         if stopped_by:
             break
+    run.checkpointer.wait()  # the last asynchronous save, on disk before the run goes on or ends
     log.close()
     run.steps_trained, run.seconds = run.step - first, time.perf_counter() - started
     return stopped_by

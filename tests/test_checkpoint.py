@@ -127,13 +127,15 @@ def test_a_killed_or_frozen_rank_restarts_and_the_run_continues_exactly(never_re
 
 
 @pytest.mark.slow
-def test_sigkill_during_a_save_keeps_the_previous_checkpoint(run_dir):
-    """Kill every process (SIGKILL) while a checkpoint is half-written; latest must still name a whole one, and
-    resuming from it must finish exactly like an uninterrupted run."""
+@pytest.mark.parametrize("config, save", [("ddp", []), ("fsdp", ["--async_save"])], ids=["ddp", "fsdp-async"])
+def test_sigkill_during_a_save_keeps_the_previous_checkpoint(run_dir, config, save):
+    """Kill every process (SIGKILL) while a checkpoint is half-written (under --async_save: while its write goes on
+    beside the training); latest must still name a whole one, and resuming from it must finish exactly like an
+    uninterrupted run that saved synchronously."""
     args = ["--recipe", "mlp", "--max_steps", "40", "--eval_every", "0", "--batch_size", "8", "--save_every", "1"]
-    full = launch(run_dir("full"), *args, config="ddp").check()
+    full = launch(run_dir("full"), *args, config=config).check()
     out = run_dir("killed")
-    proc = subprocess.Popen(launch_command("ddp", out, args), cwd=ROOT, env={**os.environ, **TEST_ENV},
+    proc = subprocess.Popen(launch_command(config, out, [*args, *save]), cwd=ROOT, env={**os.environ, **TEST_ENV},
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     caught = None
     deadline = time.time() + 120
@@ -148,8 +150,11 @@ def test_sigkill_during_a_save_keeps_the_previous_checkpoint(run_dir):
     latest = (out / "checkpoints" / "latest").read_text().strip()
     assert (out / "checkpoints" / latest / "trainer_state.json").exists()
     assert int(latest.removeprefix("step_")) < int(re.findall(r"\d+", caught.name)[0])
-    resumed = launch(out, *args, "--resume", "latest", config="ddp").check()
+    resumed = launch(out, *args, *save, "--resume", "latest", config=config).check()
     assert resumed.losses == full.losses
+    # the loop's time in each save, recorded with the step after it: none before step 1 and each launch's first
+    unsaved = [m["step"] for m in resumed.metrics if m["checkpoint_s"] == 0]
+    assert unsaved[0] == 1 and len(unsaved) <= 2, unsaved
 
 
 @pytest.mark.slow
@@ -317,11 +322,13 @@ def small_disk(tmp_path):
         yield mount
 
 
-def test_a_full_disk_stops_the_run_with_the_intact_checkpoint_named(small_disk):
+@pytest.mark.parametrize("save", [[], ["--async_save"]], ids=["sync", "async"])
+def test_a_full_disk_stops_the_run_with_the_intact_checkpoint_named(small_disk, save):
     """Measured before: a 3 MB disk ended in torch's "unexpected pos 704 vs 598" traceback. Now: the partial
-    step_<N>.tmp is removed, latest stays on the last whole checkpoint, and the message says how to go on."""
+    step_<N>.tmp is removed, latest stays on the last whole checkpoint, and the message says how to go on; the same
+    when the write that fails went on beside the training (--async_save)."""
     out = small_disk / "out"
-    run = launch(out, "--recipe", "mlp", "--hidden", "256", "--max_steps", "40", "--save_every", "1")
+    run = launch(out, "--recipe", "mlp", "--hidden", "256", "--max_steps", "40", "--save_every", "1", *save)
     assert_refused(run, "the disk is full", code=1)
     latest = (out / "checkpoints" / "latest").read_text().strip()
     assert f"could not write checkpoint {out / 'checkpoints'}/step_" in run.stderr
@@ -362,15 +369,18 @@ def test_resume_takes_the_runs_settings_from_the_checkpoint(check_only, run_dir)
 
 @pytest.mark.slow
 def test_a_resumed_launch_keeps_saving_as_the_run_was_started_to(run_dir):
-    """A preempted job restarted with --resume latest alone keeps its --save_every and --keep_last (and trackers):
-    it goes on writing (and pruning) checkpoints instead of running unprotected to the end."""
+    """A preempted job restarted with --resume latest alone keeps its --save_every, --keep_last and --async_save (and
+    trackers): it goes on writing (and pruning) checkpoints instead of running unprotected to the end."""
     out = run_dir("out")
     args = ["--recipe", "mlp", "--max_steps", "20", "--eval_every", "0", "--batch_size", "8"]
-    launch(out, *args, "--save_every", "5", "--keep_last", "2", "--stop_at", "10", config="ddp").check()
+    launch(out, *args, "--save_every", "5", "--keep_last", "2", "--async_save", "--stop_at", "10",
+           config="ddp").check()
     resumed = launch(out, "--recipe", "mlp", "--resume", "latest", config="ddp").check()
-    assert "note: run options from the checkpoint: --save_every 5, --keep_last 2 (a flag" in resumed.stderr
+    assert "note: run options from the checkpoint: --save_every 5, --keep_last 2, --async_save (a flag" \
+        in resumed.stderr
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step_15", "step_20"]
     assert resumed.resolved["save_every"] == 5 and resumed.resolved["sources"]["keep_last"].startswith("checkpoint ")
+    assert resumed.resolved["async_save"] is True
     again = launch(out, "--recipe", "mlp", "--resume", "latest", "--max_steps", "30", "--save_every", "0",
                    config="ddp").check()
     assert "--save_every" not in again.stderr.split("run options from the checkpoint:")[-1].splitlines()[0]
@@ -430,21 +440,28 @@ def tiny_engine(seed: int, frozen: bool = False, stepped: bool = True):
     return SimpleNamespace(model=model, unwrapped_model=model, optimizer=optimizer)
 
 
-def test_the_dcp_format_restores_what_trains_and_leaves_the_frozen_weights_out(tmp_path):
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_the_dcp_format_restores_what_trains_and_leaves_the_frozen_weights_out(tmp_path, asynchronous):
     from trainkit.strategies.dcp_format import DCP
 
     saved = tiny_engine(0, frozen=True)
-    DCP(saved).save(tmp_path)
+    kept = {name: value.clone() for name, value in saved.model.state_dict().items()}
+    moments = [(s["exp_avg"].clone(), s["exp_avg_sq"].clone()) for s in saved.optimizer.state.values()]
+    future = DCP(saved, asynchronous).save(tmp_path)
+    assert (future is not None) == asynchronous
+    if future is not None:  # the write goes on from a copy: the training after save() returned does not reach it
+        with torch.no_grad():
+            for tensor in [*saved.model.parameters(), *(s["exp_avg"] for s in saved.optimizer.state.values())]:
+                tensor.add_(1.0)
+        future.result()
     fresh = tiny_engine(1, frozen=True, stepped=False)  # a resumed launch: other weights, no optimizer state yet
     built = fresh.model[0].weight.clone()
     DCP(fresh).load(tmp_path)
-    kept = saved.model.state_dict()
     for name, value in fresh.model.state_dict().items():
         if name == "0.weight":  # frozen: not in the checkpoint, so build_model's value stays
             assert torch.equal(value, built) and not torch.equal(value, kept[name])
         else:
             assert torch.equal(value, kept[name]), name
-    moments = [(s["exp_avg"], s["exp_avg_sq"]) for s in saved.optimizer.state.values()]
     restored = [(s["exp_avg"], s["exp_avg_sq"]) for s in fresh.optimizer.state.values()]
     assert len(restored) == len(moments) == 3 and all(
         torch.equal(a, b) and torch.equal(c, d) for (a, c), (b, d) in zip(moments, restored, strict=True))

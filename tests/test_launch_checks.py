@@ -80,6 +80,10 @@ def test_refused_launch_configs(check_only, tmp_path):
     run = check_only(tmp_path / "out", "--recipe", "mlp", "--dry_run", "--optimizer", "sgd",
                      "--accelerate_config", str(ROOT / "accelerate_configs" / "deepspeed_zero2_offload.yaml"))
     assert_refused(run, "optimizer sgd cannot run in DeepSpeed's CPU offload")
+    run = check_only(tmp_path / "out", "--recipe", "mlp", "--dry_run", "--async_save",
+                     "--accelerate_config", str(ROOT / "accelerate_configs" / "deepspeed_zero3.yaml"))
+    assert_refused(run, "--async_save does not work under deepspeed_zero3: its checkpoints are written by "
+                        "DeepSpeed's engine, which saves synchronously")
 
 
 def test_dry_run_checks_the_yaml_itself(check_only, tmp_path):

@@ -9,7 +9,8 @@ A checkpoint is `checkpoints/step_<N>/`:
 
 It is written as `step_<N>.tmp`; after every rank's part is on disk (a barrier) rank 0 renames it, then points
 `checkpoints/latest` at it (write + rename), and only then prunes beyond --keep_last. A crash at any moment leaves
-the previous checkpoint whole and `latest` naming a complete one.
+the previous checkpoint whole and `latest` naming a complete one. Under --async_save the same happens when the write
+that went on beside the training has ended on every rank.
 """
 
 from __future__ import annotations
@@ -19,6 +20,10 @@ import json
 import os
 import random
 import shutil
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -71,51 +76,112 @@ class Found:
         return self.state["format"]
 
 
-class Checkpointer:
-    """Saves and restores training state under the run's engine (see the module docstring for the layout)."""
+@dataclass(slots=True)
+class _Write:
+    """A save under way: its folders, rank 0's trainer_state (as of its step) and, when asynchronous, the future."""
 
-    def __init__(self, engine: Engine, output_dir: Path, keep_last: int):
+    tmp: Path
+    final: Path
+    state: dict[str, Any] | None
+    future: Future | None
+
+
+class Checkpointer:
+    """Saves and restores training state under the run's engine (see the module docstring for the layout).
+
+    With `asynchronous` (--async_save) a save copies the state and returns; the write goes on beside the training,
+    and the step folder becomes the checkpoint (renamed, `latest`) only when every rank's part is on disk. At most one
+    write is in flight: the next save, and the end of the run, first wait for it."""
+
+    def __init__(self, engine: Engine, output_dir: Path, keep_last: int, asynchronous: bool = False):
         self.engine = engine
-        self.format = engine.format(engine)  # the model + optimizer part of every step folder
+        self.format = engine.format(engine, asynchronous)  # the model + optimizer part of every step folder
         self.accelerator = engine.accelerator
         self.output_dir = output_dir
         self.root = output_dir / "checkpoints"
         self.keep_last = keep_last
+        self.writing: _Write | None = None
+        self.blocked_s = 0.0  # the loop's time in save and poll since `blocked()` was last read
 
     # --- saving -------------------------------------------------------------------------------------------------
 
     def save(self, step: int, position: tuple[int, int], skipped_steps: int, resolved: dict[str, Any]) -> Path:
-        """Write checkpoints/step_<step>; a failure to write (a full disk) removes the partial folder and stops the
-        run naming the checkpoint that is still whole."""
+        """Write checkpoints/step_<step> (asynchronously: start writing it); a failure to write (a full disk) removes
+        the partial folder and stops the run naming the checkpoint that is still whole."""
+        started = time.perf_counter()
+        self.wait()
         acc = self.accelerator
         final, tmp = self.root / f"step_{step}", self.root / f"step_{step}.tmp"
-        try:
+        with self._failing(final, tmp):
             if acc.is_main_process:
                 shutil.rmtree(tmp, ignore_errors=True)  # the remains of a save that was killed
                 (tmp / "rng").mkdir(parents=True)
             acc.wait_for_everyone()
             torch.save(_rng_state(), tmp / "rng" / f"rank_{acc.process_index}.pt")
-            self.format.save(tmp)
-            acc.wait_for_everyone()  # every rank's part is on disk
-            if acc.is_main_process:
-                state = {
-                    "format": self.format.name, "step": step, "epoch": position[0],
-                    "batch_in_epoch": position[1], "skipped_steps": skipped_steps,
-                    "scheduler": self.engine.scheduler.state_dict(),
-                    "scaler": acc.scaler.state_dict() if acc.scaler is not None else None,
-                    "strategy": resolved["strategy"], "world_size": resolved["world_size"],
-                    "zero_stage": resolved["zero_stage"], "resolved_config": resolved,
-                    # what was written, so that a damaged copy is found before anything is loaded from it
-                    "files": {str(f.relative_to(tmp)): f.stat().st_size for f in sorted(tmp.rglob("*"))
-                              if f.is_file()},
-                }
-                write_atomically(tmp / "trainer_state.json", json.dumps(state, indent=2) + "\n")
-                shutil.rmtree(final, ignore_errors=True)  # a re-run of this very step (after a resume)
-                os.replace(tmp, final)
-                write_atomically(self.root / "latest", final.name + "\n")
+            future = self.format.save(tmp)
+            state = {
+                "format": self.format.name, "step": step, "epoch": position[0], "batch_in_epoch": position[1],
+                "skipped_steps": skipped_steps, "scheduler": self.engine.scheduler.state_dict(),
+                "scaler": acc.scaler.state_dict() if acc.scaler is not None else None,
+                "strategy": resolved["strategy"], "world_size": resolved["world_size"],
+                "zero_stage": resolved["zero_stage"], "resolved_config": resolved,
+            } if acc.is_main_process else None
+        self.writing = _Write(tmp, final, state, future)
+        if future is None:
+            self.wait()
+        self.blocked_s += time.perf_counter() - started
+        return final
+
+    def poll(self) -> None:
+        """Between steps: rank 0 makes a finished asynchronous write the checkpoint. Its future ends after every
+        rank's (torch.distributed.checkpoint's coordinator writes the metadata once all parts are written), so no
+        other rank waits for this."""
+        write = self.writing
+        if write is not None and write.future is not None and write.future.done() and write.state is not None:
+            started = time.perf_counter()
+            self._finish(write)
+            self.blocked_s += time.perf_counter() - started
+
+    def wait(self) -> None:
+        """Every rank: until the write in flight, if any, is on disk and is the checkpoint (a collective)."""
+        write = self.writing
+        if write is not None and write.future is not None:
+            with self._failing(write.final, write.tmp):
+                write.future.result()
+        self.accelerator.wait_for_everyone()  # every rank's part is on disk
+        if write is not None:
+            self._finish(write)
+
+    def blocked(self) -> float:
+        """The seconds the loop spent in saves since the last call (metrics.jsonl's checkpoint_s)."""
+        blocked, self.blocked_s = self.blocked_s, 0.0
+        return blocked
+
+    def _finish(self, write: _Write) -> None:
+        self.writing = None
+        if write.state is None:  # rank 0 renames
+            return
+        final, tmp = write.final, write.tmp
+        with self._failing(final, tmp):
+            if write.future is not None:
+                write.future.result()  # a failed write raises here
+            # what was written, so that a damaged copy is found before anything is loaded from it
+            write.state["files"] = {str(f.relative_to(tmp)): f.stat().st_size for f in sorted(tmp.rglob("*"))
+                                    if f.is_file()}
+            write_atomically(tmp / "trainer_state.json", json.dumps(write.state, indent=2) + "\n")
+            shutil.rmtree(final, ignore_errors=True)  # a re-run of this very step (after a resume)
+            os.replace(tmp, final)
+            write_atomically(self.root / "latest", final.name + "\n")
+        self._prune(_step(final))
+
+    @contextmanager
+    def _failing(self, final: Path, tmp: Path) -> Iterator[None]:
+        try:
+            yield
         except (OSError, RuntimeError, _dcp_error()) as e:  # DCP wraps its ranks' failures in a BaseException
             if isinstance(e, RuntimeError) and lost_contact(e):
                 raise
+            self.writing = None
             shutil.rmtree(tmp, ignore_errors=True)
             newest = next(iter(_checkpoints(self.root)), None)
             what, fix = write_failure(e, self.root)
@@ -123,10 +189,6 @@ class Checkpointer:
                                 f"{newest} is intact; {fix} and continue with --resume latest" if newest else
                                 f"no checkpoint was written before it; {fix} and start again (--overwrite)"
                                 ) from None
-        if acc.is_main_process:
-            self._prune(step)
-        acc.wait_for_everyone()
-        return final
 
     def _prune(self, newest: int) -> None:
         if self.keep_last <= 0:

@@ -211,6 +211,7 @@ class RunOptions:
     cache_dir: Path
     save_every: int
     keep_last: int
+    async_save: bool
     resume: str | None
     stop_at: int | None
     estimate: bool
@@ -222,8 +223,8 @@ class RunOptions:
 
 # Run options that a resumed run keeps from its checkpoint unless the command line sets them anew: a preempted job
 # restarted with `--resume latest` alone goes on saving (and pruning, and reporting) as the run was started to.
-RESUMED_OPTIONS = ("save_every", "keep_last", "report_to")
-DEFAULTS = {"save_every": 0, "keep_last": 0, "report_to": "tensorboard"}
+RESUMED_OPTIONS = ("save_every", "keep_last", "async_save", "report_to")
+DEFAULTS = {"save_every": 0, "keep_last": 0, "async_save": False, "report_to": "tensorboard"}
 
 
 def parse_command_line(argv: list[str] | None = None) -> tuple[RunOptions, list[tuple[str, str, str]]]:
@@ -243,7 +244,8 @@ def parse_command_line(argv: list[str] | None = None) -> tuple[RunOptions, list[
                          overwrite=args.overwrite, dry_run=args.dry_run, accelerate_config=args.accelerate_config,
                          report_to=trackers(chosen["report_to"]), peak_flops=args.peak_flops,
                          cache_dir=args.cache_dir, save_every=chosen["save_every"], keep_last=chosen["keep_last"],
-                         resume=args.resume, stop_at=args.stop_at, estimate=args.estimate, device_memory=None,
+                         async_save=chosen["async_save"], resume=args.resume, stop_at=args.stop_at,
+                         estimate=args.estimate, device_memory=None,
                          num_processes=args.num_processes,
                          precision={"fp32": "no"}.get(args.precision, args.precision), given=given)
     if args.device_memory:
@@ -276,6 +278,10 @@ def _parser() -> argparse.ArgumentParser:
                         "a resumed run keeps its checkpoint's)")
     parser.add_argument("--keep_last", type=int, help="keep only the newest K checkpoints (0, the default: all; a "
                         "resumed run keeps its checkpoint's)")
+    parser.add_argument("--async_save", action="store_const", const=True,
+                        help="write checkpoints beside the training: a save blocks the loop only while the state is "
+                        "copied to CPU memory (torch.distributed.checkpoint's formats; a resumed run keeps its "
+                        "checkpoint's)")
     parser.add_argument("--resume", help="continue from a checkpoint: latest (in --output_dir), a step_<N> path, or "
                         "auto (the newest intact checkpoint if there is one, else a fresh start: one command line for "
                         "the first start and every restart)")

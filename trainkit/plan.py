@@ -91,7 +91,7 @@ def make_plan(options: RunOptions, overrides: list[tuple[str, str, str]]) -> Pla
         problems += check_hosts(launch)
         for note in filter(None, (environment_note(launch), rendezvous_note(launch))):
             print(f"note: {note}", file=sys.stderr)  # now: it matters whether or not the launch has problems
-    problems += check_trackers(options.report_to)
+    problems += check_trackers(options.report_to) + check_async_save(options.async_save, strategy)
     if not options.estimate:
         problems += check_output_dir(options.output_dir, options.resume, options.overwrite)
     if problems:
@@ -110,8 +110,9 @@ def make_plan(options: RunOptions, overrides: list[tuple[str, str, str]]) -> Pla
     flops = count_flops(model, tokens)
     resolved = resolved_config(recipe, cfg, sources, launch, strategy, estimate, flops, run_option_values(options))
     if restored:  # said on screen: a resumed run that saves (or not) as its first launch did is no surprise
-        notes.append("run options from the checkpoint: " + ", ".join(
-            f"--{name} {resolved[name]}" for name in restored) + " (a flag sets one anew)")
+        notes.append("run options from the checkpoint: " + ", ".join(  # a switch is named when it is on
+            f"--{name}" if resolved[name] is True else f"--{name} {resolved[name]}" for name in restored
+            if resolved[name] is not False) + " (a flag sets one anew)")
     if resume and (problems := resume_problems(resume, cfg, resolved, overrides)):
         raise ConfigError(problems)
     # last: a plan refused for anything else never takes the folder's lock (nor rewrites who holds it)
@@ -120,6 +121,17 @@ def make_plan(options: RunOptions, overrides: list[tuple[str, str, str]]) -> Pla
         raise ConfigError(problems)
     return Plan(options, recipe, cfg, launch, strategy, shape, estimate, MappingProxyType(resolved), resume, flops,
                 tuple(notes))
+
+
+def check_async_save(async_save: bool, strategy: Strategy) -> list[Problem]:
+    """--async_save needs a format that writes beside the training (torch.distributed.checkpoint's)."""
+    if not async_save or strategy.engine.format.writes_async:
+        return []
+    return [Problem(f"--async_save does not work under {strategy.label}: its checkpoints are written by DeepSpeed's "
+                    f"engine, which saves synchronously (DeepSpeed's own asynchronous writers need its async_io op "
+                    f"and are not wired here)", "--async_save",
+                    "drop --async_save, or train under a strategy that saves torch.distributed.checkpoint's format "
+                    "(ddp.yaml, fsdp.yaml, tp.yaml, a pipeline)")]
 
 
 def resolve_resume_auto(options: RunOptions) -> tuple[RunOptions, list[str]]:

@@ -14,6 +14,7 @@ their optimizer states); loading checks that every parameter that trains, and no
 from __future__ import annotations
 
 from collections.abc import Mapping
+from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -28,12 +29,17 @@ class CheckpointFormat:
 
     name: ClassVar[str]  # trainer_state.json's "format": a resume compares it
     folder: ClassVar[str]  # the model + optimizer state's folder inside checkpoints/step_<N>/
+    writes_async: ClassVar[bool] = False  # whether save() can return before the write ends (--async_save)
 
-    def __init__(self, engine: Strategy) -> None:
+    def __init__(self, engine: Strategy, asynchronous: bool = False) -> None:
+        if asynchronous and not self.writes_async:
+            raise ValueError(f"the {self.name} format writes synchronously only")  # the plan refuses it before
         self.engine = engine  # prepared by the time save or load runs
+        self.writer = Writer.make() if asynchronous else None
 
-    def save(self, step_dir: Path) -> None:
-        """Write this rank's part of the trained state into the step folder."""
+    def save(self, step_dir: Path) -> Future | None:
+        """Write this rank's part of the trained state into the step folder; with a writer, only copy it and return
+        the write's future (its result: every rank's part is on disk, trainkit/checkpoint.py's Checkpointer.poll)."""
         raise NotImplementedError
 
     def load(self, step_dir: Path) -> None:
@@ -61,9 +67,10 @@ class DCP(CheckpointFormat):
 
     name = "dcp"
     folder = "state"
+    writes_async = True
 
-    def save(self, step_dir: Path) -> None:
-        save(self.engine.unwrapped_model, _raw(self.engine.optimizer), step_dir / self.folder)
+    def save(self, step_dir: Path) -> Future | None:
+        return save(self.engine.unwrapped_model, _raw(self.engine.optimizer), step_dir / self.folder, self.writer)
 
     def load(self, step_dir: Path) -> None:
         load(self.engine.unwrapped_model, _raw(self.engine.optimizer), step_dir / self.folder)
@@ -79,9 +86,10 @@ class PipelineDCP(DCP):
 
     name = "dcp_pipeline"
 
-    def save(self, step_dir: Path) -> None:
+    def save(self, step_dir: Path) -> Future | None:
         engine = self.engine
-        save_renamed(engine.model, engine.optimizer.optimizer, engine.names, step_dir / self.folder)
+        return save_renamed(engine.model, engine.optimizer.optimizer, engine.names, step_dir / self.folder,
+                            self.writer)
 
     def load(self, step_dir: Path) -> None:
         engine = self.engine
@@ -93,12 +101,45 @@ def _raw(optimizer):
     return getattr(optimizer, "optimizer", optimizer)
 
 
-def save(model: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> None:
-    """This rank's part of the model's and optimizer's trained state into `folder`."""
+class Writer:
+    """torch.distributed.checkpoint's async_save on a process group of its own: the call copies the state into CPU
+    memory (the loop's only wait) and a thread writes it. The group is gloo (async_save wants a CPU backend, also
+    beside NCCL) and its own, so that the write's collectives never interleave with the training step's."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group  # None in one process without a process group
+
+    @classmethod
+    def make(cls) -> Writer:
+        import torch.distributed as dist
+
+        from trainkit.process import keep_until_exit
+
+        group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        keep_until_exit(group)  # freed at exit, a gloo group can hang its rank (trainkit/process.py)
+        return cls(group)
+
+    def write(self, state: dict, folder: Path) -> Future:
+        import torch.distributed.checkpoint as dcp
+
+        return dcp.async_save(state, checkpoint_id=str(folder), process_group=self.group)
+
+
+def _write(state: dict, folder: Path, writer: Writer | None) -> Future | None:
+    if writer is not None:
+        return writer.write(state, folder)
     import torch.distributed.checkpoint as dcp
 
+    dcp.save(state, checkpoint_id=str(folder))
+    return None
+
+
+def save(model: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path,
+         writer: Writer | None = None) -> Future | None:
+    """This rank's part of the model's and optimizer's trained state into `folder` (with a writer: copied, and the
+    write's future returned)."""
     model_state, optim_state = trained_state(model, optimizer)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(folder))
+    return _write({"model": model_state, "optim": optim_state}, folder, writer)
 
 
 def load(model: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> None:
@@ -122,12 +163,10 @@ def load_weights(model: torch.nn.Module, folder: Path) -> None:
 
 
 def save_renamed(model: torch.nn.Module, optimizer: torch.optim.Optimizer, names: dict[str, list[str]],
-                 folder: Path) -> None:
+                 folder: Path, writer: Writer | None = None) -> Future | None:
     """save() of a part of a model (a pipeline's stages) under the whole model's names (`names`: each name in the
     part's state dict -> every name the tensor has in the whole model), so that any strategy reads it."""
-    import torch.distributed.checkpoint as dcp
-
-    dcp.save(_renamed(*trained_state(model, optimizer), names), checkpoint_id=str(folder))
+    return _write(_renamed(*trained_state(model, optimizer), names), folder, writer)
 
 
 def load_renamed(model: torch.nn.Module, optimizer: torch.optim.Optimizer, names: dict[str, list[str]],

@@ -49,8 +49,8 @@ class DeepSpeedFormat(CheckpointFormat):
     name = "deepspeed"
     folder = "deepspeed"
 
-    def __init__(self, engine: ZeroEngine) -> None:
-        super().__init__(engine)
+    def __init__(self, engine: ZeroEngine, asynchronous: bool = False) -> None:
+        super().__init__(engine, asynchronous)
         self.universal: Path | None = None  # set by before_resume when a checkpoint was converted
 
     def save(self, step_dir: Path) -> None:
