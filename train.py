@@ -40,7 +40,7 @@ from trainkit.metrics import (
 )
 from trainkit.optim import build_optimizer, build_scheduler
 from trainkit.plan import Plan, estimate_report, make_plan
-from trainkit.process import end_process, end_with_launcher, keep_until_exit, lost_contact
+from trainkit.process import answer_roll_call, end_process, end_with_launcher, keep_until_exit, lost_contact
 from trainkit.quiet import silence_library_noise
 from trainkit.run_folder import STOP_RECORD, check_folder_shared, clear_outputs, record_stop
 from trainkit.step import train_step
@@ -115,6 +115,7 @@ def build(plan: Plan) -> Run:
     engine = plan.strategy.engine(plan.strategy)
     accelerator = engine.build_accelerator(options.output_dir, options.report_to)
     keep_until_exit(engine)  # freeing its process groups can hang a launched rank (trainkit/process.py)
+    answer_roll_call()  # where this rank runs, for a lost peer's message to name a rank that went silent
     if (leak := exposed_secrets(os.environ, accelerator.is_local_main_process)) and accelerator.is_main_process:
         print(f"warning: {leak}", file=sys.stderr, flush=True)
     compute = Compute.set_up(accelerator, plan.launch.mixed_precision, options.peak_flops, options.cache_dir)

@@ -8,6 +8,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import time
 
@@ -100,8 +101,8 @@ def test_a_killed_or_frozen_rank_restarts_and_the_run_continues_exactly(never_re
     while killed is None and proc.poll() is None and time.time() < deadline:
         if metrics.exists() and len(metrics.read_text().splitlines()) >= kill_at:
             ranks = [p for p in psutil.Process(proc.pid).children(recursive=True) if "train.py" in p.cmdline()]
-            killed = len(metrics.read_text().splitlines())
-            max(ranks, key=lambda p: p.pid).send_signal(sig)  # one rank of the two
+            killed, victim = len(metrics.read_text().splitlines()), max(ranks, key=lambda p: p.pid)
+            victim.send_signal(sig)  # one rank of the two
         time.sleep(0.005)
     killed_at, truncated, restart_s = time.time(), False, None  # the resume cuts metrics.jsonl back to its step
     while restart_s is None and proc.poll() is None and time.time() < deadline + 60:
@@ -118,6 +119,9 @@ def test_a_killed_or_frozen_rank_restarts_and_the_run_continues_exactly(never_re
     assert proc.returncode == 0, output[-3000:]
     assert f"note: --resume auto: continuing from {out / 'checkpoints' / f'step_{save_every}'}" in output
     assert "note: restart 1 of this launch (torchrun --max_restarts): the ranks joined anew" in output
+    # the rank that went silent is named by the one that waited for it (the roll call, trainkit/process.py)
+    assert re.search(rf"error: rank \d lost contact with the other processes \(.*\); rank \d on {socket.gethostname()} "
+                     rf"\(machine 0\), pid {victim.pid} did not answer within 3 s", output), output[-3000:]
     lines = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [m["step"] for m in lines] == list(range(1, steps + 1))
     assert [m["loss"] for m in lines] == whole.losses

@@ -168,6 +168,7 @@ def test_a_dead_machine_stops_the_other(tmp_path):
     # gloo sees the closed connection in a read or a write, whichever comes first
     assert re.search(r"error: rank 0 lost contact with the other processes \((Read error )?(\[[\d.:]+\]:\d+: )?"
                      r"Connection (closed|reset) by peer", run.stderr), run.stderr[-3000:]
+    assert re.search(r"; rank 1 on \S+ \(machine 1\), pid \d+ did not answer", run.stderr), run.stderr[-3000:]
     assert "ChildFailedError" in run.stderr  # torchrun on machine 0 reports its worker's failure and exits
     assert 1 <= first.steps_done() < 1000000
 
@@ -214,6 +215,9 @@ def test_a_silent_machine_stops_the_other_within_the_timeout(tmp_path):
     assert run.returncode != 0
     assert f"error: rank 0 lost contact with the other processes (Timed out waiting {timeout * 1000}ms" in run.stderr, \
         run.stderr[-3000:]
+    # named by the roll call in the store machine 0 holds (trainkit/process.py)
+    assert re.search(rf"; rank 1 on {socket.gethostname()} \(machine 1\), pid \d+ did not answer within 3 s "
+                     r"\(dead, frozen or cut off\)", run.stderr), run.stderr[-3000:]
     assert elapsed >= timeout * 0.5  # it was the timeout that ended it (the run may have been mid-collective)
 
 

@@ -33,7 +33,7 @@ import torch
 
 from trainkit.config import TrainConfig, config_dict
 from trainkit.errors import ConfigError, Problem, TrainingError, said, write_failure
-from trainkit.process import lost_contact
+from trainkit.process import lost_peer
 from trainkit.recipes import Recipe
 from trainkit.strategies import Engine, for_format
 
@@ -179,7 +179,7 @@ class Checkpointer:
         try:
             yield
         except (OSError, RuntimeError, _dcp_error()) as e:  # DCP wraps its ranks' failures in a BaseException
-            if isinstance(e, RuntimeError) and lost_contact(e):
+            if isinstance(e, RuntimeError) and lost_peer(e):
                 raise
             self.writing = None
             shutil.rmtree(tmp, ignore_errors=True)
@@ -219,7 +219,7 @@ class Checkpointer:
             try:
                 self.format.load(found.path)
             except (Exception, _dcp_error()) as e:  # damage the sizes cannot show: the library's words
-                if isinstance(e, RuntimeError) and lost_contact(e):
+                if isinstance(e, RuntimeError) and lost_peer(e):
                     raise
                 older = [p for p in _intact(found.path.parent) if _step(p) < _step(found.path)]
                 raise TrainingError(f"could not load checkpoint {found.path}: {said(e)}",

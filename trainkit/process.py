@@ -6,6 +6,7 @@ import atexit
 import os
 import re
 import sys
+import time
 from pathlib import Path
 from typing import NoReturn
 
@@ -17,22 +18,76 @@ from trainkit.errors import TrainingError
 _LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out waiting",
               "NCCL communicator was aborted", "Socket Timeout")
 
+_ROLL, _ROLL_CALL_S = "trainkit/roll", 3.0  # the store's keys of the roll call, and how long it waits for answers
 _KEPT: list[object] = []  # what keep_until_exit holds: never released
 
 
+def lost_peer(error: BaseException) -> bool:
+    """Whether a collective failed because another rank died, froze or lost its network."""
+    return isinstance(error, torch.distributed.DistError) or any(s in _first_line(error) for s in _LOST_PEER)
+
+
+def _first_line(error: BaseException) -> str:
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+
+
 def lost_contact(error: BaseException) -> TrainingError | None:
-    """The error to report when a collective failed because another rank died, froze or lost its network, else None.
+    """The error to report when a collective failed because another rank died, froze or lost its network, else None;
+    it names the ranks that did not answer the roll call (_unanswered).
 
     gloo's message starts with its source file ("[.../pair.cc:537] Read error [IP]:PORT: Connection reset by peer.
     This is typically caused by ..."): the part that says what happened is kept.
     """
-    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    if not (isinstance(error, torch.distributed.DistError) or any(s in text for s in _LOST_PEER)):
+    if not lost_peer(error):
         return None
-    reason = re.sub(r"^\[[^\]]*\]\s*", "", text).split(". This is typically")[0]
-    return TrainingError(f"rank {os.environ.get('RANK', '0')} lost contact with the other processes ({reason})",
+    reason = re.sub(r"^\[[^\]]*\]\s*", "", _first_line(error)).split(". This is typically")[0]
+    missing = _unanswered()
+    silent = f"; {', '.join(missing)} did not answer within {_ROLL_CALL_S:g} s (dead, frozen or cut off)" \
+        if missing else ""
+    return TrainingError(f"rank {os.environ.get('RANK', '0')} lost contact with the other processes ({reason})"
+                         f"{silent}",
                          "a machine or process died, froze or lost its network. Check the other machines' logs, then "
                          "continue with --resume latest (the last complete checkpoint is intact)")
+
+
+def answer_roll_call() -> None:
+    """Each rank of a launch writes where it runs (host, machine, pid) into the launch's store at its start, for
+    lost_contact's roll call to name a rank that stops answering."""
+    import socket
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        where = f"on {socket.gethostname()} (machine {os.environ.get('GROUP_RANK', '0')}), pid {os.getpid()}"
+        _store().set(f"{_ROLL}/where/{dist.get_rank()}", where)
+
+
+def _store():
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()  # the launch's (under a restart, its attempt's: accelerator.join_restarted_group)
+
+
+def _unanswered(wait_s: float = _ROLL_CALL_S) -> list[str] | None:
+    """After a collective failed: every rank that still runs says so in the store; the ranks that have not after
+    wait_s (dead, frozen, or cut off from the store) are named with where they ran. None where the store cannot be
+    read (the machine holding it is gone, or no process group)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    try:
+        store, world = _store(), dist.get_world_size()
+        store.set_timeout(datetime.timedelta(seconds=wait_s))
+        store.set(f"{_ROLL}/answered/{dist.get_rank()}", "1")
+        deadline, missing = time.monotonic() + wait_s, list(range(world))
+        while missing and time.monotonic() < deadline:
+            missing = [r for r in missing if not store.check([f"{_ROLL}/answered/{r}"])]
+            time.sleep(0.1)
+        return [f"rank {r} " + (store.get(f"{_ROLL}/where/{r}").decode() if store.check([f"{_ROLL}/where/{r}"])
+                                else "(where unknown)") for r in missing]
+    except Exception:  # noqa: BLE001 - a store that fails too leaves the message as it was
+        return None
 
 
 def _launched() -> bool:
