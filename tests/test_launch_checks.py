@@ -86,6 +86,24 @@ def test_refused_launch_configs(check_only, tmp_path):
                         "DeepSpeed's engine, which saves synchronously")
 
 
+def test_dry_run_checks_the_world_the_launch_will_start(check_only, tmp_path):
+    """--num_processes / --num_machines override the YAML's world as accelerate launch's flags do: a SLURM job's
+    pre-flight (examples/slurm.sbatch) checks its allocation, not the YAML's 2 x 1."""
+    yaml_path = str(ROOT / "accelerate_configs" / "multinode.yaml")
+    run = check_only(tmp_path / "out", "--recipe", "mlp", "--dry_run", "--accelerate_config", yaml_path,
+                     "--num_processes", "16", "--num_machines", "4")
+    resolved = json.loads(run.stdout)
+    assert run.returncode == 0 and resolved["world_size"] == 16 and resolved["num_machines"] == 4, run.stderr
+    assert resolved["global_batch_size"] == 16 * resolved["batch_size"]
+    run = check_only(tmp_path / "out", "--recipe", "mlp", "--dry_run", "--num_processes", "3",
+                     "--accelerate_config", str(ROOT / "accelerate_configs" / "tp.yaml"))
+    assert_refused(run, "the parallelism sizes multiply to 2 (dp_replicate 1 x dp_shard 1 x tp 2) but 3 process(es) "
+                        "were launched (parallelism_config in ")
+    assert "tp.yaml with --num_processes 3)" in run.stderr
+    run = check_only(tmp_path / "out", "--recipe", "mlp", "--num_machines", "2")
+    assert_refused(run, "--num_machines goes with --dry_run --accelerate_config")
+
+
 def test_dry_run_checks_the_yaml_itself(check_only, tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("distributed_type: DEEPSPEED\nnum_processes: 0\nmixed_precison: bf16\ndeepspeed_config:\n"

@@ -285,6 +285,15 @@ def test_slurm_example_requeues_itself_after_a_preemption_and_continues(tmp_path
     assert job.returncode == 0 and "requeueing job 4242" in first, first[-3000:]
     assert (tmp_path / "scontrol.log").read_text() == "requeue 4242\n"
     assert stopped["stopped_by"] == "SIGTERM" and 20 <= stopped["step"] < 600
+    # requeued onto 3 nodes: the pre-flight checks that world (3 x GPUS_PER_NODE), whose global batch is not the
+    # checkpoint's, and refuses before srun starts anything
+    before = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}
+    resized = subprocess.run(["bash", str(ROOT / "examples" / "slurm.sbatch"), *args], cwd=ROOT,
+                             env={**env, "SLURM_NNODES": "3"}, capture_output=True, text=True, timeout=120)
+    assert resized.returncode == 2, resized.stderr[-3000:]
+    assert "global_batch_size is 24 but the checkpoint was trained with 16" in resized.stderr
+    assert "waiting for" not in resized.stderr and {p: p.stat().st_mtime_ns for p in out.rglob("*")
+                                                    if p.is_file()} == before
     requeued = subprocess.run(["bash", str(ROOT / "examples" / "slurm.sbatch"), *args], cwd=ROOT, env=env,
                               capture_output=True, text=True, timeout=120)
     assert requeued.returncode == 0, requeued.stderr[-3000:]

@@ -216,7 +216,8 @@ class RunOptions:
     stop_at: int | None
     estimate: bool
     device_memory: int | None  # bytes
-    num_processes: int | None
+    num_processes: int | None  # --estimate's world; with --dry_run --accelerate_config, the launch's total
+    num_machines: int | None  # with --dry_run --accelerate_config: the launch's machines
     precision: str | None  # --estimate's: no | bf16 | fp16 (Accelerate's names); None: the launch's
     given: frozenset[str] = frozenset()  # the RESUMED_OPTIONS that the command line set (the others may be restored)
 
@@ -246,7 +247,7 @@ def parse_command_line(argv: list[str] | None = None) -> tuple[RunOptions, list[
                          cache_dir=args.cache_dir, save_every=chosen["save_every"], keep_last=chosen["keep_last"],
                          async_save=chosen["async_save"], resume=args.resume, stop_at=args.stop_at,
                          estimate=args.estimate, device_memory=None,
-                         num_processes=args.num_processes,
+                         num_processes=args.num_processes, num_machines=args.num_machines,
                          precision={"fp32": "no"}.get(args.precision, args.precision), given=given)
     if args.device_memory:
         try:
@@ -291,7 +292,11 @@ def _parser() -> argparse.ArgumentParser:
                         help="print model-state memory per rank under every strategy, train nothing")
     parser.add_argument("--device_memory", help="with --estimate: memory per device (80GB, 24GiB) to find the "
                         "cheapest strategy that fits")
-    parser.add_argument("--num_processes", type=int, help="with --estimate: the world size to estimate for")
+    parser.add_argument("--num_processes", type=int, help="with --estimate: the world size to estimate for; with "
+                        "--dry_run --accelerate_config: the total the launch will start, as accelerate launch "
+                        "--num_processes overrides the YAML's")
+    parser.add_argument("--num_machines", type=int, help="with --dry_run --accelerate_config: the machines the launch "
+                        "will have, as accelerate launch --num_machines overrides the YAML's")
     parser.add_argument("--precision", choices=["fp32", "bf16", "fp16"],
                         help="with --estimate: the precision to estimate for (default: the launch's)")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="set any recipe field")
@@ -326,8 +331,17 @@ def _overrides(parser: argparse.ArgumentParser, args: argparse.Namespace,
 
 
 def _check_options(parser: argparse.ArgumentParser, options: RunOptions) -> None:
-    if (options.device_memory or options.num_processes or options.precision) and not options.estimate:
-        parser.error("--device_memory, --num_processes and --precision go with --estimate")
+    if (options.device_memory or options.precision) and not options.estimate:
+        parser.error("--device_memory and --precision go with --estimate")
+    checked = options.dry_run and options.accelerate_config  # a YAML's world as the launch will override it
+    if options.num_processes and not (options.estimate or checked):
+        parser.error("--num_processes goes with --estimate, or with --dry_run --accelerate_config (the world the "
+                     "launch will start)")
+    if options.num_machines and not checked:
+        parser.error("--num_machines goes with --dry_run --accelerate_config (the machines the launch will have)")
+    for flag, value in (("--num_processes", options.num_processes), ("--num_machines", options.num_machines)):
+        if value is not None and value < 1:
+            parser.error(f"{flag} must be >= 1, got {value}")
     for flag, value in (("--save_every", options.save_every), ("--keep_last", options.keep_last)):
         if value < 0:
             parser.error(f"{flag} must be >= 0, got {value}")

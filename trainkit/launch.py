@@ -161,6 +161,19 @@ class Launch:
                    main_process_ip=data.get("main_process_ip"), parallelism=parallelism,
                    asked=(processes, f"num_processes in {path}") if alone else None)
 
+    def as_launched(self, processes: int | None, machines: int | None) -> Launch:
+        """This YAML's launch as `accelerate launch --num_processes N --num_machines M` starts it: the flags win over
+        the YAML's values (a SLURM job's pre-flight checks the world of its allocation, examples/slurm.sbatch)."""
+        if not processes and not machines:
+            return self
+        flags = " ".join(f"--{name} {value}" for name, value in (("num_processes", processes),
+                                                                 ("num_machines", machines)) if value)
+        alone = self.distributed_type in ONE_PROCESS_TYPES
+        return dataclasses.replace(
+            self, world_size=1 if alone else processes or self.world_size, num_machines=machines or self.num_machines,
+            source=f"{self.source} with {flags}",
+            asked=(processes, f"--num_processes {processes}") if alone and processes else self.asked)
+
     def parallelism_size(self, name: str) -> int:
         """One size of the parallelism config (dp_replicate, dp_shard, tp, cp, sp); 1 where the launch gives none."""
         return self.parallelism.get(name, 1)

@@ -80,7 +80,8 @@ def make_plan(options: RunOptions, overrides: list[tuple[str, str, str]]) -> Pla
     if options.accelerate_config:
         problems += check_yaml(options.accelerate_config)
         try:
-            launch = Launch.from_yaml(options.accelerate_config)
+            launch = Launch.from_yaml(options.accelerate_config).as_launched(options.num_processes,
+                                                                              options.num_machines)
         except ConfigError:
             raise ConfigError(problems) from None  # an unknown distributed_type: check_yaml named it
     else:
