@@ -23,7 +23,7 @@ from typing import Any
 from accelerate.utils import set_seed
 
 from trainkit.checkpoint import Checkpointer, export_final
-from trainkit.config import parse_command_line
+from trainkit.command_line import parse_command_line
 from trainkit.data import BatchLayout, TrainStream, eval_batches, split_layouts
 from trainkit.errors import ConfigError, TrainingError, failure_in_user_code, out_of_memory
 from trainkit.guards import FiniteCheck, StopSignal

@@ -43,7 +43,7 @@ def measure(argv: list[str], report: Path) -> None:
     import torch
 
     import train
-    from trainkit.config import parse_command_line
+    from trainkit.command_line import parse_command_line
     from trainkit.guards import FiniteCheck
     from trainkit.metrics import MetricsLog, peak_memory_bytes, process_seconds
     from trainkit.plan import make_plan

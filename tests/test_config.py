@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from conftest import ROOT, assert_refused, launch, tmpfs
-from trainkit.config import ConfigError, TrainConfig, build_config, parse_command_line
+from trainkit.command_line import parse_command_line
+from trainkit.config import ConfigError, TrainConfig, build_config
 from trainkit.recipes import load_recipe
 
 

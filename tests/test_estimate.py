@@ -8,7 +8,7 @@ import re
 import pytest
 
 from conftest import ROOT
-from trainkit.config import parse_bytes
+from trainkit.command_line import parse_bytes
 from trainkit.estimate import Estimate, ModelShape, model_shape
 from trainkit.recipes import load_recipe
 from trainkit.strategies import for_launch, shipped_strategies

@@ -70,7 +70,7 @@ def test_an_overflow_is_skipped_counted_and_leaves_the_weights_as_they_were(fp16
     k = OVERFLOW_STEP
     assert "note: fp16 on a CPU: torch's CPU autocast and GradScaler('cpu')" in forced.stderr
     assert [m["skipped_steps"] for m in plain.metrics] == [0] * 12  # no overflow of the MLP's own at scale 1024
-    timings = ("samples_per_s", "data_wait_s", "mfu", "elapsed_s", "peak_mem_bytes")
+    timings = ("samples_per_s", "data_wait_s", "checkpoint_s", "mfu", "elapsed_s", "peak_mem_bytes")
     assert forced.metrics[:k - 1] == [{**m, **{t: forced.metrics[i][t] for t in timings}}
                                       for i, m in enumerate(plain.metrics[:k - 1])]  # the same run until then
     assert [m["skipped_steps"] for m in forced.metrics] == [0] * (k - 1) + [1] * (12 - k + 1)

@@ -17,17 +17,8 @@ from types import MappingProxyType
 from typing import Any
 
 from trainkit.checkpoint import Found, auto_resume, find_checkpoint, resume_problems
-from trainkit.config import (
-    RESUMED_OPTIONS,
-    RunOptions,
-    TrainConfig,
-    build_config,
-    config_dict,
-    field_sources,
-    restore_run_options,
-    run_flags,
-    run_option_values,
-)
+from trainkit.command_line import RESUMED_OPTIONS, RunOptions, restore_run_options, run_flags, run_option_values
+from trainkit.config import TrainConfig, build_config, config_dict, field_sources
 from trainkit.data import global_batch_size
 from trainkit.errors import ConfigError, Problem
 from trainkit.estimate import (
