@@ -22,7 +22,7 @@ from typing import Any
 
 from accelerate.utils import set_seed
 
-from trainkit.checkpoint import Checkpointer, export_final
+from trainkit.checkpoint import Checkpointer, data_states, export_final
 from trainkit.command_line import parse_command_line
 from trainkit.data import BatchLayout, TrainStream, eval_batches, split_layouts
 from trainkit.errors import ConfigError, TrainingError, failure_in_user_code, out_of_memory
@@ -45,6 +45,7 @@ from trainkit.quiet import silence_library_noise
 from trainkit.run_folder import STOP_RECORD, check_folder_shared, clear_outputs, record_stop
 from trainkit.step import train_step
 from trainkit.strategies import Engine
+from trainkit.stream import StreamedTrain, open_stream
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,7 +99,7 @@ class Run:
     engine: Engine
     resolved: dict[str, Any]  # resolved_config.json: the plan's, with the machine's threads and peak
     checkpointer: Checkpointer
-    stream: TrainStream
+    stream: TrainStream | StreamedTrain
     eval_set: Any
     layout: BatchLayout
     eval_layout: BatchLayout  # the held-out split's: the layout, or a smaller micro-batch for a small split
@@ -132,7 +133,7 @@ def build(plan: Plan) -> Run:
     with accelerator.local_main_process_first():  # one process per machine builds the data caches
         train_set, eval_set = recipe.make_datasets(cfg, options.cache_dir)
     layout = BatchLayout(cfg.batch_size, cfg.grad_accum, engine.data_parallel_rank, engine.data_parallel_size)
-    held_out, note = split_layouts(layout, len(train_set), len(eval_set))  # refuses splits too small
+    held_out, note = split_layouts(layout, train_set, eval_set)  # refuses splits too small
     notes += [note] if note else []
     set_seed(cfg.seed)  # the same initial weights on every rank and in a one-process run
     model = recipe.make_model(cfg)
@@ -140,12 +141,13 @@ def build(plan: Plan) -> Run:
     if plan.resume and (note := checkpointer.before_prepare(plan.resume, model)):
         notes.append(note)
     engine.prepare(model, build_optimizer, build_scheduler)
-    run = Run(engine, resolved, checkpointer, TrainStream(train_set, layout, cfg.seed), eval_set, layout, held_out,
-              compute.peak.flops)
+    stream = open_stream(train_set, layout, cfg.seed, options.data_workers)
+    notes += [stream.note] if stream.note else []
+    run = Run(engine, resolved, checkpointer, stream, eval_set, layout, held_out, compute.peak.flops)
     if plan.resume:
         checkpointer.load(plan.resume)  # last: it restores this rank's RNG
         saved = plan.resume.state
-        run.stream.seek(saved["epoch"], saved["batch_in_epoch"])
+        run.stream.seek(saved["epoch"], saved["batch_in_epoch"], data_states(plan.resume))
         run.step, run.skipped_steps = saved["step"], saved["skipped_steps"]
         notes.append(f"resumed from {plan.resume.path} at step {run.step}")
     for note in [*plan.strategy.notes, *engine.notes, *notes] if accelerator.is_main_process else []:
@@ -181,6 +183,7 @@ def loop(plan: Plan, run: Run) -> str | None:
                       "skipped_steps": run.skipped_steps, "elapsed_s": process_seconds(), **result.extra}
         if tokens:
             run.record["tokens_per_s"] = samples_per_s * tokens
+        run.record.update(run.stream.metrics(engine.accelerator, processes // engine.data_parallel_size))
         if step == cfg.max_steps or (cfg.eval_every and step % cfg.eval_every == 0):
             batches = eval_batches(run.eval_set, run.eval_layout, cfg.eval_batches)
             run.record.update(engine.evaluate(batches, plan.recipe.compute_loss, plan.recipe.eval_metrics))
@@ -189,7 +192,7 @@ def loop(plan: Plan, run: Run) -> str | None:
         if result.stop or step == options.stop_at:
             stopped_by = signal.name or "--stop_at"
         if stopped_by or (options.save_every and step % options.save_every == 0):
-            run.checkpointer.save(step, run.stream.position, run.skipped_steps, run.resolved)
+            run.checkpointer.save(step, run.stream.position, run.skipped_steps, run.resolved, run.stream.rank_state())
         if stopped_by:
             break
     run.checkpointer.wait()  # the last asynchronous save, on disk before the run goes on or ends

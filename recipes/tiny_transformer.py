@@ -3,8 +3,9 @@
 Trains: a Llama-style (default) or GPT-2-style transformer built from a `transformers` config (no weights are
 downloaded), with a byte-level BPE tokenizer trained on the corpus and saved with the model.
 Data: CPython's pydoc topics (about 465k characters of English reference text) by default; `--data` takes local
-.txt/.jsonl/.csv files (comma-separated; `--text_field` names the column) or a Hugging Face dataset name
-(`--data_config` its configuration).
+.txt/.jsonl/.csv files (comma-separated or a glob; `--text_field` names the column) or a Hugging Face dataset name
+(`--data_config` its configuration). `--streaming` reads it as it trains instead of preparing it first, and a mixture
+of sources with weights (`--data 'a-*.jsonl:0.7,b/*.parquet:0.3'`) is always streamed (docs/recipes.md#streaming).
 Sizes: `--size tiny` (the default, 1.2M parameters: the tests'), `--size cpu` (GPT-2's block, 29M: keeps a CPU's
 cores busy), `--size gpt2-small` (124M, for GPUs); any flag after it sets its own field (`--size cpu --layers 2`).
 Output: `final/` loads with AutoModelForCausalLM / AutoTokenizer.from_pretrained.
@@ -25,6 +26,8 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 from trainkit import decoder_stages, text
 from trainkit.config import TrainConfig
 from trainkit.errors import Problem
+from trainkit.rows import TextBlocks
+from trainkit.stream import Streamed
 
 
 @dataclass(kw_only=True, slots=True)
@@ -47,7 +50,11 @@ class Config(TrainConfig):
     data: str = "pydoc"  # "pydoc" (built in), local files "a.txt,b.txt", or a Hugging Face dataset name
     data_config: str = ""  # the Hugging Face dataset's configuration, if it has several (e.g. wikitext-2-raw-v1)
     text_field: str = "text"
-    eval_fraction: float = 0.05  # the last blocks of the corpus are held out
+    eval_fraction: float = 0.05  # the last blocks of the corpus are held out (streamed: its last pieces)
+    # auto | true | false: read the data as it trains (trainkit/stream.py) instead of tokenising it all first; auto
+    # streams a mixture, and local files past 1 GiB
+    streaming: str = "auto"
+    bad_lines: str = "stop"  # a streamed line that cannot be read: stop naming it, or skip (counted in metrics.jsonl)
     # Training (overrides of TrainConfig's defaults)
     batch_size: int = 16
     lr: float = 3e-3
@@ -86,7 +93,8 @@ class Config(TrainConfig):
         if not 0 < self.eval_fraction < 1:
             problems.append(Problem(f"eval_fraction must be in (0, 1), got {self.eval_fraction}",
                                     "config field eval_fraction", "use --eval_fraction 0.05"))
-        problems += text.check_data(self.data, self.text_field)
+        problems += text.check_streaming(self.data, self.text_field, self.streaming, self.bad_lines)
+        problems += text.check_data(self.data, self.text_field, text.streams(self.data, self.streaming))
         if self.vocab_size < 300:
             problems.append(Problem(f"vocab_size must hold the 256 bytes and some merges, got {self.vocab_size}",
                                     "config field vocab_size", "use --vocab_size 1024"))
@@ -136,7 +144,18 @@ def _blocks(cfg: Config, cache_dir: Path):
     return text.token_blocks(docs, tokenizer, cfg.seq_len)
 
 
+def _streamed(cfg: Config, cache_dir: Path) -> Streamed:
+    """The data read as it trains: the tokenizer is trained on the sources' first records (TOKENIZER_SAMPLE_BYTES)."""
+    streamed = Streamed.open(cfg.data, cfg.text_field, cfg.data_config, cfg.eval_fraction, cfg.bad_lines)
+    sample = [{"text": t} for t in streamed.sample_text(text.TOKENIZER_SAMPLE_BYTES)]
+    tokenizer = text.train_tokenizer(sample, cfg.vocab_size, _data_dir(cfg, cache_dir) / "tokenizer")
+    return streamed.with_rows(TextBlocks(tokenizer, cfg.seq_len))
+
+
 def build_datasets(cfg: Config, cache_dir: Path):
+    if text.streams(cfg.data, cfg.streaming):
+        streamed = _streamed(cfg, cache_dir)
+        return streamed, streamed.held_out()
     return text.split_held_out(_blocks(cfg, cache_dir), cfg.eval_fraction, cfg.data, f"blocks of {cfg.seq_len} tokens")
 
 
@@ -150,8 +169,13 @@ def tokens_per_sample(cfg: Config) -> int:
 
 
 def summary(cfg: Config, cache_dir: Path) -> dict:
-    """The unigram entropy is the loss of a model that ignores context: eval loss well below it is real learning."""
-    return {"unigram_entropy": text.unigram_entropy(_blocks(cfg, cache_dir))}
+    """The unigram entropy is the loss of a model that ignores context: eval loss well below it is real learning.
+    Streamed data: that of the held-out split (the corpus is never read whole)."""
+    if text.streams(cfg.data, cfg.streaming):
+        blocks = [row["input_ids"] for row in _streamed(cfg, cache_dir).held_out()]
+    else:
+        blocks = _blocks(cfg, cache_dir)
+    return {"unigram_entropy": text.unigram_entropy(blocks)}
 
 
 def export(model, state_dict: dict, cfg: Config, cache_dir: Path, out_dir: Path) -> None:

@@ -4,6 +4,7 @@ A checkpoint is `checkpoints/step_<N>/`:
 
     trainer_state.json   step, data position, scheduler, loss scaler, resolved config (written last, by rank 0)
     rng/rank_<r>.pt      every rank's RNG states (torch, CUDA, Python, NumPy)
+    data/rank_<r>.json   streamed data: where each of the rank's lanes goes on reading (trainkit/stream.py)
     state/ or deepspeed/ model + optimizer, in the strategy's format (its CheckpointFormat, strategies/dcp_format.py):
                          torch.distributed.checkpoint (single, DDP, FSDP2: reshardable) or DeepSpeed's (ZeRO-1/2/3)
 
@@ -105,9 +106,11 @@ class Checkpointer:
 
     # --- saving -------------------------------------------------------------------------------------------------
 
-    def save(self, step: int, position: tuple[int, int], skipped_steps: int, resolved: dict[str, Any]) -> Path:
+    def save(self, step: int, position: tuple[int, int], skipped_steps: int, resolved: dict[str, Any],
+             data_state: dict[str, Any] | None = None) -> Path:
         """Write checkpoints/step_<step> (asynchronously: start writing it); a failure to write (a full disk) removes
-        the partial folder and stops the run naming the checkpoint that is still whole."""
+        the partial folder and stops the run naming the checkpoint that is still whole. data_state: this rank's
+        streamed data position, if it has one."""
         started = time.perf_counter()
         self.wait()
         acc = self.accelerator
@@ -118,6 +121,9 @@ class Checkpointer:
                 (tmp / "rng").mkdir(parents=True)
             acc.wait_for_everyone()
             torch.save(_rng_state(), tmp / "rng" / f"rank_{acc.process_index}.pt")
+            if data_state is not None:
+                (tmp / "data").mkdir(exist_ok=True)
+                (tmp / "data" / f"rank_{acc.process_index}.json").write_text(json.dumps(data_state) + "\n")
             future = self.format.save(tmp)
             state = {
                 "format": self.format.name, "step": step, "epoch": position[0], "batch_in_epoch": position[1],
@@ -231,6 +237,13 @@ class Checkpointer:
         rng_file = found.path / "rng" / f"rank_{acc.process_index}.pt"
         if rng_file.exists():  # a rank the saved run did not have keeps its fresh seed
             _set_rng_state(torch.load(rng_file, weights_only=True))
+
+
+def data_states(found: Found) -> list[dict[str, Any]]:
+    """Every rank's streamed data position (data/rank_<r>.json), in rank order: a resume on another number of
+    processes takes its lanes from all of them. Empty for data that is not streamed."""
+    files = sorted((found.path / "data").glob("rank_*.json"), key=lambda f: int(f.stem.removeprefix("rank_")))
+    return [json.loads(f.read_text()) for f in files]
 
 
 def _dcp_error() -> type[BaseException]:

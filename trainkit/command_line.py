@@ -43,6 +43,7 @@ class RunOptions:
     num_processes: int | None  # --estimate's world; with --dry_run --accelerate_config, the launch's total
     num_machines: int | None  # with --dry_run --accelerate_config: the launch's machines
     precision: str | None  # --estimate's: no | bf16 | fp16 (Accelerate's names); None: the launch's
+    data_workers: int | None  # streamed data: worker processes per rank; None: from the cores left free
     given: frozenset[str] = frozenset()  # the RESUMED_OPTIONS that the command line set (the others may be restored)
 
 
@@ -72,7 +73,8 @@ def parse_command_line(argv: list[str] | None = None) -> tuple[RunOptions, list[
                          async_save=chosen["async_save"], resume=args.resume, stop_at=args.stop_at,
                          estimate=args.estimate, device_memory=None,
                          num_processes=args.num_processes, num_machines=args.num_machines,
-                         precision={"fp32": "no"}.get(args.precision, args.precision), given=given)
+                         precision={"fp32": "no"}.get(args.precision, args.precision),
+                         data_workers=args.data_workers, given=given)
     if args.device_memory:
         try:
             options.device_memory = parse_bytes(args.device_memory)
@@ -123,6 +125,9 @@ def _parser() -> argparse.ArgumentParser:
                         "will have, as accelerate launch --num_machines overrides the YAML's")
     parser.add_argument("--precision", choices=["fp32", "bf16", "fp16"],
                         help="with --estimate: the precision to estimate for (default: the launch's)")
+    parser.add_argument("--data_workers", type=int, help="streamed data (--streaming): worker processes per rank "
+                        "that read and tokenise it beside the training (default: the cores the training leaves free, "
+                        "at most 4; 0: in the training process)")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="set any recipe field")
     for name in RECIPE_FLAGS:
         parser.add_argument(f"--{name}", help=f"recipe field {name}")
@@ -166,7 +171,8 @@ def _check_options(parser: argparse.ArgumentParser, options: RunOptions) -> None
     for flag, value in (("--num_processes", options.num_processes), ("--num_machines", options.num_machines)):
         if value is not None and value < 1:
             parser.error(f"{flag} must be >= 1, got {value}")
-    for flag, value in (("--save_every", options.save_every), ("--keep_last", options.keep_last)):
+    for flag, value in (("--save_every", options.save_every), ("--keep_last", options.keep_last),
+                        ("--data_workers", options.data_workers or 0)):
         if value < 0:
             parser.error(f"{flag} must be >= 0, got {value}")
     if options.accelerate_config and not (options.dry_run or options.estimate):

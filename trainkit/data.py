@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
@@ -51,7 +52,7 @@ def epoch_order(num_samples: int, seed: int, epoch: int) -> torch.Tensor:
     return torch.randperm(num_samples, generator=generator)
 
 
-def _private_generator() -> torch.Generator:
+def private_generator() -> torch.Generator:
     """Every new DataLoader iterator draws a base seed; from this generator, not the global RNG that dropout uses
     (otherwise a resumed run, which makes its iterator at another moment, sees different dropout masks)."""
     return torch.Generator().manual_seed(0)
@@ -101,23 +102,31 @@ class GlobalBatchSampler(Sampler[list[int]]):
 class TrainStream:
     """An endless stream of this rank's micro-batches that moves to the next epoch by itself.
 
-    `position` (epoch, global batches done in it) is all that is needed to continue exactly where it stopped.
+    `position` (epoch, global batches done in it) is all that is needed to continue exactly where it stopped: no
+    state of its own for the checkpoint (rank_state) and no metrics, unlike a streamed one (trainkit/stream.py).
     """
 
     def __init__(self, dataset: Dataset, layout: BatchLayout, seed: int):
         self.sampler = GlobalBatchSampler(len(dataset), layout, seed)  # type: ignore[arg-type]
-        self.loader = DataLoader(dataset, batch_sampler=self.sampler, generator=_private_generator())
+        self.loader = DataLoader(dataset, batch_sampler=self.sampler, generator=private_generator())
         self.epoch = 0
         self.batch_in_epoch = 0
+        self.note: str | None = None
         self._iterator: Iterator | None = None
 
     @property
     def position(self) -> tuple[int, int]:
         return self.epoch, self.batch_in_epoch
 
-    def seek(self, epoch: int, batch_in_epoch: int) -> None:
+    def seek(self, epoch: int, batch_in_epoch: int, rank_states: list[dict] | None = None) -> None:
         self.epoch, self.batch_in_epoch = epoch, batch_in_epoch
         self._iterator = None
+
+    def rank_state(self) -> dict | None:
+        return None
+
+    def metrics(self, accelerator: Any, copies: int) -> dict:
+        return {}
 
     def next_global_batch(self) -> list:
         """This rank's micro-batches of the next global batch."""
@@ -141,14 +150,16 @@ def eval_layout(layout: BatchLayout, num_samples: int) -> BatchLayout | None:
     return dataclasses.replace(layout, micro_batch=micro_batch) if micro_batch else None
 
 
-def split_layouts(layout: BatchLayout, train_samples: int, eval_samples: int) -> tuple[BatchLayout, str | None]:
+def split_layouts(layout: BatchLayout, train_set: Dataset, eval_set: Dataset) -> tuple[BatchLayout, str | None]:
     """The held-out split's layout (eval_layout) and a note when it is smaller than the training's; a training split
-    without one global batch, or a held-out one without a sample per micro-batch, is refused."""
+    without one global batch (one that has a length: a streamed one has none), or a held-out one without a sample
+    per micro-batch, is refused."""
+    eval_samples = len(eval_set)  # type: ignore[arg-type]
     held_out = eval_layout(layout, eval_samples)
     where = "batch_size x grad_accum x data-parallel size"
     fix = "use a smaller --batch_size or --grad_accum, or more data"
-    if train_samples < layout.global_batch:
-        raise ConfigError([Problem(f"the training split has {train_samples} samples, fewer than "
+    if hasattr(train_set, "__len__") and len(train_set) < layout.global_batch:
+        raise ConfigError([Problem(f"the training split has {len(train_set)} samples, fewer than "
                                    f"{layout.global_batch}: one global batch", where, fix)])
     if held_out is None:
         raise ConfigError([Problem(f"the held-out split has {eval_samples} samples, fewer than "
@@ -165,7 +176,7 @@ def eval_batches(dataset: Dataset, layout: BatchLayout, num_global_batches: int)
     sampler = GlobalBatchSampler(len(dataset), layout, seed=0, shuffle=False)  # type: ignore[arg-type]
     sampler.set_epoch(0)
     limit = min(num_global_batches, sampler.batches_per_epoch) * layout.grad_accum
-    for i, batch in enumerate(DataLoader(dataset, batch_sampler=sampler, generator=_private_generator())):
+    for i, batch in enumerate(DataLoader(dataset, batch_sampler=sampler, generator=private_generator())):
         if i == limit:
             return
         yield batch

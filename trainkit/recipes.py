@@ -6,7 +6,8 @@ A recipe is one Python file. It defines:
                                     @dataclass(kw_only=True, slots=True))
     build_model(cfg)                -> torch.nn.Module. Also called under `torch.device("meta")` to count parameters
                                     for --estimate and --dry_run: build from the config, load no weights there
-    build_datasets(cfg, cache_dir)  -> (train, eval) map-style datasets of equal-shaped samples
+    build_datasets(cfg, cache_dir)  -> (train, eval) map-style datasets of equal-shaped samples; the train split may
+                                    be a trainkit.stream.Streamed instead (data read as it trains)
     loss(model, batch)              -> scalar tensor: the mean loss over the micro-batch
 
 and optionally (the defaults are `Recipe`'s):
@@ -133,11 +134,15 @@ class Recipe:
     def make_datasets(self, cfg: TrainConfig, cache_dir: Path) -> tuple[Any, Any]:
         from torch.utils.data import default_collate
 
+        from trainkit.stream import Streamed
+
         splits = self.build_datasets(cfg, cache_dir)
         if not (isinstance(splits, tuple | list) and len(splits) == 2):
             raise ConfigError([Problem(f"recipe {self.path}: build_datasets returned {type(splits).__name__}, not "
                                        f"(train, eval)", "--recipe", "return two map-style datasets: train, eval")])
         for name, split in zip(("train", "eval"), splits, strict=True):
+            if isinstance(split, Streamed):  # read as it trains: its rows are made by trainkit's RowMakers
+                continue
             try:
                 default_collate([split[0], split[min(1, len(split) - 1)]])
             except Exception as e:  # not a dataset, empty, or samples that do not stack into a batch

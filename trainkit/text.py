@@ -9,6 +9,7 @@ name; with no network a hub name fails with a message that says so.
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import os
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from trainkit import sources
 from trainkit.errors import ConfigError, Problem, said
 from trainkit.hardware import cpu_cores
 
@@ -40,15 +42,44 @@ def default_corpus(cache_dir: Path) -> Path:
 
 
 def local_files(data: str) -> list[Path] | None:
-    """The local files `--data` names, or None when it names a Hugging Face dataset (or the built-in corpus).
+    """The local files `--data` names (a glob gives the files it matches, sorted), or None when it names a Hugging
+    Face dataset (or the built-in corpus).
 
     Local means: the path exists, or it ends in a suffix of LOCAL_FORMATS (a missing file is then refused by name).
     Anything else is a dataset name, dots and slashes included (`org/name-1.0`).
     """
     if data == "pydoc":
         return None
-    files = [Path(p) for p in data.split(",")]
+    files = [Path(f) for p in data.split(",") for f in (sorted(glob.glob(p)) if glob.has_magic(p) else []) or [p]]
     return files if any(p.exists() or p.suffix in LOCAL_FORMATS for p in files) else None
+
+
+# A streamed corpus's tokenizer is trained on its first records, this much text (weighed over a mixture's sources).
+TOKENIZER_SAMPLE_BYTES = 16 << 20
+# Local files past this size are streamed when --streaming is auto: preparing them first would take minutes of an
+# idle machine, and a disk's worth of cache, before the first step.
+STREAM_PAST_BYTES = 1 << 30
+
+
+def streams(data: str, streaming: str) -> bool:
+    """Whether --data is read as the run trains (trainkit/stream.py): --streaming true; or auto, and a mixture
+    (weights, a YAML) or local files past STREAM_PAST_BYTES."""
+    if streaming != "auto":
+        return streaming == "true"
+    files = local_files(data) or []
+    return sources.is_mixture(data) or sum(p.stat().st_size for p in files if p.is_file()) > STREAM_PAST_BYTES
+
+
+def check_streaming(data: str, text_field: str, streaming: str, bad_lines: str) -> list[Problem]:
+    """The streaming fields' values, and a mixture asked to be prepared first."""
+    problems = [Problem(f"{name} must be {' or '.join(allowed)}, got {value!r}", f"config field {name}",
+                        f"use --{name} {allowed[0]}")
+                for name, value, allowed in (("streaming", streaming, ("auto", "true", "false")),
+                                             ("bad_lines", bad_lines, ("stop", "skip"))) if value not in allowed]
+    if streaming == "false" and sources.is_mixture(data):
+        problems.append(Problem(f"--data {data} is a mixture, which is read as a stream", "--streaming false",
+                                "drop --streaming false, or name one source"))
+    return problems
 
 
 # What --dry_run reads of each local data file: its size and its first records, up to this many bytes (a file's later
@@ -56,10 +87,16 @@ def local_files(data: str) -> list[Path] | None:
 CHECKED_BYTES = 1 << 20
 
 
-def check_data(data: str, text_field: str | None = None) -> list[Problem]:
+def check_data(data: str, text_field: str | None = None, streamed: bool = False) -> list[Problem]:
     """Problems with `--data` that can be seen cheaply, before anything is built: missing files, mixed formats, and
     each local file's first CHECKED_BYTES (empty, a line that is not valid JSON, no `text_field`, a field that is not
-    text, a CSV row of the wrong width), named by file and line. text_field None checks no field."""
+    text, a CSV row of the wrong width), named by file and line. text_field None checks no field. Streamed data: its
+    sources, and each one's first record (trainkit/sources.py)."""
+    if streamed:
+        try:
+            return sources.check_first_records(sources.parse_data(data, text_field or "text"))
+        except ConfigError as e:
+            return e.problems
     files = local_files(data)
     if files is None:
         return []
@@ -317,10 +354,13 @@ def token_blocks(docs, tokenizer, seq_len: int, num_proc: int | None = None):
 
 
 def unigram_entropy(blocks) -> float:
-    """Entropy (nats per token) of the corpus's token frequencies: the loss of a model that ignores context."""
+    """Entropy (nats per token) of the corpus's token frequencies: the loss of a model that ignores context. blocks:
+    a prepared data set, or a list of token tensors (streamed data's held-out rows)."""
     counts = np.zeros(0, dtype=np.int64)
-    for batch in blocks.with_format("numpy").iter(batch_size=1000):  # a 2-D array of 1000 blocks at a time
-        found = np.bincount(batch["input_ids"].ravel())
+    batches = [np.asarray(b) for b in blocks] if isinstance(blocks, list) else \
+        (batch["input_ids"] for batch in blocks.with_format("numpy").iter(batch_size=1000))  # 1000 blocks at a time
+    for batch in batches:
+        found = np.bincount(batch.ravel())
         counts = np.pad(counts, (0, max(0, len(found) - len(counts))))
         counts[:len(found)] += found
     p = counts[counts > 0] / counts.sum()
@@ -329,6 +369,8 @@ def unigram_entropy(blocks) -> float:
 
 def data_key(data: str, data_config: str, text_field: str, vocab_size: int) -> str:
     """A cache folder name for one corpus + tokenizer choice; a local file that changes gets a new one."""
-    stamps = [f"{p}:{os.stat(p).st_size}:{os.stat(p).st_mtime_ns}" for p in data.split(",") if os.path.isfile(p)]
+    files = [Path(f) for source in sources.parse_data(data, text_field) for f in source.files] \
+        if sources.is_mixture(data) else local_files(data) or []
+    stamps = [f"{p}:{os.stat(p).st_size}:{os.stat(p).st_mtime_ns}" for p in files if p.is_file()]
     parts = [data, data_config, text_field, str(vocab_size), *stamps]
     return hashlib.sha1("|".join(parts).encode()).hexdigest()[:12]
