@@ -7,7 +7,8 @@ of text when it has none); the loss of a step is the mean over every learned tok
 masked out; the runner weighs each micro-batch by its learned tokens: loss_weight), so that every split of a global
 batch gives the same loss however unevenly the tokens fall. Instruction and chat data (prompt/completion,
 chat messages, Alpaca, ShareGPT: trainkit/sft.py) train one example per sample with the loss on the answers only.
-Reports eval_token_accuracy.
+`--streaming` reads any of them as it trains, and mixtures with weights (`--data 'a-*.jsonl:0.7,b.jsonl:0.3'`) are
+always streamed (trainkit/stream.py). Reports eval_token_accuracy.
 Output: final/ loads with AutoModelForCausalLM / AutoTokenizer.from_pretrained exactly as the input did (the
 weights as safetensors; the tokenizer with its special tokens and chat template).
 
@@ -35,10 +36,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainkit import decoder_stages, lora, pretrained, sft, text
+from trainkit import decoder_stages, lora, pretrained, rows, sft, sources, text
 from trainkit.ask import TURN_ENDS
 from trainkit.config import TrainConfig
 from trainkit.errors import ConfigError, Problem
+from trainkit.stream import Streamed
 
 
 @dataclass(kw_only=True, slots=True)
@@ -79,6 +81,10 @@ class Config(TrainConfig):
     loss_average: str = "tokens"
     seq_len: int = 128
     eval_fraction: float = 0.05
+    # auto | true | false: read the data as it trains (trainkit/stream.py); auto streams mixtures (`a.jsonl:0.7,
+    # b.jsonl:0.3`) and local files past 1 GiB. bad_lines: a streamed record that cannot be read stops the run, or skip
+    streaming: str = "auto"
+    bad_lines: str = "stop"
     # Training (overrides of TrainConfig's defaults: fine-tuning takes small steps)
     batch_size: int = 8
     lr: float = 1e-4
@@ -130,7 +136,9 @@ class Config(TrainConfig):
                                     "forward", "config field pipeline_stages",
                                     "train it without --pipeline_stages (fsdp.yaml or deepspeed_zero3.yaml shard a "
                                     "model that does not fit)"))
-        return problems + text.check_data(self.data, self.text_field if plain else None)
+        problems += text.check_streaming(self.data, self.text_field, self.streaming, self.bad_lines)
+        return problems + text.check_data(self.data, self.text_field if plain else None,
+                                          text.streams(self.data, self.streaming))
 
     def layout(self) -> str:
         """The data's layout: data_format, or the one its first local record's fields show (text where they cannot
@@ -186,25 +194,32 @@ def build_datasets(cfg: Config, cache_dir: Path):
     if cfg.data_format == "auto" and text.local_files(cfg.data) is None and cfg.data != "pydoc":  # a Hub name
         layout = sft.detect(text.load_records(cfg.data, cfg.data_config, None, cache_dir).column_names,
                             cfg.text_field)
+    if text.streams(cfg.data, cfg.streaming):
+        return _streamed(cfg, layout, cache_dir)
     if layout != "text":
         return _examples(cfg, layout, cache_dir)
     docs = text.load_documents(cfg.data, cfg.data_config, cfg.text_field, cache_dir)
     tokenizer = tokenizer_of(cfg)
-    end, length, pad = tokenizer.eos_token_id, cfg.seq_len, sft.pad_id(tokenizer)
+    pieces = rows.TextPieces(tokenizer, cfg.seq_len, cfg.loss_average == "samples")
 
     def cut(batch):
-        rows = []
-        for ids in tokenizer(batch["text"], add_special_tokens=False)["input_ids"]:
-            ids = ids + [end]
-            for start in range(0, len(ids) - 1, length):  # a piece needs two real tokens: one to predict
-                piece = ids[start:start + length]
-                weight = {"weight": sft.sample_weights([0] + [1] * (len(piece) - 1))} if cfg.loss_average == "samples" \
-                    else {}
-                rows.append(sft.padded({"input_ids": piece, **weight}, length, pad))
-        return {key: [row[key] for row in rows] for key in rows[0]} if rows else {"input_ids": [], "attention_mask": []}
+        made = [row for ids in tokenizer(batch["text"], add_special_tokens=False)["input_ids"]
+                for row, _ in pieces.cut([*ids, tokenizer.eos_token_id])]
+        return {key: [row[key] for row in made] for key in made[0]} if made else {"input_ids": [], "attention_mask": []}
 
     samples = docs.map(cut, batched=True, remove_columns=docs.column_names)
     return text.split_held_out(samples, cfg.eval_fraction, cfg.data, f"samples of {cfg.seq_len} tokens")
+
+
+def _streamed(cfg: Config, layout: str, cache_dir: Path) -> tuple[Streamed, list]:
+    """The data read as it trains: the same rows as below, made in the data workers (trainkit/rows.py)."""
+    streamed = Streamed.open(text.streamed_data(cfg.data, cache_dir), cfg.text_field, cfg.data_config,
+                             cfg.eval_fraction, cfg.bad_lines, None if layout == "text" else sft.FIELDS[layout])
+    tokenizer, weights = tokenizer_of(cfg), cfg.loss_average == "samples"
+    streamed = streamed.with_rows(rows.TextPieces(tokenizer, cfg.seq_len, weights) if layout == "text" else
+                                  rows.Examples(tokenizer, cfg.seq_len, layout, sft.chat_template(
+                                      tokenizer, cfg.chat_template), cfg.train_on == "all", weights, cfg.packing))
+    return streamed, streamed.held_out()
 
 
 def _examples(cfg: Config, layout: str, cache_dir: Path):
@@ -217,28 +232,20 @@ def _examples(cfg: Config, layout: str, cache_dir: Path):
                                    f"{', '.join(records.column_names)}", f"--data {cfg.data}",
                                    "pass --data_format for the layout the data has (docs/recipes.md)")])
     tokenizer = tokenizer_of(cfg)
-    template, pad, length = sft.chat_template(tokenizer, cfg.chat_template), sft.pad_id(tokenizer), cfg.seq_len
+    pad, length = sft.pad_id(tokenizer), cfg.seq_len
+    maker = rows.Examples(tokenizer, length, layout, sft.chat_template(tokenizer, cfg.chat_template),
+                          cfg.train_on == "all", cfg.loss_average == "samples")
 
-    def encode(batch):
-        rows = {"input_ids": [], "labels": [], "learned": []}
-        for record in ({k: batch[k][i] for k in batch} for i in range(len(next(iter(batch.values()))))):
-            ids, labels = sft.encode(*sft.render(record, layout, tokenizer, template), tokenizer, length,
-                                     cfg.train_on == "all")
-            rows["input_ids"].append(ids)
-            rows["labels"].append(labels)
-            rows["learned"].append(sft.learned_count(labels))
-            if cfg.loss_average == "samples":
-                rows.setdefault("weight", []).append(sft.sample_weights(
-                    [0] + [int(label != sft.IGNORE) for label in labels[1:]]))
-        return rows
+    def encode(batch):  # the examples with something to learn (the rest give None)
+        listed = [dict(zip(batch, values, strict=True)) for values in zip(*batch.values(), strict=True)]
+        made = [e for e in maker.examples(listed) if e is not None]
+        return {key: [e[key] for e in made] for key in ("input_ids", "labels", *(["weight"] if maker.weights else []))}
 
-    encoded = records.map(encode, batched=True, remove_columns=records.column_names)
-    kept = encoded.filter(lambda learned: [n > 0 for n in learned], input_columns="learned", batched=True)
+    kept = records.map(encode, batched=True, remove_columns=records.column_names)
     if len(kept) == 0:
-        raise ConfigError([Problem(f"none of the {len(encoded)} examples of {cfg.data} has a token left to learn "
+        raise ConfigError([Problem(f"none of the {len(records)} examples of {cfg.data} has a token left to learn "
                                    f"from within --seq_len {length} (the answers come after it)", "--seq_len",
                                    "pass a larger --seq_len, or --train_on all")])
-    kept = kept.remove_columns("learned")
     samples = sft.packed(kept, length, pad) if cfg.packing else kept.map(lambda row: sft.padded(row, length, pad))
     return text.split_held_out(samples, cfg.eval_fraction, cfg.data, "examples with something to learn")
 
@@ -249,7 +256,9 @@ def preview(cfg: Config, cache_dir: Path) -> str | None:
     layout = cfg.layout()
     if layout == "text":
         return None
-    record = text.load_records(cfg.data, cfg.data_config, None, cache_dir)[0]
+    data = text.streamed_data(cfg.data, cache_dir)
+    record = sources.first_record(sources.parse_data(data, cfg.text_field, cfg.data_config)[0])[1] \
+        if text.streams(cfg.data, cfg.streaming) else text.load_records(cfg.data, cfg.data_config, None, cache_dir)[0]
     tokenizer = tokenizer_of(cfg)
     rendered = sft.render(record, layout, tokenizer, sft.chat_template(tokenizer, cfg.chat_template))
     ids, labels = sft.encode(*rendered, tokenizer, cfg.seq_len, cfg.train_on == "all")
@@ -354,10 +363,11 @@ def _tokenizer(cfg: Config):
 
 def summary(cfg: Config, cache_dir: Path) -> dict[str, float]:
     """The share of the training rows' positions that is padding: what packing saves (build_datasets' result, read
-    back from the datasets cache)."""
-    train, _ = build_datasets(cfg, cache_dir)
-    real = train.with_format("numpy")[:]["attention_mask"].sum()
-    return {"padding_share": 1.0 - float(real) / (len(train) * cfg.seq_len)}
+    back from the datasets cache; streamed data: its held-out rows, the corpus is never read whole)."""
+    train, held_out = build_datasets(cfg, cache_dir)
+    masks = torch.stack([row["attention_mask"] for row in held_out]).numpy() if isinstance(train, Streamed) else \
+        train.with_format("numpy")[:]["attention_mask"]
+    return {"padding_share": 1.0 - float(masks.sum()) / (len(masks) * cfg.seq_len)}
 
 
 def tokens_per_sample(cfg: Config) -> int:

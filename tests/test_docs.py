@@ -32,6 +32,10 @@ NOT_HERE = {
                                                   "(tests/test_multinode.py runs the hostfile launch and its dry run "
                                                   "against an sshd on loopback)",
     "Qwen/": "the network: a Hub model downloads (tests/test_recipes.py fine-tunes local models under every config)",
+    "web/*.jsonl.gz": "the user's own corpus (tests/test_stream.py streams generated shards of every format, and "
+                      "mixtures of them, on 1, 2 and 4 processes and 2 machines)",
+    "--data mix.yaml": "the user's own mixture file (tests/test_stream.py reads a YAML mixture with a text field per "
+                       "source)",
     "my_model": "the user's own recipe file (tests/test_recipes.py copies one with trainkit.catalog and runs these "
                 "steps on it)",
 }

@@ -111,17 +111,21 @@ def test_data_with_nothing_left_to_learn_is_refused(chat, test_env, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("packing", [["--seq_len", "96"], ["--packing", "--seq_len", "192"]], ids=["padded", "packed"])
+@pytest.mark.parametrize("packing", [["--seq_len", "96"], ["--packing", "--seq_len", "192"],
+                                     ["--packing", "--seq_len", "192", "--streaming", "true"]],
+                         ids=["padded", "packed", "streamed_mixture_packed"])
 def test_chat_fine_tuning_under_ddp_matches_one_process(chat, run_dir, packing):
-    """The loss on the answers only, the same curve under DDP as in one process (padded, and packed two examples to
-    a row), and final/ loads as it was."""
+    """The loss on the answers only, the same curve under DDP as in one process (padded, packed two examples to a
+    row, and a streamed mixture of two chat files packed as it streams), and final/ loads as it was."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder, data = chat
+    streamed = "--streaming" in packing
     args = ["--recipe", "causal_lm", "--model_name_or_path", str(folder), "--tokenizer", "saved", "--data",
-            str(data), "--chat_template", "chatml", "--max_steps", "8", "--eval_every", "0", "--lr", "3e-3", *packing]
+            f"{data}:1,{data.parent / 'uneven.jsonl'}:1" if streamed else str(data), "--chat_template", "chatml",
+            "--max_steps", "8", "--eval_every", "0", "--lr", "3e-3", *packing]
     one = launch(run_dir("one"), *args, "--batch_size", "8").check()
-    assert one.resolved["packing"] == ("--packing" in packing)
+    assert one.resolved["packing"] == ("--packing" in packing) and ("--data streamed" in one.stderr) == streamed
     ddp = launch(run_dir("ddp"), *args, "--batch_size", "4", config="ddp").check()
     assert max_rel_diff(ddp.losses, one.losses) < PARITY_BOUND and one.losses[-1] < one.losses[0]
     assert AutoModelForCausalLM.from_pretrained(one.output_dir / "final").config.vocab_size == 400

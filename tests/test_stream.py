@@ -58,13 +58,14 @@ def streamed(corpus: Path, data: str, bad_lines: str = "stop") -> Streamed:
 
 
 def global_batches(data: Streamed, world: int, grad_accum: int, steps: int, seed: int = 0, workers: int = 0,
-                   start: int = 0, states: list[dict] | None = None) -> tuple[list[torch.Tensor], list[StreamedTrain]]:
-    """Every global batch (its rows, rank after rank) from global batch `start` on, and the ranks' streams."""
+                   start: int = 0, states: list[dict] | None = None, key: str = "input_ids",
+                   ) -> tuple[list[torch.Tensor], list[StreamedTrain]]:
+    """Every global batch's `key` (its rows, rank after rank) from global batch `start` on, and the ranks' streams."""
     micro = GLOBAL // (world * grad_accum)
     streams = [StreamedTrain(data, BatchLayout(micro, grad_accum, r, world), seed, workers) for r in range(world)]
     for s in streams:
         s.seek(0, start, states)
-    batches = [torch.cat([mb["input_ids"] for s in streams for mb in s.next_global_batch()]) for _ in range(steps)]
+    batches = [torch.cat([mb[key] for s in streams for mb in s.next_global_batch()]) for _ in range(steps)]
     return batches, streams
 
 
@@ -209,6 +210,37 @@ def test_an_unreadable_line_mid_stream_stops_the_run_naming_it_or_is_counted_and
             return tensor
 
     assert streams[0].metrics(Alone, 1)["skipped_lines"] == 1
+
+
+# --- instruction and chat data -----------------------------------------------------------------------------------
+
+def test_streamed_chat_examples_are_packed_in_the_order_they_come_and_keep_the_invariant(chat, tmp_path):
+    from transformers import PreTrainedTokenizerFast
+
+    from trainkit import rows, sft
+
+    folder, data = chat
+    (tmp_path / "chat.jsonl").write_text(data.read_text() * 10)  # 1,200 conversations: 80 pieces
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(folder))
+    opened = Streamed.open(str(tmp_path / "chat.jsonl"), "text", "", 0.05, "stop", sft.FIELDS["messages"])
+    one_each = opened.with_rows(rows.Examples(tokenizer, 192, "messages", sft.CHATML))
+    packed = opened.with_rows(rows.Examples(tokenizer, 192, "messages", sft.CHATML, packing=True))
+
+    ids, _ = global_batches(packed, 1, 1, steps=3)
+    assert all(torch.equal(a, b) for a, b in zip(global_batches(packed, 2, 2, steps=3)[0], ids, strict=True))
+    _, stopped = global_batches(packed, 4, 1, steps=1)
+    resumed, _ = global_batches(packed, 1, 1, steps=2, start=1, states=[s.rank_state() for s in stopped])
+    assert all(torch.equal(a, b) for a, b in zip(resumed, ids[1:], strict=True))
+    # lane 0's packed rows hold lane 0's examples whole and in the order they come: its rows when not packed
+    segments = [batch[0] for batch in global_batches(packed, 1, 1, steps=3, key="segment")[0]]
+    in_rows = [row[segment == n] for row, segment in zip([batch[0] for batch in ids], segments, strict=True)
+               for n in range(1, int(segment.max()) + 1)]
+    alone = [(batch[0], mask[0]) for batch, mask in zip(global_batches(one_each, 1, 1, steps=len(in_rows))[0],
+             global_batches(one_each, 1, 1, steps=len(in_rows), key="attention_mask")[0], strict=True)]
+    assert len(in_rows) >= 6 and all(torch.equal(got, row[mask == 1]) for got, (row, mask) in
+                                     zip(in_rows, alone, strict=True))
+    labels, _ = global_batches(one_each, 1, 1, steps=2, key="labels")
+    assert all((row != sft.IGNORE).sum() > 0 for batch in labels for row in batch)  # every row learns something
 
 
 # --- Hugging Face datasets' streaming ------------------------------------------------------------------------------

@@ -66,12 +66,65 @@ class TextPieces:
     def examples(self, records: list[dict], source: Source) -> list:
         return _token_ids(self.tokenizer, records, source, add_special_tokens=False)
 
-    def pack(self, examples: Iterator[Located], used: int) -> Iterator[tuple[dict, tuple]]:
+    def cut(self, ids: list[int], start: int = 0) -> Iterator[tuple[dict[str, list], int]]:
+        """A document's pieces from token `start` on, each with the token the next one starts at."""
         pad = sft.pad_id(self.tokenizer)
+        for begin in range(start, len(ids) - 1, self.seq_len):
+            piece = ids[begin:begin + self.seq_len]
+            weight = {"weight": sft.sample_weights([0] + [1] * (len(piece) - 1))} if self.weights else {}
+            yield sft.padded({"input_ids": piece, **weight}, self.seq_len, pad), begin + self.seq_len
+
+    def pack(self, examples: Iterator[Located], used: int) -> Iterator[tuple[dict, tuple]]:
         for ids, at in examples:
-            for start in range(used, len(ids) - 1, self.seq_len):
-                piece = ids[start:start + self.seq_len]
-                weight = {"weight": sft.sample_weights([0] + [1] * (len(piece) - 1))} if self.weights else {}
-                row = sft.padded({"input_ids": piece, **weight}, self.seq_len, pad)
-                yield {key: torch.tensor(values) for key, values in row.items()}, (at, start + self.seq_len)
+            for row, end in self.cut(ids, used):
+                yield _tensors(row), (at, end)
             used = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Examples:
+    """Instruction and chat records (trainkit/sft.py's layouts), one example each with labels on what is learned,
+    an example with nothing left to learn dropped: one padded row each, or with `packing` as many whole examples as
+    fit in a row, in the order they come (recipes/causal_lm.py)."""
+
+    tokenizer: Any
+    seq_len: int
+    layout: str
+    template: str | None
+    train_on_all: bool = False
+    weights: bool = False  # loss_average samples
+    packing: bool = False
+
+    def examples(self, records: list[dict], source: Source | None = None) -> list:
+        made: list = []
+        for record in records:
+            if missing := [field for field in sft.FIELDS[self.layout] if field not in record]:
+                made.append(BadRecord(f"no field(s) {', '.join(missing)} of the {self.layout} layout (its fields: "
+                                      f"{', '.join(record)})"))
+                continue
+            ids, labels = sft.encode(*sft.render(record, self.layout, self.tokenizer, self.template), self.tokenizer,
+                                     self.seq_len, self.train_on_all)
+            learned = [0] + [int(label != sft.IGNORE) for label in labels[1:]]
+            weight = {"weight": sft.sample_weights(learned)} if self.weights else {}
+            made.append({"input_ids": ids, "labels": labels, **weight} if sum(learned) else None)
+        return made
+
+    def pack(self, examples: Iterator[Located], used: int) -> Iterator[tuple[dict, tuple]]:
+        """One row per example (`used` 1: the example resumed at is in a row already), or rows of whole examples:
+        a row ends where the next example does not fit, and the next row starts with it."""
+        pad = sft.pad_id(self.tokenizer)
+        row: list[dict] = []
+        for example, at in examples:
+            if not self.packing:
+                if not used:
+                    yield _tensors(sft.padded(example, self.seq_len, pad)), (at, 1)
+                used = 0
+                continue
+            if row and sum(len(e["input_ids"]) for e in row) + len(example["input_ids"]) > self.seq_len:
+                yield _tensors(sft.packed_row(row, self.seq_len, pad)), (at, 0)
+                row = []
+            row.append(example)
+
+
+def _tensors(row: dict[str, list]) -> dict[str, torch.Tensor]:
+    return {key: torch.tensor(values) for key, values in row.items()}

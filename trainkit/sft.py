@@ -175,27 +175,31 @@ def pad_id(tokenizer) -> int:
 
 
 def packed(examples, length: int, pad: int):
-    """Rows of seq_len tokens, each holding whole examples (pack), with position_ids that restart per example
-    and each token's example number (`segment`, from 1; 0 is padding) for the block-diagonal mask. Each example's
-    first label is dropped: in a row it would be predicted from the example before it (alone, nothing predicts it)."""
+    """Rows of seq_len tokens, each holding whole examples (pack, best fit over them all): packed_row's."""
     from datasets import Dataset
 
-    ids_of, labels_of = examples["input_ids"], examples["labels"]
-    weights_of = examples["weight"] if "weight" in examples.column_names else None
-    rows = []
-    for members in pack([len(ids) for ids in ids_of], length):
-        row = {"input_ids": [], "labels": [], "position_ids": [], "segment": [],
-               **({"weight": []} if weights_of else {})}
-        for number, i in enumerate(members, start=1):
-            n = len(ids_of[i])
-            row["input_ids"] += ids_of[i]
-            row["labels"] += [IGNORE] + labels_of[i][1:]
-            row["position_ids"] += list(range(n))
-            row["segment"] += [number] * n
-            if weights_of:
-                row["weight"] += [0.0] + weights_of[i][1:]  # its first position is the example before's target
-        rows.append(padded(row, length, pad))
+    weights = "weight" in examples.column_names
+    columns = ["input_ids", "labels", *(["weight"] if weights else [])]
+    rows = [packed_row([{key: examples[key][i] for key in columns} for i in members], length, pad)
+            for members in pack([len(ids) for ids in examples["input_ids"]], length)]
     return Dataset.from_dict({key: [row[key] for row in rows] for key in rows[0]})
+
+
+def packed_row(members: list[dict[str, list]], length: int, pad: int) -> dict[str, list]:
+    """Examples in one row of seq_len tokens, with position_ids that restart per example and each token's example
+    number (`segment`, from 1; 0 is padding) for the block-diagonal mask. Each example's first label is dropped: in
+    a row it would be predicted from the example before it (alone, nothing predicts it)."""
+    row: dict[str, list] = {"input_ids": [], "labels": [], "position_ids": [], "segment": [],
+                            **({"weight": []} if "weight" in members[0] else {})}
+    for number, example in enumerate(members, start=1):
+        n = len(example["input_ids"])
+        row["input_ids"] += example["input_ids"]
+        row["labels"] += [IGNORE] + example["labels"][1:]
+        row["position_ids"] += list(range(n))
+        row["segment"] += [number] * n
+        if "weight" in example:
+            row["weight"] += [0.0] + example["weight"][1:]  # its first position is the example before's target
+    return padded(row, length, pad)
 
 
 def block_mask(segments, eager: bool):

@@ -302,18 +302,33 @@ def text_of(record: dict[str, Any] | BadRecord, source: Source) -> str | BadReco
                      else f"field {source.text_field!r} holds a {type(value).__name__}, not text")
 
 
-def check_first_records(sources: list[Source]) -> list[Problem]:
-    """Each source's first record read and its text field found: a mixture whose fields disagree is named before
-    any process starts training."""
+def first_record(source: Source) -> tuple[Piece, dict[str, Any] | BadRecord, int] | None:
+    """The source's first record, its piece and position; None for a source without one."""
+    for piece in pieces(source):
+        for record, position in records(source, piece, None):
+            return piece, record, position
+    return None
+
+
+def check_first_records(sources: list[Source], fields: tuple[str, ...] | None = None) -> list[Problem]:
+    """Each source's first record read and the fields it must have found (None: its text field): a mixture whose
+    fields disagree is named before any process starts training."""
+    fix = "name each source's text field (--text_field, or text_field: in a mixture YAML)" if fields is None else \
+        f"give every source the fields {', '.join(fields)} (--data_format names another layout)"
     problems = []
     for source in sources:
-        first = next(iter(pieces(source)), None)
-        found = next(iter(records(source, first, None)), None) if first else None
-        text = BadRecord("no record") if found is None else text_of(found[0], source)
-        if isinstance(text, BadRecord):
-            where = place(source, first, found[1]) if found else source.spec
-            problems.append(Problem(f"{where}: {text.why}", f"--data {source.spec}",
-                                    "name each source's text field (--text_field, or text_field: in a mixture YAML)"))
+        first = first_record(source)
+        if first is None:
+            problems.append(Problem(f"{source.spec} holds no record", f"--data {source.spec}", fix))
+            continue
+        piece, record, position = first
+        if fields and isinstance(record, dict):
+            missing = [field for field in fields if field not in record]
+            record = BadRecord(f"no field {', '.join(map(repr, missing))} (its fields: {', '.join(record)})") \
+                if missing else record
+        found = record if fields else text_of(record, source)
+        if isinstance(found, BadRecord):
+            problems.append(Problem(f"{place(source, piece, position)}: {found.why}", f"--data {source.spec}", fix))
     return problems
 
 

@@ -53,10 +53,12 @@ class Streamed:
     rows: Any = None
 
     @classmethod
-    def open(cls, data: str, text_field: str, data_config: str, eval_fraction: float, bad_lines: str) -> Streamed:
-        """The sources --data names, each cut into pieces, its last eval_fraction of them held out."""
+    def open(cls, data: str, text_field: str, data_config: str, eval_fraction: float, bad_lines: str,
+             fields: tuple[str, ...] | None = None) -> Streamed:
+        """The sources --data names, each cut into pieces, its last eval_fraction of them held out; every source's
+        first record must have `fields` (None: its text field)."""
         sources = src.parse_data(data, text_field, data_config)
-        problems, train, held = src.check_first_records(sources), [], []
+        problems, train, held = src.check_first_records(sources, fields), [], []
         for source in sources:
             pieces = src.pieces(source)
             cut = len(pieces) - max(1, round(len(pieces) * eval_fraction))
@@ -212,6 +214,12 @@ class StreamedTrain:
         self.note = (f"--data streamed: {mixture}; {sum(map(len, streamed.train)):,} pieces to train on; "
                      f"{self.workers} data worker(s) per process" + ("" if self.workers else
                      " (rows made in the training process; --data_workers N starts N beside it)"))
+        few = [source.spec for source, pieces in zip(streamed.sources, streamed.train, strict=True)
+               if len(pieces) < layout.global_batch]
+        if few:  # lanes j and j + pieces start on the same piece (in two epochs' orders): rows can repeat
+            self.note += (f"; {', '.join(few)}: fewer pieces to train on than the {layout.global_batch} rows of a "
+                          f"global batch, so a global batch can hold a row twice (stream more data, or train "
+                          f"without --streaming)")
 
     @property
     def position(self) -> tuple[int, int]:

@@ -70,6 +70,11 @@ def streams(data: str, streaming: str) -> bool:
     return sources.is_mixture(data) or sum(p.stat().st_size for p in files if p.is_file()) > STREAM_PAST_BYTES
 
 
+def streamed_data(data: str, cache_dir: Path) -> str:
+    """--data as trainkit/sources.py reads it: the built-in corpus is its JSON-lines file in the cache."""
+    return str(default_corpus(cache_dir)) if data == "pydoc" else data
+
+
 def check_streaming(data: str, text_field: str, streaming: str, bad_lines: str) -> list[Problem]:
     """The streaming fields' values, and a mixture asked to be prepared first."""
     problems = [Problem(f"{name} must be {' or '.join(allowed)}, got {value!r}", f"config field {name}",
@@ -92,7 +97,7 @@ def check_data(data: str, text_field: str | None = None, streamed: bool = False)
     each local file's first CHECKED_BYTES (empty, a line that is not valid JSON, no `text_field`, a field that is not
     text, a CSV row of the wrong width), named by file and line. text_field None checks no field. Streamed data: its
     sources, and each one's first record (trainkit/sources.py)."""
-    if streamed:
+    if streamed and data != "pydoc":
         try:
             return sources.check_first_records(sources.parse_data(data, text_field or "text"))
         except ConfigError as e:
@@ -209,6 +214,12 @@ def first_fields(data: str) -> list[str] | None:
     None where that cannot be read cheaply (a Hub name, plain text)."""
     import csv
 
+    if sources.is_mixture(data):  # the first source's first record (a bad mixture: its checks name it)
+        try:
+            first = sources.first_record(sources.parse_data(data, "text")[0])
+        except ConfigError:
+            return None
+        return list(first[1]) if first and isinstance(first[1], dict) else None
     files = local_files(data)
     if not files or not files[0].is_file() or LOCAL_FORMATS.get(files[0].suffix) not in ("json", "csv"):
         return None
