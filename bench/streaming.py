@@ -5,9 +5,10 @@
     python bench/streaming.py --tokens 100    # a quicker look: streamed sizes up to 100M tokens
 
 The corpus is CPython's pydoc topics in a freshly shuffled document order, copy after copy, as JSON lines in shards of
-about 10M tokens (counted with the BPE trained on it, vocabulary 1024, EOS included); the 10M, 100M and 1B corpora
-are the first 1, 10 and 100 shards. Each figure comes from a fresh process that reads the data as a one-process run
-of the tiny transformer's default global batch does (32 rows of 128 tokens) and nothing else: the data path alone.
+about 5M tokens (counted with the BPE trained on it, vocabulary 1024, EOS included); the 10M, 100M and 1B corpora
+are the first 2, 20 and 200 shards, streamed as a mixture of two sources: the shards of even number (weight 0.7)
+and of odd number (0.3). Each figure comes from a fresh process that reads the data as a one-process run of the tiny
+transformer's default global batch does (32 rows of 128 tokens) and nothing else: the data path alone.
 The parent samples the memory of that process and its data workers every 50 ms and keeps the peak of their sum
 (RSS, and the proportional share of anonymous memory, bench/data_prep.py's measure). The file pages are dropped
 from the kernel's cache before each process where this is allowed (root), so every read comes from the disk.
@@ -18,6 +19,12 @@ batch: the sources listed and cut into pieces, the cached tokenizer loaded, the 
 position taken from a stream that got there and made two batches, as a checkpoint keeps them). Prepared: `first
 batch` is the preparation (text.token_blocks, nothing cached) and the first batch; `resume at 90%` loads the cached
 blocks and seeks there. `tokens/s` is the data path's rate over 100 global batches after the first.
+
+Then whole runs on the 1B-token mixture (`python train.py --recipe tiny_transformer --data <mixture>`): the seconds
+from the command to its first step (metrics.jsonl's first elapsed_s, the interpreter's start included), with the
+tokenizer still to train on the sources' first 16 MiB and with it cached; and the share of each step that waited for
+its data (data_wait_s over the step's time, median of 60 steps after the first 5) with the rows made in the training
+process and with one data worker, at one compute thread.
 """
 
 from __future__ import annotations
@@ -46,7 +53,7 @@ from trainkit.hardware import cpu_cores  # noqa: E402
 
 START, END = "<!-- streaming: written by bench/streaming.py -->", "<!-- end of streaming -->"
 SEQ_LEN, VOCAB, GLOBAL, STEPS = 128, 1024, 32, 100
-SHARD_TOKENS = 10**7
+SHARD_TOKENS = 5 * 10**6
 GIB = 1 << 30
 
 
@@ -90,10 +97,12 @@ def child(kind: str, data: str, tokenizer_dir: Path, cache: Path, position: floa
 
 
 def lane_states(streamed, position: float) -> dict:
-    """Every lane at the piece that lies `position` of the way through the source's training pieces."""
-    pieces = len(streamed.train[0])
-    rounds = [max(0, int((position * pieces - lane) // GLOBAL)) for lane in range(GLOBAL)]
-    return {"lanes": {str(lane): {"0": [r, None, 0]} for lane, r in enumerate(rounds)}, "rows_of_sources": [0]}
+    """Every lane, in every source, at the piece that lies `position` of the way through its training pieces."""
+    def at(pieces: int, lane: int) -> list:
+        return [max(0, int((position * pieces - lane) // GLOBAL)), None, 0]
+
+    return {"lanes": {str(lane): {str(s): at(len(pieces), lane) for s, pieces in enumerate(streamed.train)}
+                      for lane in range(GLOBAL)}, "rows_of_sources": [0] * len(streamed.sources)}
 
 
 def drop_caches() -> bool:
@@ -134,7 +143,7 @@ def write_corpus(tmp: Path, tokens: int) -> tuple[Path, int, float]:
     folder, rng, order = tmp / "shards", random.Random(0), list(range(len(lines)))
     folder.mkdir()
     copies_per_shard = -(-SHARD_TOKENS // per_copy)
-    for shard in range(-(-tokens // (copies_per_shard * per_copy))):
+    for shard in range(max(2, -(-tokens // (copies_per_shard * per_copy)))):
         with open(folder / f"shard-{shard:05d}.jsonl", "w") as f:
             for _ in range(copies_per_shard):
                 rng.shuffle(order)
@@ -142,13 +151,15 @@ def write_corpus(tmp: Path, tokens: int) -> tuple[Path, int, float]:
     return folder, per_copy * copies_per_shard, time.perf_counter() - started
 
 
-def subset(folder: Path, tokens: int, per_shard: int) -> str:
-    """A folder of links to the first shards that hold `tokens`, as the glob that names them."""
+def subset(folder: Path, tokens: int, per_shard: int) -> tuple[str, int]:
+    """A folder of links to the first shards that hold `tokens`: the mixture of its even and odd shards, and the
+    tokens it holds."""
     name = folder.parent / f"c{tokens // 10**6}M"
     name.mkdir(exist_ok=True)
-    for shard in sorted(folder.glob("*.jsonl"))[:-(-tokens // per_shard)]:
-        (name / shard.name).symlink_to(shard)
-    return str(name / "*.jsonl")
+    shards = sorted(folder.glob("*.jsonl"))[:max(2, -(-tokens // per_shard))]
+    for i, shard in enumerate(shards):
+        (name / f"{'ab'[i % 2]}-{shard.name}").symlink_to(shard)
+    return f"{name}/a-*.jsonl:0.7,{name}/b-*.jsonl:0.3", len(shards) * per_shard
 
 
 def measure(sizes: list[int], prepared: list[int], tmp: Path) -> tuple[list[dict], dict]:
@@ -157,8 +168,8 @@ def measure(sizes: list[int], prepared: list[int], tmp: Path) -> tuple[list[dict
             "dropped": drop_caches()}
     rows = []
     for millions in sizes:
-        data = subset(folder, millions * 10**6, per_shard)
-        row = {"kind": "streamed", "tokens": len(list(Path(data).parent.iterdir())) * per_shard,
+        data, tokens = subset(folder, millions * 10**6, per_shard)
+        row = {"kind": "streamed", "tokens": tokens,
                "start": measured("stream", data, tmp / "tokenizer", tmp),
                "workers": measured("stream", data, tmp / "tokenizer", tmp, workers=2),
                **{f"resume_{p}": measured("stream", data, tmp / "tokenizer", tmp, position=p / 100)
@@ -166,15 +177,38 @@ def measure(sizes: list[int], prepared: list[int], tmp: Path) -> tuple[list[dict
         rows.append(row)
         print(json.dumps(row), flush=True)
     for millions in prepared:
-        data = subset(folder, millions * 10**6, per_shard).replace("*.jsonl", "")
-        files = ",".join(str(f) for f in sorted(Path(data).iterdir()))
+        data, tokens = subset(folder, millions * 10**6, per_shard)
+        files = ",".join(str(f) for f in sorted(Path(data.split(":")[0]).parent.iterdir()))
         cache = tmp / f"cache{millions}"
-        row = {"kind": "prepared", "tokens": len(files.split(",")) * per_shard,
+        row = {"kind": "prepared", "tokens": tokens,
                "start": measured("prepare", files, tmp / "tokenizer", cache),
                "resume_90": measured("prepare", files, tmp / "tokenizer", cache, position=0.9)}
         rows.append(row)
         print(json.dumps(row), flush=True)
+    info["runs"] = whole_runs(subset(folder, max(sizes) * 10**6, per_shard)[0], tmp)
     return rows, info
+
+
+def whole_runs(data: str, tmp: Path) -> dict:
+    """train.py on the mixture: seconds to its first step (tokenizer to train, then cached), and the share of the
+    step that waits for data without and with a data worker."""
+    def run(name: str, steps: int, *flags: str) -> list[dict]:
+        drop_caches()
+        out = tmp / name
+        env = {**os.environ, "TRAINKIT_CACHE": str(tmp / "cache_runs"), "TRAINKIT_CPU_THREADS": "1"}
+        subprocess.run([sys.executable, str(ROOT / "train.py"), "--recipe", "tiny_transformer", "--data", data,
+                        "--max_steps", str(steps), "--eval_every", "0", "--output_dir", str(out), "--report_to",
+                        "none", *flags], check=True, cwd=ROOT, env=env, capture_output=True)
+        return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+    def waiting(metrics: list[dict]) -> float:
+        shares = sorted(m["data_wait_s"] * m["samples_per_s"] / GLOBAL for m in metrics[5:])
+        return shares[len(shares) // 2]
+
+    cold, warm = run("cold", 1), run("warm", 1)
+    return {"first_step_cold": cold[0]["elapsed_s"], "first_step_warm": warm[0]["elapsed_s"],
+            "wait_in_process": waiting(run("w0", 65, "--data_workers", "0")),
+            "wait_one_worker": waiting(run("w1", 65, "--data_workers", "1"))}
 
 
 def table(rows: list[dict]) -> str:
@@ -190,6 +224,10 @@ def table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def sizes_of(rows: list[dict]) -> list[dict]:
+    return [r for r in rows if r["kind"] == "streamed"]
+
+
 def write_section(rows: list[dict], info: dict, command: str, load: tuple[float, float, float]) -> None:
     import tokenizers
     import torch
@@ -203,6 +241,12 @@ def write_section(rows: list[dict], info: dict, command: str, load: tuple[float,
         f"{info['per_shard'] / 1e6:.1f}M tokens, written in {info['write_s']:.0f} s; file cache "
         f"{'dropped before each process' if info['dropped'] else 'not dropped (not root): reads may come from it'}."
         f"\n\n" + table(rows) + "\n\n"
+        f"Whole runs on the {rows[len(sizes_of(rows)) - 1]['tokens'] / 1e9:.1f}B-token mixture, `python train.py "
+        f"--recipe tiny_transformer --data <the mixture>`: the first step {info['runs']['first_step_cold']:.1f} s "
+        f"after the command with the tokenizer to train (on 16 MiB of the sources), "
+        f"{info['runs']['first_step_warm']:.1f} s with it cached. Waiting for data (data_wait_s over the step, "
+        f"median): {info['runs']['wait_in_process']:.1%} of the step with the rows made in the training process, "
+        f"{info['runs']['wait_one_worker']:.1%} with one data worker (`--data_workers 1`; one compute thread).\n\n"
         "One process reading the tiny transformer's global batch (32 rows of 128 tokens) and nothing else. "
         "Streamed, the first batch and a resume cost the same at every corpus size and position: a stream lists "
         "the shards' sizes, and each of the 32 lanes reads on from its own recorded byte offset, so a resume at 90% "

@@ -522,6 +522,37 @@ def test_hosts_launcher_sends_the_hosts_no_secret(sshd, ddp_reference, tmp_path)
     assert not list(Path(tempfile.gettempdir()).glob("trainkit-hosts-*"))
 
 
+@pytest.mark.slow
+def test_hosts_launcher_stopped_by_a_scheduler_exits_0_with_the_stop_recorded(sshd, tmp_path):
+    """SIGTERM to `python -m trainkit.hosts`'s process group: passed on to DeepSpeed's runner, whose hosts' launchers
+    stop the ranks; every rank stops at one step with a checkpoint, and the launcher waits for the record of it and
+    exits 0 (DeepSpeed's runner alone exits 1 a second after passing the signal on, while the ranks still save)."""
+    hostfile = write_hostfile(tmp_path / "hostfile", f"{HOSTS[0]} slots=1", f"{HOSTS[1]} slots=1")
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "trainkit.hosts",
+           "--config_file", str(ROOT / "accelerate_configs" / "deepspeed_hostfile.yaml"),
+           "--deepspeed_hostfile", str(hostfile), "--main_process_ip", HOSTS[0],
+           "--main_process_port", str(free_port()), "train.py", "--output_dir", str(out), "--report_to", "none",
+           "--recipe", "mlp", "--max_steps", "2000", "--eval_every", "0", "--batch_size", "8"]
+    env = {**ENV, "PDSH_SSH_ARGS_APPEND": f"-F {sshd.config}"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and len(((out / "metrics.jsonl").read_text() if (out / "metrics.jsonl")
+                                              .exists() else "").splitlines()) < 20:
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGTERM)
+        output = proc.communicate(timeout=120)[0]
+    finally:
+        kill_tree(proc)
+    stopped = json.loads((out / "stopped.json").read_text())
+    assert proc.returncode == 0 and "the launch stopped on SIGTERM with a checkpoint" in output, output[-3000:]
+    assert stopped["stopped_by"] == "SIGTERM" and 20 <= stopped["step"] < 2000
+    assert (out / "checkpoints" / "latest").read_text().strip() == f"step_{stopped['step']}"
+    assert not list(Path(tempfile.gettempdir()).glob("trainkit-hosts-*"))  # the private env file went with it
+
+
 def test_dry_run_of_a_hostfile_launch_warns_of_secrets_in_the_shell(check_only, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_TOKEN", "hf_fake_secret_123")
     monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")  # a setting, not a secret (datasets' map sets it)

@@ -107,15 +107,29 @@ def test_streamed_global_batches_depend_only_on_the_seed_the_global_batch_and_th
     assert len({tuple(row.tolist()) for row in rows}) == len(rows)  # no row twice: the lanes read different text
 
 
-def test_a_resume_reads_on_from_the_lanes_states_on_any_process_count(corpus):
+def test_a_resume_reads_on_from_the_lanes_states_on_any_process_count(corpus, monkeypatch):
+    monkeypatch.setattr(sources, "MIN_PIECE", 301)  # lanes go from piece to piece after a resume, many times
     data = streamed(corpus, mixture(corpus))
-    uninterrupted, _ = global_batches(data, 2, 1, steps=30)
+    uninterrupted, _ = global_batches(data, 2, 1, steps=60)
     _, stopped = global_batches(data, 2, 1, steps=24)
     states = [json.loads(json.dumps(s.rank_state())) for s in stopped]  # as the checkpoint keeps them
-    for world, grad_accum in [(2, 1), (1, 1), (4, 2)]:
-        resumed, streams = global_batches(data, world, grad_accum, steps=6, start=24, states=states)
-        assert all(torch.equal(a, b) for a, b in zip(resumed, uninterrupted[24:], strict=True)), world
+    for world, grad_accum, steps in [(2, 1, 36), (1, 1, 6), (4, 2, 6)]:
+        resumed, streams = global_batches(data, world, grad_accum, steps=steps, start=24, states=states)
+        assert all(torch.equal(a, b) for a, b in zip(resumed, uninterrupted[24:24 + steps], strict=True)), world
     assert streams[0].rows_of.sum() == 30 * GLOBAL  # the mixture's counts go on too
+
+
+def test_a_resumed_lane_reads_every_later_piece_from_its_start(corpus, monkeypatch):
+    """Only the piece a lane resumes in starts at the recorded position: the pieces after it, of every source, are
+    read from their starts, at whatever round the lane's other sources stand."""
+    monkeypatch.setattr(sources, "MIN_PIECE", 301)
+    data = streamed(corpus, f"{corpus}/a-[0-2].jsonl:1,{corpus}/a-[3-5].jsonl:1")  # alike: their rounds meet
+    far = [{"lanes": {str(lane): {"0": [3, None, 0], "1": [3, None, 0]} for lane in range(GLOBAL)},
+            "rows_of_sources": [0, 0]}]  # both sources' lanes in their round 3
+    uninterrupted, _ = global_batches(data, 1, 1, steps=40, states=far)
+    _, stopped = global_batches(data, 1, 1, steps=2, states=far)
+    resumed, _ = global_batches(data, 1, 1, steps=38, start=2, states=[s.rank_state() for s in stopped])
+    assert all(torch.equal(a, b) for a, b in zip(resumed, uninterrupted[2:], strict=True))
 
 
 def test_a_resume_reads_only_what_comes_after_its_position(corpus, monkeypatch):
@@ -152,6 +166,13 @@ def test_a_mixture_gives_each_source_its_share_and_a_used_up_source_starts_a_new
     assert abs(share[f"{corpus}/a-*.jsonl"] - 0.75) < 0.05 and abs(sum(share.values()) - 1) < 1e-6
     rounds = [streams[0].states[str(lane)]["1"][0] for lane in range(8) if "1" in streams[0].states[str(lane)]]
     assert max(rounds) >= 2  # lanes read the 2 pieces over and over: epoch after epoch, each in a new order
+
+
+def test_auto_streams_a_mixture_and_files_past_a_size(corpus, monkeypatch):
+    assert text.streams(mixture(corpus), "auto") and text.streams(str(corpus / "b.txt"), "true")
+    assert not text.streams(f"{corpus}/a-*.jsonl", "auto") and not text.streams("pydoc", "auto")
+    monkeypatch.setattr(text, "STREAM_PAST_BYTES", 100_000)  # the six a-*.jsonl files hold about 190 kB
+    assert text.streams(f"{corpus}/a-*.jsonl", "auto") and not text.streams(f"{corpus}/a-*.jsonl", "false")
 
 
 def test_a_source_that_is_one_piece_is_refused_naming_it(corpus):

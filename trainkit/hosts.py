@@ -16,13 +16,16 @@ lists in ~/.deepspeed_env), through a private file that it removes afterwards:
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -298,8 +301,62 @@ def main(argv: list[str] | None = None) -> int:
             print(f"note: {len(dropped)} variable(s) of this shell are not sent to the hosts"
                   + (f", among them {', '.join(secrets)}" if secrets else "") + " (the allow-list is in "
                   "trainkit/hosts.py; list what the ranks need in ~/.deepspeed_env)", file=sys.stderr, flush=True)
-        return subprocess.run([sys.executable, "-m", "accelerate.commands.launch", *argv], env=env).returncode
+        return launch_passing_signals([sys.executable, "-m", "accelerate.commands.launch", *argv], env, argv)
+
+
+# After a stop was asked for, how long the launch's end may come before the run's record of it: each host's DeepSpeed
+# launcher gives its ranks 30 s to end (deepspeed/launcher/launch.py) while the runner here returns after 1 s.
+STOP_RECORD_WAIT_S = 60
+
+
+def launch_passing_signals(cmd: list[str], env: Mapping[str, str], argv: list[str]) -> int:
+    """Run the launch; SIGTERM and SIGINT (a scheduler's preemption, Ctrl-C) are passed on to it rather than ending
+    this process first, whose private env file is then removed only after the launch. A stop the run recorded
+    (stopped.json in its --output_dir: every rank stopped at one step with a checkpoint) exits 0, so that a script
+    tells it from a crash; DeepSpeed's runner itself exits 1 after passing on a signal."""
+    from trainkit.run_folder import STOP_RECORD
+
+    output_dir = _output_dir(argv)
+    record = output_dir / STOP_RECORD if output_dir else None
+    started = time.time()
+    child = subprocess.Popen(cmd, env=dict(env), start_new_session=True)  # signals reach it through this process
+    received: list[int] = []
+
+    def pass_on(signum: int, frame: object) -> None:
+        received.append(signum)
+        child.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, pass_on) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        status = child.wait()
+        deadline = time.time() + STOP_RECORD_WAIT_S
+        while received and record is not None and not _written_since(record, started) and time.time() < deadline:
+            time.sleep(0.5)  # the hosts' ranks still writing their checkpoint
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if received and record is not None and _written_since(record, started):
+        print(f"the launch stopped on {signal.Signals(received[0]).name} with a checkpoint ({record}): exit 0",
+              file=sys.stderr, flush=True)
+        return 0
+    return status
 
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _output_dir(argv: list[str]) -> Path | None:
+    """train.py's --output_dir in the launch's arguments (what follows the script), by train.py's own parser."""
+    from trainkit.command_line import parse_command_line
+
+    script = next((i for i, arg in enumerate(argv) if arg.endswith(".py")), None)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):  # argparse's usage lines: train.py itself reports its mistakes
+            return parse_command_line(argv[script + 1:])[0].output_dir if script is not None else None
+    except SystemExit:  # not train.py's arguments: there is no record to read
+        return None
+
+
+def _written_since(path: Path, started: float) -> bool:
+    return path.is_file() and path.stat().st_mtime >= started

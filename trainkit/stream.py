@@ -162,13 +162,19 @@ def lane_rows(streamed: Streamed, lane: int, lanes: int, seed: int, first: int,
     for k in itertools.count(first):
         s = int(source_of(streamed, draws(seed, k, lanes)[lane]))
         if s not in readers:
-            round_, at, used = state.get(str(s), (0, None, 0))
-            located = ((r, piece, at if r == round_ else None)
-                       for r, piece in lane_pieces(streamed.train[s], s, lane, lanes, seed, round_))
+            first_round, at, used = state.get(str(s), (0, None, 0))
+            located = resumed_at(lane_pieces(streamed.train[s], s, lane, lanes, seed, first_round), at)
             readers[s] = streamed.rows.pack(streamed._examples(s, located, skipped), used)
         row, ((round_, position), used) = next(readers[s])
         state = {**state, str(s): [round_, position, used], "skipped": skipped[0]}
         yield row, state
+
+
+def resumed_at(pieces: Iterator[tuple[int, src.Piece]], at: int | None) -> Iterator[tuple[int, src.Piece, int | None]]:
+    """(round, piece, where to start reading it): the first piece from the recorded position `at`, every later one
+    from its start."""
+    for i, (round_, piece) in enumerate(pieces):
+        yield round_, piece, at if i == 0 else None
 
 
 def source_of(streamed: Streamed, draw: np.ndarray) -> np.ndarray:
