@@ -148,7 +148,10 @@ def _streamed(cfg: Config, cache_dir: Path) -> Streamed:
     """The data read as it trains: the tokenizer is trained on the sources' first records (TOKENIZER_SAMPLE_BYTES)."""
     streamed = Streamed.open(text.streamed_data(cfg.data, cache_dir), cfg.text_field, cfg.data_config,
                              cfg.eval_fraction, cfg.bad_lines)
-    sample = [{"text": t} for t in streamed.sample_text(text.TOKENIZER_SAMPLE_BYTES)]
+
+    def sample() -> list[dict]:  # read only when no tokenizer is cached
+        return [{"text": t} for t in streamed.sample_text(text.TOKENIZER_SAMPLE_BYTES)]
+
     tokenizer = text.train_tokenizer(sample, cfg.vocab_size, _data_dir(cfg, cache_dir) / "tokenizer")
     return streamed.with_rows(TextBlocks(tokenizer, cfg.seq_len))
 

@@ -184,22 +184,29 @@ def source_of(streamed: Streamed, draw: np.ndarray) -> np.ndarray:
 
 
 class _Lanes(IterableDataset):
-    """This process's lanes from row k on, row by row: lane after lane within a row. A data worker makes the lanes
-    whose index (among this process's) it is given modulo the number of workers, so that the DataLoader's turn-taking
-    between workers hands them out in exactly this order."""
+    """This process's lanes from row k on: for each row, one item of (lane, row, state after it) for its lanes. A
+    data worker makes the lanes whose index (among this process's) is its own modulo the number of workers, so that
+    the DataLoader's turn-taking between workers hands them out row after row. Rows travel as NumPy arrays, pickled
+    with the item: a tensor would get a shared-memory segment of its own, which cost more than the row (measured in
+    bench/streaming.py)."""
 
     def __init__(self, streamed: Streamed, lanes: list[int], width: int, seed: int, k: int, states: dict):
         self.streamed, self.lanes, self.width, self.seed, self.k, self.states = \
             streamed, lanes, width, seed, k, states
 
-    def __iter__(self) -> Iterator[tuple[int, dict[str, torch.Tensor], dict]]:
+    def __iter__(self) -> Iterator[list[tuple[int, dict[str, np.ndarray], dict]]]:
         info = get_worker_info()
         mine = self.lanes if info is None else self.lanes[info.id::info.num_workers]
         rows = [lane_rows(self.streamed, lane, self.width, self.seed, self.k, self.states.get(str(lane), {}))
                 for lane in mine]
         while True:
-            for lane, made in zip(mine, rows, strict=True):
-                yield lane, *next(made)
+            made = [(lane, *next(lane_made)) for lane, lane_made in zip(mine, rows, strict=True)]
+            yield [(lane, {key: value.numpy() for key, value in row.items()}, state) for lane, row, state in made]
+
+
+def _as_they_are(item: Any) -> Any:
+    """The DataLoader's conversion of each item (none): the rows stay NumPy arrays until they are collated."""
+    return item
 
 
 class StreamedTrain:
@@ -247,14 +254,13 @@ class StreamedTrain:
             if self.workers:  # the tokenizer's own threads would be stopped in each forked worker, with a warning
                 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
             lanes = _Lanes(self.streamed, self.lanes, self.layout.global_batch, self.seed, self.k, self.states)
-            ahead = 2 * len(self.lanes) // self.workers if self.workers else None  # two global batches ready
-            self._iterator = iter(DataLoader(lanes, batch_size=None, num_workers=self.workers, prefetch_factor=ahead,
-                                             generator=private_generator()))
+            self._iterator = iter(DataLoader(lanes, batch_size=None, num_workers=self.workers,
+                                             collate_fn=_as_they_are, generator=private_generator()))
+        made = {lane: (row, state) for _ in range(max(1, self.workers)) for lane, row, state in next(self._iterator)}
+        assert sorted(made) == self.lanes, sorted(made)  # one row of every lane: the workers took turns
         rows = []
         for lane in self.lanes:
-            got, row, state = next(self._iterator)
-            assert got == lane, f"lane {got} where {lane} was due"  # the workers' turn-taking
-            self.states[str(lane)] = state
+            row, self.states[str(lane)] = made[lane]
             rows.append(row)
         draw = draws(self.seed, self.k, self.layout.global_batch)
         self.rows_of += np.bincount(source_of(self.streamed, draw), minlength=len(self.rows_of))

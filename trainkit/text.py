@@ -288,12 +288,14 @@ def split_held_out(samples, eval_fraction: float, data: str, units: str):
 
 
 def train_tokenizer(docs, vocab_size: int, out_dir: Path):
-    """A byte-level BPE trained on the corpus (no download), saved where AutoTokenizer.from_pretrained finds it."""
+    """A byte-level BPE trained on the corpus (no download), saved where AutoTokenizer.from_pretrained finds it.
+    docs: rows with a "text" field, or a function that gives them (called only when no tokenizer is cached)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     if (out_dir / "tokenizer.json").exists():
         return PreTrainedTokenizerFast.from_pretrained(str(out_dir))
+    docs = docs() if callable(docs) else docs
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
