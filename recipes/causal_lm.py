@@ -191,11 +191,11 @@ def tokenizer_of(cfg: Config):
 
 def build_datasets(cfg: Config, cache_dir: Path):
     layout = cfg.layout()
+    if text.streams(cfg.data, cfg.streaming):  # a streamed Hub dataset's layout, if not text: --data_format
+        return _streamed(cfg, layout, cache_dir)
     if cfg.data_format == "auto" and text.local_files(cfg.data) is None and cfg.data != "pydoc":  # a Hub name
         layout = sft.detect(text.load_records(cfg.data, cfg.data_config, None, cache_dir).column_names,
                             cfg.text_field)
-    if text.streams(cfg.data, cfg.streaming):
-        return _streamed(cfg, layout, cache_dir)
     if layout != "text":
         return _examples(cfg, layout, cache_dir)
     docs = text.load_documents(cfg.data, cfg.data_config, cfg.text_field, cache_dir)

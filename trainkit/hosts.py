@@ -30,6 +30,8 @@ from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import psutil
+
 from trainkit.errors import Problem
 from trainkit.launch import Launch, read_yaml
 
@@ -306,14 +308,14 @@ def main(argv: list[str] | None = None) -> int:
 
 # After a stop was asked for, how long the launch's end may come before the run's record of it: each host's DeepSpeed
 # launcher gives its ranks 30 s to end (deepspeed/launcher/launch.py) while the runner here returns after 1 s.
-STOP_RECORD_WAIT_S = 60
+STOP_RECORD_WAIT_S = 35
 
 
 def launch_passing_signals(cmd: list[str], env: Mapping[str, str], argv: list[str]) -> int:
-    """Run the launch; SIGTERM and SIGINT (a scheduler's preemption, Ctrl-C) are passed on to it rather than ending
-    this process first, whose private env file is then removed only after the launch. A stop the run recorded
-    (stopped.json in its --output_dir: every rank stopped at one step with a checkpoint) exits 0, so that a script
-    tells it from a crash; DeepSpeed's runner itself exits 1 after passing on a signal."""
+    """Run the launch; SIGTERM and SIGINT (a scheduler's preemption, Ctrl-C) are passed on to its launchers rather
+    than ending this process first, whose private env file is then removed only after the launch. A stop the run
+    recorded (stopped.json in its --output_dir: every rank stopped at one step with a checkpoint) exits 0, so that a
+    script tells it from a crash; DeepSpeed's runner itself exits 1 after passing on a signal."""
     from trainkit.run_folder import STOP_RECORD
 
     output_dir = _output_dir(argv)
@@ -323,8 +325,14 @@ def launch_passing_signals(cmd: list[str], env: Mapping[str, str], argv: list[st
     received: list[int] = []
 
     def pass_on(signum: int, frame: object) -> None:
+        """To `accelerate launch` and the launcher it started: DeepSpeed's runner, which has each host's launcher
+        stop its ranks (accelerate launch itself passes nothing on, and pdsh or ssh must not get it: a closed
+        connection would end a host's launcher, and its ranks, before they saved)."""
         received.append(signum)
-        child.send_signal(signum)
+        with contextlib.suppress(psutil.Error):
+            launch = psutil.Process(child.pid)
+            for process in [*launch.children(), launch]:
+                process.send_signal(signum)
 
     previous = {sig: signal.signal(sig, pass_on) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
@@ -342,9 +350,6 @@ def launch_passing_signals(cmd: list[str], env: Mapping[str, str], argv: list[st
     return status
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
 
 def _output_dir(argv: list[str]) -> Path | None:
     """train.py's --output_dir in the launch's arguments (what follows the script), by train.py's own parser."""
@@ -360,3 +365,7 @@ def _output_dir(argv: list[str]) -> Path | None:
 
 def _written_since(path: Path, started: float) -> bool:
     return path.is_file() and path.stat().st_mtime >= started
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -311,8 +311,8 @@ def first_record(source: Source) -> tuple[Piece, dict[str, Any] | BadRecord, int
 
 
 def check_first_records(sources: list[Source], fields: tuple[str, ...] | None = None) -> list[Problem]:
-    """Each source's first record read and the fields it must have found (None: its text field): a mixture whose
-    fields disagree is named before any process starts training."""
+    """Each source's first record read and the fields it must have found (None: its text field; an empty tuple:
+    none): a mixture whose fields disagree is named before any process starts training."""
     fix = "name each source's text field (--text_field, or text_field: in a mixture YAML)" if fields is None else \
         f"give every source the fields {', '.join(fields)} (--data_format names another layout)"
     problems = []
@@ -322,11 +322,11 @@ def check_first_records(sources: list[Source], fields: tuple[str, ...] | None = 
             problems.append(Problem(f"{source.spec} holds no record", f"--data {source.spec}", fix))
             continue
         piece, record, position = first
-        if fields and isinstance(record, dict):
+        if fields is not None and isinstance(record, dict):
             missing = [field for field in fields if field not in record]
             record = BadRecord(f"no field {', '.join(map(repr, missing))} (its fields: {', '.join(record)})") \
                 if missing else record
-        found = record if fields else text_of(record, source)
+        found = record if fields is not None else text_of(record, source)
         if isinstance(found, BadRecord):
             problems.append(Problem(f"{place(source, piece, position)}: {found.why}", f"--data {source.spec}", fix))
     return problems

@@ -98,8 +98,9 @@ def check_data(data: str, text_field: str | None = None, streamed: bool = False)
     text, a CSV row of the wrong width), named by file and line. text_field None checks no field. Streamed data: its
     sources, and each one's first record (trainkit/sources.py)."""
     if streamed and data != "pydoc":
-        try:
-            return sources.check_first_records(sources.parse_data(data, text_field or "text"))
+        try:  # text_field None: the records' own layout is checked when the run reads them
+            return sources.check_first_records(sources.parse_data(data, text_field or "text"),
+                                               None if text_field else ())
         except ConfigError as e:
             return e.problems
     files = local_files(data)
