@@ -124,6 +124,12 @@ def measured(code: str, corpus: Path, cache: Path, tokenizer_dir: Path) -> dict:
     # (text.default_num_proc) would take one on the smaller corpus.
     cmd = [sys.executable, __file__, "--child", code, "--corpus", str(corpus), "--cache", str(cache),
            "--tokenizer", str(tokenizer_dir), "--num_proc", str(cpu_cores())]
+    return run_watched(cmd, f"{code} on {corpus.name}")
+
+
+def run_watched(cmd: list[str], name: str) -> dict:
+    """A child process's last line (JSON) and the peak memory of it and its own children (RSS and anonymous,
+    tree_memory), sampled every 50 ms while it runs."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     watched = psutil.Process(proc.pid)
     peak_rss = peak_anon = 0
@@ -133,7 +139,7 @@ def measured(code: str, corpus: Path, cache: Path, tokenizer_dir: Path) -> dict:
         time.sleep(0.05)
     out = proc.stdout.read()
     if proc.returncode:
-        raise SystemExit(f"{code} on {corpus.name} failed (exit {proc.returncode})")
+        raise SystemExit(f"{name} failed (exit {proc.returncode})")
     return {**json.loads(out.strip().splitlines()[-1]), "peak_rss": peak_rss, "peak_anon": peak_anon}
 
 

@@ -45,7 +45,7 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from data_prep import tree_memory  # noqa: E402
+from data_prep import run_watched  # noqa: E402
 from sections import BENCHMARKS, replace_section  # noqa: E402
 
 from trainkit import text  # noqa: E402
@@ -120,16 +120,7 @@ def measured(kind: str, data: str, tokenizer_dir: Path, cache: Path, position: f
     drop_caches()
     cmd = [sys.executable, __file__, "--child", kind, "--data", data, "--tokenizer", str(tokenizer_dir),
            "--cache", str(cache), "--position", str(position), "--workers", str(workers)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-    watched = psutil.Process(proc.pid)
-    peak_rss = peak_anon = 0
-    while proc.poll() is None:
-        rss, anon = tree_memory(watched)
-        peak_rss, peak_anon = max(peak_rss, rss), max(peak_anon, anon)
-        time.sleep(0.05)
-    if proc.returncode:
-        raise SystemExit(f"{kind} {data} failed (exit {proc.returncode})")
-    return {**json.loads(proc.stdout.read().strip().splitlines()[-1]), "peak_rss": peak_rss, "peak_anon": peak_anon}
+    return run_watched(cmd, f"{kind} {data}")
 
 
 def write_corpus(tmp: Path, tokens: int) -> tuple[Path, int, float]:
