@@ -219,8 +219,9 @@ def test_an_unreadable_line_mid_stream_stops_the_run_naming_it_or_is_counted_and
     lines = [json.dumps({"text": d}) for d in documents(7, 200)]
     lines[150] = '{"text": "cut short'
     (tmp_path / "broken.jsonl").write_text("\n".join(lines) + "\n")
-    with pytest.raises(TrainingError, match=f"cannot read {tmp_path}/broken.jsonl:151: not valid JSON"):
-        global_batches(streamed(corpus, str(tmp_path / "broken.jsonl")), 1, 1, steps=40)
+    for workers in (0, 2):  # from a data worker too: the run's own error, not the DataLoader's RuntimeError
+        with pytest.raises(TrainingError, match=f"cannot read {tmp_path}/broken.jsonl:151: not valid JSON"):
+            global_batches(streamed(corpus, str(tmp_path / "broken.jsonl")), 1, 1, steps=40, workers=workers)
     _, streams = global_batches(streamed(corpus, str(tmp_path / "broken.jsonl"), "skip"), 1, 1, steps=40)
 
     class Alone:  # one process: the collective is the number itself

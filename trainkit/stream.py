@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader, IterableDataset, default_collate, get_w
 
 from trainkit import sources as src
 from trainkit.data import BatchLayout, TrainStream, private_generator
-from trainkit.errors import ConfigError, Problem
+from trainkit.errors import ConfigError, Problem, TrainingError
 from trainkit.hardware import cpu_cores, local_processes
 
 # The held-out split: the last pieces of each source (eval_fraction of them, one at least), read into memory up to
@@ -194,14 +194,32 @@ class _Lanes(IterableDataset):
         self.streamed, self.lanes, self.width, self.seed, self.k, self.states = \
             streamed, lanes, width, seed, k, states
 
-    def __iter__(self) -> Iterator[list[tuple[int, dict[str, np.ndarray], dict]]]:
+    def __iter__(self) -> Iterator[list[tuple[int, dict[str, np.ndarray], dict]] | _Failure]:
         info = get_worker_info()
         mine = self.lanes if info is None else self.lanes[info.id::info.num_workers]
         rows = [lane_rows(self.streamed, lane, self.width, self.seed, self.k, self.states.get(str(lane), {}))
                 for lane in mine]
-        while True:
-            made = [(lane, *next(lane_made)) for lane, lane_made in zip(mine, rows, strict=True)]
-            yield [(lane, {key: value.numpy() for key, value in row.items()}, state) for lane, row, state in made]
+        try:
+            while True:
+                made = [(lane, *next(lane_made)) for lane, lane_made in zip(mine, rows, strict=True)]
+                yield [(lane, {key: value.numpy() for key, value in row.items()}, state) for lane, row, state in made]
+        except TrainingError as e:  # a bad line: named in the training process, as the run's own error
+            yield _Failure(e.what, e.fix)
+        except ConfigError as e:
+            yield _Failure("", "", tuple(e.problems))
+
+
+@dataclass(frozen=True, slots=True)
+class _Failure:
+    """An error of a data worker, carried to the training process and raised there as itself: the DataLoader would
+    raise it again as a RuntimeError holding the worker's traceback."""
+
+    what: str
+    fix: str
+    problems: tuple[Problem, ...] = ()
+
+    def error(self) -> TrainingError | ConfigError:
+        return ConfigError(list(self.problems)) if self.problems else TrainingError(self.what, self.fix)
 
 
 def _as_they_are(item: Any) -> Any:
@@ -256,7 +274,10 @@ class StreamedTrain:
             lanes = _Lanes(self.streamed, self.lanes, self.layout.global_batch, self.seed, self.k, self.states)
             self._iterator = iter(DataLoader(lanes, batch_size=None, num_workers=self.workers,
                                              collate_fn=_as_they_are, generator=private_generator()))
-        made = {lane: (row, state) for _ in range(max(1, self.workers)) for lane, row, state in next(self._iterator)}
+        items = [next(self._iterator) for _ in range(max(1, self.workers))]
+        if failed := next((item for item in items if isinstance(item, _Failure)), None):
+            raise failed.error()
+        made = {lane: (row, state) for item in items for lane, row, state in item}
         assert sorted(made) == self.lanes, sorted(made)  # one row of every lane: the workers took turns
         rows = []
         for lane in self.lanes:
