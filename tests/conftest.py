@@ -113,6 +113,17 @@ def lm_runs(tmp_path_factory):
     return run
 
 
+# A DDP run that kills are tried on: long enough to kill a rank or a machine between two checkpoints
+# (tests/test_checkpoint.py, tests/test_multinode.py), short enough to run twice.
+RESTARTED = ["--recipe", "mlp", "--max_steps", "600", "--eval_every", "0", "--batch_size", "4", "--save_every", "200"]
+
+
+@pytest.fixture(scope="session")
+def never_restarted(tmp_path_factory):
+    """The run of RESTARTED that nothing interrupts: the curve every restarted one must give, bit for bit."""
+    return launch(tmp_path_factory.mktemp("whole") / "out", *RESTARTED, config="ddp").check()
+
+
 def write_yaml(tmp_path, base: str, json_text: str | None = None, **changes: str):
     """A copy of a shipped YAML (and optionally of its DeepSpeed JSON) with some lines changed."""
     text = (ROOT / "accelerate_configs" / f"{base}.yaml").read_text()

@@ -27,7 +27,7 @@ import pytest
 import torch
 from torch.utils.cpp_extension import get_default_build_root
 
-from conftest import ROOT, TEST_ENV, Run, kill_tree, launch, max_rel_diff
+from conftest import LAUNCH_TIMEOUT, RESTARTED, ROOT, TEST_ENV, Run, kill_tree, launch, max_rel_diff
 from trainkit.hosts import check_hosts
 from trainkit.launch import Launch
 
@@ -47,14 +47,15 @@ def free_port() -> int:
 class Machine:
     """One machine's `accelerate launch --config_file multinode.yaml --machine_rank R ...`, running in background."""
 
-    def __init__(self, rank: int, port: int, output_dir: Path, args: list[str], env: dict | None = None):
+    def __init__(self, rank: int, port: int, output_dir: Path, args: list[str], env: dict | None = None,
+                 launch_args: tuple[str, ...] = (), logs: str = ""):
         self.output_dir = output_dir
-        self.logs = output_dir.parent / f"machine{rank}"
+        self.logs = output_dir.parent / (logs or f"machine{rank}")
         self.logs.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, "-m", "accelerate.commands.launch",
                "--config_file", str(ROOT / "accelerate_configs" / "multinode.yaml"),
                "--num_machines", "2", "--machine_rank", str(rank),
-               "--main_process_ip", "127.0.0.1", "--main_process_port", str(port),
+               "--main_process_ip", "127.0.0.1", "--main_process_port", str(port), *launch_args,
                "train.py", "--output_dir", str(output_dir), "--report_to", "none", *args]
         with open(self.logs / "stdout", "w") as out, open(self.logs / "stderr", "w") as err:
             self.proc = subprocess.Popen(cmd, cwd=ROOT, env={**ENV, **(env or {})}, stdout=out, stderr=err)
@@ -219,6 +220,47 @@ def test_a_silent_machine_stops_the_other_within_the_timeout(tmp_path):
     assert re.search(rf"; rank 1 on {socket.gethostname()} \(machine 1\), pid \d+ did not answer within 3 s "
                      r"\(dead, frozen or cut off\)", run.stderr), run.stderr[-3000:]
     assert elapsed >= timeout * 0.5  # it was the timeout that ended it (the run may have been mid-collective)
+
+
+@pytest.mark.slow
+def test_a_killed_machine_started_again_rejoins_and_the_run_continues_exactly(never_restarted, tmp_path):
+    """Machine 1 (its launcher and its rank) SIGKILLed at a random step between two checkpoints, and its launch
+    started again as a scheduler would, while machine 0's torchrun (--max_restarts) starts its own rank again: both
+    join the attempt counted in the store machine 0 holds (join_restarted_group, trainkit/strategies/accelerator.py;
+    each machine's own restart count differs), and the run continues from the newest checkpoint with the curve of a
+    run never stopped, bit for bit, each step once in metrics.jsonl."""
+    import random
+
+    port, out, save_every = free_port(), tmp_path / "out", 200
+    args, launch_args = [*RESTARTED, "--resume", "auto"], ("--max_restarts", "2")
+    first, second = (Machine(rank, port, out, args, launch_args=launch_args) for rank in (0, 1))
+    kill_at, again = random.randint(save_every + 10, 2 * save_every - 40), None
+    try:
+        deadline = time.monotonic() + 120
+        while first.steps_done() < kill_at and first.proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        killed = first.steps_done()
+        kill_tree(second.proc)
+        killed_at = time.monotonic()
+        again = Machine(1, port, out, args, launch_args=launch_args, logs="machine1_again")
+        runs = [m.wait(timeout=LAUNCH_TIMEOUT) for m in (first, again)]
+    finally:
+        for m in (first, second, again):
+            if m is not None:
+                kill_tree(m.proc)
+    print(f"\nmachine 1 killed at step {killed} and started again: the run ended {time.monotonic() - killed_at:.1f} s "
+          "later")
+    for run in runs:
+        run.check()
+    assert save_every < killed < 2 * save_every, runs[0].stderr[-3000:]
+    assert re.search(r"error: rank 0 lost contact with the other processes .*; rank 1 on \S+ \(machine 1\)",
+                     runs[0].stderr), runs[0].stderr[-3000:]
+    assert "note: attempt 2 of this launch (a rank was started again): the ranks joined anew" in runs[0].stderr
+    assert f"note: --resume auto: continuing from {out / 'checkpoints' / f'step_{save_every}'}" in runs[0].stderr
+    assert "connectFullMesh failed" not in runs[1].stderr  # machine 1 came back into the attempt, not the dead one
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [m["step"] for m in never_restarted.metrics]
+    assert [m["loss"] for m in metrics] == never_restarted.losses
 
 
 # --- SLURM: the example script, with srun and scontrol played by two local "nodes" --------------------------------

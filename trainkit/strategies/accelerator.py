@@ -11,6 +11,8 @@ import torch
 
 from trainkit.errors import ConfigError, Problem
 
+_JOINED = "trainkit/joined"  # the launch store's count of rank starts: join_restarted_group
+
 
 def build(engine: Any, output_dir: Path, report_to: list[str]) -> tuple[Any, list[str]]:
     """(the verified Accelerator, notes to print) for `engine` (a strategies/engine.py Engine)."""
@@ -35,27 +37,34 @@ def build(engine: Any, output_dir: Path, report_to: list[str]) -> tuple[Any, lis
 
 
 def join_restarted_group(init: dict[str, Any]) -> str | None:
-    """After torchrun restarted the ranks (--max_restarts), make the process group under a key prefix of this attempt;
-    returns the note that says so, or None on a first start (Accelerate makes the group then).
+    """After a rank died and the launch started ranks again (torchrun's --max_restarts, or a machine's launch started
+    anew), make the process group under a key prefix of this attempt; returns the note that says so, or None on a
+    first start (Accelerate makes the group then).
 
     torchrun's static rendezvous (every `accelerate launch` on one machine, and multinode.yaml's launches) keeps its
     TCPStore across restarts, and the ranks' process group uses that store without a prefix per attempt (torch's
     rendezvous.py assumes a new store for every retry). The restarted ranks then find the keys of the attempt before:
     measured here, a rank read its dead peer's gloo address and failed ("Gloo connectFullMesh failed ... Connection
     refused"), so the restart failed too (pytorch/pytorch#135712 is the same trap under the c10d rendezvous).
+    The attempt is counted in that store, not taken from TORCHELASTIC_RESTART_COUNT: the count is each machine's
+    own, so a machine whose launch was killed and started again (count 0) would meet the others (count 1) under
+    another prefix. Every rank of every attempt adds one at its start, so rank arrivals W*k+1..W*k+W are attempt k
+    in whatever order the machines come back, and after any number of timed-out attempts of the ones that waited.
     Accelerate makes no group of its own once one exists."""
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    if not attempt or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     import torch.distributed as dist
 
     world_size, timeout = int(os.environ["WORLD_SIZE"]), init.get("timeout")  # None: torch's defaults, as at start
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
                           **({"timeout": timeout} if timeout else {}))
+    attempt = (store.add(_JOINED, 1) - 1) // world_size
+    if not attempt:
+        return None
     backend = init.get("backend") or ("nccl" if torch.cuda.is_available() else "gloo")
     dist.init_process_group(backend, store=dist.PrefixStore(f"trainkit/attempt_{attempt}", store),
                             rank=int(os.environ["RANK"]), world_size=world_size, timeout=timeout)
-    return f"restart {attempt} of this launch (torchrun --max_restarts): the ranks joined anew"
+    return f"attempt {attempt + 1} of this launch (a rank was started again): the ranks joined anew"
 
 
 def use_cpu_fp16(accelerator: Any, loss_scale: float) -> str:
