@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 
 from conftest import (
     LAUNCH_TIMEOUT,
+    RESTARTED,
     ROOT,
     TEST_ENV,
     assert_refused,
@@ -71,14 +72,6 @@ def test_resume_auto_is_one_command_for_the_first_start_and_every_restart(run_di
     assert "nothing left to train" in again.stdout and (out / "final" / "model.safetensors").is_file()
 
 
-RESTARTED = ["--recipe", "mlp", "--max_steps", "600", "--eval_every", "0", "--batch_size", "4", "--save_every", "200"]
-
-
-@pytest.fixture(scope="module")
-def never_restarted(tmp_path_factory):
-    return launch(tmp_path_factory.mktemp("whole") / "out", *RESTARTED, config="ddp").check()
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "frozen"])
 def test_a_killed_or_frozen_rank_restarts_and_the_run_continues_exactly(never_restarted, run_dir, sig):
@@ -118,7 +111,7 @@ def test_a_killed_or_frozen_rank_restarts_and_the_run_continues_exactly(never_re
     assert killed is not None and killed < 2 * save_every, output[-3000:]
     assert proc.returncode == 0, output[-3000:]
     assert f"note: --resume auto: continuing from {out / 'checkpoints' / f'step_{save_every}'}" in output
-    assert "note: restart 1 of this launch (torchrun --max_restarts): the ranks joined anew" in output
+    assert "note: attempt 2 of this launch (a rank was started again): the ranks joined anew" in output
     # the rank that went silent is named by the one that waited for it (the roll call, trainkit/process.py)
     assert re.search(rf"error: rank \d lost contact with the other processes \(.*\); rank \d on {socket.gethostname()} "
                      rf"\(machine 0\), pid {victim.pid} did not answer within 3 s", output), output[-3000:]
@@ -460,7 +453,7 @@ def tiny_engine(seed: int, frozen: bool = False, stepped: bool = True):
     if stepped:
         model(torch.randn(5, 4)).square().sum().backward()
         optimizer.step()
-    return SimpleNamespace(model=model, unwrapped_model=model, optimizer=optimizer)
+    return SimpleNamespace(model=model, optimizer=optimizer, checkpointed=lambda: (model, optimizer, None))
 
 
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
@@ -493,6 +486,63 @@ def test_the_dcp_format_restores_what_trains_and_leaves_the_frozen_weights_out(t
     assert torch.equal(warm[1].weight, kept["1.weight"])
 
 
+def test_the_dcp_format_moves_optimizer_state_between_a_whole_model_and_its_pipeline_stages(tmp_path):
+    """A pipeline's stages are written under the whole model's names with the optimizer's state and settings per
+    parameter, so the whole model reads them, and the stages read the whole model's. Here a 3-layer model with tied
+    first and last weights, cut into layers 0-1 and layer 2 (whose tied weight is a copy, as on another process,
+    kept equal by summing the two gradients), two parameter groups with their own learning rates."""
+    from types import SimpleNamespace
+
+    from trainkit.strategies.dcp_format import DCP
+
+    def whole_model(seed: int):
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+        model[2].weight = model[0].weight
+        return model
+
+    def optimizer_of(module):
+        weights = [p for p in module.parameters() if p.ndim == 2]
+        biases = [p for p in module.parameters() if p.ndim == 1]
+        return torch.optim.AdamW([{"params": weights, "lr": 0.1}, {"params": biases, "lr": 0.02,
+                                                                    "weight_decay": 0.0}])
+
+    def staged(model):
+        """The stages of one process (as under the interleaved schedule), their names in the whole model."""
+        stages = torch.nn.ModuleList([torch.nn.Sequential(model[0], model[1]), torch.nn.Linear(4, 4)])
+        stages[1].load_state_dict(model[2].state_dict())
+        names = {"0.0.weight": ["0.weight", "2.weight"], "0.0.bias": ["0.bias"], "0.1.weight": ["1.weight"],
+                 "0.1.bias": ["1.bias"], "1.weight": ["0.weight", "2.weight"], "1.bias": ["2.bias"]}
+        optimizer = optimizer_of(stages)
+        return stages, optimizer, SimpleNamespace(checkpointed=lambda: (stages, optimizer, names))
+
+    def whole(model):
+        optimizer = optimizer_of(model)
+        return optimizer, SimpleNamespace(checkpointed=lambda: (model, optimizer, None))
+
+    stages, optimizer, engine = staged(whole_model(0))
+    for _ in range(2):
+        stages[1](stages[0](torch.randn(5, 4))).square().sum().backward()
+        tied = stages[0][0].weight.grad + stages[1].weight.grad
+        stages[0][0].weight.grad, stages[1].weight.grad = tied.clone(), tied.clone()
+        optimizer.step()
+        optimizer.zero_grad()
+    DCP(engine).save(tmp_path / "stages")
+    model = whole_model(1)
+    model_opt, model_engine = whole(model)
+    DCP(model_engine).load(tmp_path / "stages")
+    assert torch.equal(model[0].weight, stages[0][0].weight) and torch.equal(model[2].bias, stages[1].bias)
+    state = {name: model_opt.state[p] for name, p in model.named_parameters()}
+    assert torch.equal(state["0.weight"]["exp_avg"], optimizer.state[stages[0][0].weight]["exp_avg"])
+    assert torch.equal(state["2.bias"]["exp_avg_sq"], optimizer.state[stages[1].bias]["exp_avg_sq"])
+    assert [g["lr"] for g in model_opt.param_groups] == [0.1, 0.02] and state["1.bias"]["step"] == 2
+    DCP(model_engine).save(tmp_path / "whole")  # and back: the stages read what the whole model wrote
+    again, again_opt, again_engine = staged(whole_model(2))
+    DCP(again_engine).load(tmp_path / "whole")
+    assert torch.equal(again[1].weight, stages[0][0].weight) and torch.equal(again[0][1].bias, stages[0][1].bias)
+    assert torch.equal(again_opt.state[again[1].weight]["exp_avg"], optimizer.state[stages[1].weight]["exp_avg"])
+
+
 def test_each_format_has_one_name_and_the_deepspeed_one_says_which_moves_it_restores():
     from types import SimpleNamespace
 
@@ -512,3 +562,7 @@ def test_each_format_has_one_name_and_the_deepspeed_one_says_which_moves_it_rest
     assert restores(3, 4, 3, 2) and restores(3, 1, 3, 2)  # ZeRO-3 on another process count: universal, mended
     assert not restores(2, 2, 3, 2) and not restores(3, 2, 2, 2)  # between ZeRO-3 and ZeRO-1/2: a warm start
     assert not restores(2, 2, 2, 2, saved_format="dcp")
+    # the DCP format of before flattened optimizer state (and its pipeline variant): the weights only, a warm start
+    dcp = for_format("dcp")
+    assert for_format("dcp_pipeline") is dcp and not dcp(None).resumes_exactly({"format": "dcp"})
+    assert dcp(None).resumes_exactly({"format": "dcp", "format_version": 2})

@@ -107,15 +107,20 @@ def test_resumes_exactly_and_exports_the_whole_model(pipeline_run, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("pipeline_run", ["1f1b"], indirect=True)
-def test_a_pipeline_checkpoint_warm_starts_another_strategy(pipeline_run, tmp_path):
-    """Saved under the whole model's parameter names: one process loads its weights and continues from them."""
+def test_a_pipeline_checkpoint_and_a_ddp_one_resume_under_each_other_with_their_optimizer_state(pipeline_run, lm_runs,
+                                                                                                tmp_path):
+    """Both are torch.distributed.checkpoint under the whole model's names, the optimizer's state per parameter
+    (trainkit/strategies/dcp_format.py): a pipeline's step-5 checkpoint goes on as one process, a DDP one as a
+    pipeline, each with the curve it left (Adam's moments restored, not a warm start)."""
     _, run = pipeline_run
     single = launch(tmp_path / "single", *LM, "--batch_size", "8", "--grad_accum", "1", "--pipeline_stages", "1",
-                    "--resume",
-                    str(run.output_dir / "checkpoints" / "step_5")).check()
-    assert "weights loaded, optimizer state starts fresh" in single.stderr
-    assert abs(single.losses[0] - run.losses[5]) / run.losses[5] < 1e-2  # the trained weights, not a fresh model
-    assert single.losses[0] < run.losses[0] - 0.05
+                    "--resume", str(run.output_dir / "checkpoints" / "step_5")).check()
+    ddp = lm_runs("ddp")
+    staged = launch(tmp_path / "staged", *LM, *SCHEDULES["1f1b"][1], "--resume",
+                    str(ddp.output_dir / "checkpoints" / "step_5"), config=DDP).check()
+    for resumed, saved in ((single, run), (staged, ddp)):
+        assert "optimizer state starts fresh" not in resumed.stderr and "resumed from" in resumed.stderr
+        assert max_rel_diff(resumed.losses, saved.losses[5:]) <= PARITY_BOUND
 
 
 # The pipeline's products with an FSDP launch's mesh (conftest's FLAG_STRATEGIES): (pp, dp_replicate, dp_shard, tp),

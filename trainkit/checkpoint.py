@@ -126,7 +126,8 @@ class Checkpointer:
                 (tmp / "data" / f"rank_{acc.process_index}.json").write_text(json.dumps(data_state) + "\n")
             future = self.format.save(tmp)
             state = {
-                "format": self.format.name, "step": step, "epoch": position[0], "batch_in_epoch": position[1],
+                "format": self.format.name, "format_version": self.format.version,
+                "step": step, "epoch": position[0], "batch_in_epoch": position[1],
                 "skipped_steps": skipped_steps, "scheduler": self.engine.scheduler.state_dict(),
                 "scaler": acc.scaler.state_dict() if acc.scaler is not None else None,
                 "strategy": resolved["strategy"], "world_size": resolved["world_size"],
@@ -215,8 +216,10 @@ class Checkpointer:
         for_format(found.format).load_weights(model, found.path)
         saved = found.state
         under = saved["strategy"] + (f" (ZeRO-{saved['zero_stage']})" if saved["zero_stage"] else "") + " "
+        why = ("it was written in an earlier layout of its format, which this version reads the weights of only"
+               if for_format(found.format) is type(self.format) else "this strategy cannot read that optimizer state")
         return (f"resuming a checkpoint saved under {under}on {saved['world_size']} process(es): weights loaded, "
-                f"optimizer state starts fresh (this strategy cannot read that optimizer state)")
+                f"optimizer state starts fresh ({why})")
 
     def load(self, found: Found) -> None:
         """After prepare: model and optimizer (when exact), scheduler, loss scaler, and this rank's RNG last."""

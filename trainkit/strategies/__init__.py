@@ -46,7 +46,7 @@ def for_launch(launch: Launch, cfg: TrainConfig, sources: Mapping[str, str], rec
 
 def for_format(name: str) -> type[CheckpointFormat]:
     """The checkpoint format of this name (trainer_state.json's "format"), to read another strategy's weights."""
-    return next(cls.engine.format for cls in REGISTRY if cls.engine.format.name == name)
+    return next(cls.engine.format for cls in REGISTRY if name in (cls.engine.format.name, *cls.engine.format.older))
 
 
 def shipped_strategies() -> dict[str, Launch]:

@@ -28,6 +28,8 @@ class CheckpointFormat:
     """How one engine's trained state is written into, and read back from, a checkpoint's step folder."""
 
     name: ClassVar[str]  # trainer_state.json's "format": a resume compares it
+    version: ClassVar[int] = 1  # trainer_state.json's "format_version": a layout changed under the same name
+    older: ClassVar[tuple[str, ...]] = ()  # names this format had before, whose weights load_weights reads
     folder: ClassVar[str]  # the model + optimizer state's folder inside checkpoints/step_<N>/
     writes_async: ClassVar[bool] = False  # whether save() can return before the write ends (--async_save)
 
@@ -48,7 +50,7 @@ class CheckpointFormat:
 
     def resumes_exactly(self, saved: Mapping[str, Any]) -> bool:
         """Whether a checkpoint saved under `saved` (its trainer_state) restores model and optimizer here."""
-        return saved["format"] == self.name
+        return saved["format"] == self.name and saved.get("format_version", 1) == self.version
 
     def before_resume(self, step_dir: Path, saved: Mapping[str, Any], output_dir: Path) -> str | None:
         """Before the engine prepares the model: anything the checkpoint needs converted; returns a note, or None."""
@@ -62,43 +64,41 @@ class CheckpointFormat:
 
 
 class DCP(CheckpointFormat):
-    """torch.distributed.checkpoint under the model's own parameter names: single, DDP and FSDP2 / TP at any world
-    size read each other's."""
+    """torch.distributed.checkpoint under the whole model's parameter names, the optimizer's state and settings per
+    parameter (torch's flatten_optimizer_state_dict, as torchtitan keeps them): one process, DDP, FSDP2 / TP and the
+    pipeline's stages at any world size and stage count read each other's, optimizer state included. A pipeline's
+    stages are written under the whole model's names (Engine.checkpointed gives the map), tied weights under each."""
 
     name = "dcp"
+    version = 2  # 1: the optimizer's state dict nested, the pipeline's as "dcp_pipeline" (weights only now)
+    older = ("dcp_pipeline",)
     folder = "state"
     writes_async = True
 
     def save(self, step_dir: Path) -> Future | None:
-        return save(self.engine.unwrapped_model, _raw(self.engine.optimizer), step_dir / self.folder, self.writer)
+        model, optimizer, names = self.engine.checkpointed()
+        model_state, optim_state = trained_state(model, optimizer)
+        state = _renamed(model_state, optim_state, names) if names else {"model": model_state, "optim": optim_state}
+        return _write(state, step_dir / self.folder, self.writer)
 
     def load(self, step_dir: Path) -> None:
-        load(self.engine.unwrapped_model, _raw(self.engine.optimizer), step_dir / self.folder)
+        import torch.distributed.checkpoint as dcp
+
+        model, optimizer, names = self.engine.checkpointed()
+        model_state, optim_state = trained_state(model, optimizer)
+        if not names:
+            state = {"model": model_state, "optim": optim_state}
+            dcp.load(state, checkpoint_id=str(step_dir / self.folder))
+            restore_trained(model, optimizer, state["model"], state["optim"])
+            return
+        state = _renamed(model_state, optim_state, names)
+        dcp.load(state, checkpoint_id=str(step_dir / self.folder))
+        restore_trained(model, optimizer, {name: state["model"][names[name][0]] for name in model_state},
+                        {key: state["optim"][_per_parameter(key, names)] for key in optim_state})
 
     @classmethod
     def load_weights(cls, model: torch.nn.Module, step_dir: Path) -> None:
         load_weights(model, step_dir / cls.folder)
-
-
-class PipelineDCP(DCP):
-    """torch.distributed.checkpoint of a pipeline's stages under the whole model's parameter names, which every
-    strategy's DCP format reads (the names are the engine's, made when it prepared the stages)."""
-
-    name = "dcp_pipeline"
-
-    def save(self, step_dir: Path) -> Future | None:
-        engine = self.engine
-        return save_renamed(engine.model, engine.optimizer.optimizer, engine.names, step_dir / self.folder,
-                            self.writer)
-
-    def load(self, step_dir: Path) -> None:
-        engine = self.engine
-        load_renamed(engine.model, engine.optimizer.optimizer, engine.names, step_dir / self.folder)
-
-
-def _raw(optimizer):
-    """The torch optimizer inside Accelerate's wrapper."""
-    return getattr(optimizer, "optimizer", optimizer)
 
 
 class Writer:
@@ -134,24 +134,6 @@ def _write(state: dict, folder: Path, writer: Writer | None) -> Future | None:
     return None
 
 
-def save(model: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path,
-         writer: Writer | None = None) -> Future | None:
-    """This rank's part of the model's and optimizer's trained state into `folder` (with a writer: copied, and the
-    write's future returned)."""
-    model_state, optim_state = trained_state(model, optimizer)
-    return _write({"model": model_state, "optim": optim_state}, folder, writer)
-
-
-def load(model: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> None:
-    """The model's and optimizer's trained state back from `folder`, resharded to this run's layout."""
-    import torch.distributed.checkpoint as dcp
-
-    model_state, optim_state = trained_state(model, optimizer)
-    state = {"model": model_state, "optim": optim_state}
-    dcp.load(state, checkpoint_id=str(folder))
-    restore_trained(model, optimizer, state["model"], state["optim"])
-
-
 def load_weights(model: torch.nn.Module, folder: Path) -> None:
     """The weights of a checkpoint in `folder` into an unprepared model (a warm start under another strategy)."""
     import torch.distributed.checkpoint as dcp
@@ -162,43 +144,31 @@ def load_weights(model: torch.nn.Module, folder: Path) -> None:
     load_trained_weights(model, weights["model"])
 
 
-def save_renamed(model: torch.nn.Module, optimizer: torch.optim.Optimizer, names: dict[str, list[str]],
-                 folder: Path, writer: Writer | None = None) -> Future | None:
-    """save() of a part of a model (a pipeline's stages) under the whole model's names (`names`: each name in the
-    part's state dict -> every name the tensor has in the whole model), so that any strategy reads it."""
-    return _write(_renamed(*trained_state(model, optimizer), names), folder, writer)
-
-
-def load_renamed(model: torch.nn.Module, optimizer: torch.optim.Optimizer, names: dict[str, list[str]],
-                 folder: Path) -> None:
-    """load() of what save_renamed wrote, or what any strategy wrote under the whole model's names."""
-    import torch.distributed.checkpoint as dcp
-
-    model_state, optim_state = trained_state(model, optimizer)
-    state = _renamed(model_state, optim_state, names)
-    dcp.load(state, checkpoint_id=str(folder))
-    model_state = {name: state["model"][aliases[0]] for name, aliases in names.items() if name in model_state}
-    optim_state["state"] = {name: state["optim"][names[name][0]] for name in optim_state["state"]}
-    for group in optim_state["param_groups"]:
-        group["lr"] = state["lr"].item()
-    restore_trained(model, optimizer, model_state, optim_state)
-
-
 def _renamed(model_state: dict, optim_state: dict, names: dict[str, list[str]]) -> dict:
-    """The state under the whole model's names: every name of a weight (tied ones under both), the optimizer's
-    per-parameter state under the first, and the learning rate (every group has the schedule's). Stages that share a
-    weight write equal values under equal names, which torch.distributed.checkpoint writes once."""
+    """A part of the model's state (a pipeline's stages) under the whole model's names (`names`: each name in the
+    part's state dict -> every name the tensor has in the whole model): every name of a weight (tied ones under
+    both), the optimizer's entries under the first. Stages that share a weight write equal values under equal
+    names, which torch.distributed.checkpoint writes once."""
     model = {alias: value for name, value in model_state.items() for alias in names[name]}
-    optim = {names[name][0]: value for name, value in optim_state["state"].items()}
-    return {"model": model, "optim": optim, "lr": torch.tensor(optim_state["param_groups"][0]["lr"])}
+    return {"model": model, "optim": {_per_parameter(key, names): value for key, value in optim_state.items()}}
+
+
+def _per_parameter(key: str, names: dict[str, list[str]]) -> str:
+    """A flattened optimizer entry's key ("state.<name>.exp_avg", "param_groups.<name>.lr") under the whole model's
+    first name for the parameter."""
+    kind, rest = key.split(".", 1)
+    name, field = rest.rsplit(".", 1)
+    return f"{kind}.{names[name][0]}.{field}"
 
 
 def trained_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
     """The model's and optimizer's state dicts (torch.distributed.checkpoint's, sharded as the model is) without the
-    frozen parameters."""
+    frozen parameters, the optimizer's flattened: its state and settings keyed by parameter name, so that a layout
+    with other parameter groups (another pipeline cut) reads them."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    return get_state_dict(model, optimizer, options=StateDictOptions(ignore_frozen_params=True))
+    return get_state_dict(model, optimizer, options=StateDictOptions(ignore_frozen_params=True,
+                                                                     flatten_optimizer_state_dict=True))
 
 
 def restore_trained(model: torch.nn.Module, optimizer: torch.optim.Optimizer, model_state: dict,
@@ -207,7 +177,8 @@ def restore_trained(model: torch.nn.Module, optimizer: torch.optim.Optimizer, mo
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
     keys = set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state,
-                          options=StateDictOptions(ignore_frozen_params=True, strict=False))
+                          options=StateDictOptions(ignore_frozen_params=True, strict=False,
+                                                   flatten_optimizer_state_dict=True))
     _check_only_frozen_missing(model, keys)
 
 

@@ -254,6 +254,12 @@ class Engine:
 
         return self.model.module if isinstance(self.model, DistributedDataParallel) else self.model
 
+    def checkpointed(self) -> tuple[torch.nn.Module, torch.optim.Optimizer, dict[str, list[str]] | None]:
+        """What the DCP checkpoint format writes and reads: the model, the torch optimizer inside Accelerate's
+        wrapper, and for a part of the model (a pipeline's stages) each name in its state dict -> the names the
+        tensor has in the whole model (None: the model is whole)."""
+        return self.unwrapped_model, getattr(self.optimizer, "optimizer", self.optimizer), None
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The consolidated weights on the main process (a collective: call on every rank). Here every rank holds
         them whole."""

@@ -42,7 +42,6 @@ from trainkit.estimate import OPTIMIZER_BYTES, Estimate, ModelShape
 from trainkit.launch import Launch
 from trainkit.metrics import state_bytes
 from trainkit.recipes import Recipe, no_generations
-from trainkit.strategies import dcp_format
 from trainkit.strategies.base import Strategy
 from trainkit.strategies.dims import ParallelDims, data_parallel_rank, parallelism_problems
 from trainkit.strategies.engine import Engine, LossFn, MetricsFn
@@ -65,8 +64,6 @@ STAGES_PER_PROCESS = {"gpipe": 1, "1f1b": 1, "interleaved": 2}
 
 class PipelineEngine(Engine):
     """This process's stages on the mesh, torch's schedule over them, the tied weights' sum between stages."""
-
-    format = dcp_format.PipelineDCP
 
     def __init__(self, strategy: Pipeline) -> None:
         super().__init__(strategy)
@@ -268,6 +265,9 @@ class PipelineEngine(Engine):
     def generate(self, generate_fn: Callable[..., list[dict[str, str]]], eval_set: Any) -> list[dict[str, str]]:
         """None: generating needs the whole model in one process (the plan said so in a note)."""
         return []
+
+    def checkpointed(self) -> tuple[torch.nn.Module, torch.optim.Optimizer, dict[str, list[str]]]:
+        return self.model, self.optimizer.optimizer, self.names
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every stage's weights gathered on the main process, under the whole model's names."""
