@@ -40,7 +40,14 @@ from trainkit.metrics import (
 )
 from trainkit.optim import build_optimizer, build_scheduler
 from trainkit.plan import Plan, estimate_report, make_plan
-from trainkit.process import answer_roll_call, end_process, end_with_launcher, keep_until_exit, lost_contact
+from trainkit.process import (
+    answer_roll_call,
+    end_process,
+    end_with_launcher,
+    keep_until_exit,
+    lost_contact,
+    outlive_its_terminal,
+)
 from trainkit.quiet import silence_library_noise
 from trainkit.run_folder import STOP_RECORD, check_folder_shared, clear_outputs, record_stop
 from trainkit.step import train_step
@@ -50,6 +57,7 @@ from trainkit.stream import StreamedTrain, open_stream
 
 def main(argv: list[str] | None = None) -> int:
     end_with_launcher()  # a rank never outlives the launcher that started it (trainkit/process.py)
+    outlive_its_terminal()  # but it outlives its closed ssh session, to end a stop it was asked for
     silence_library_noise()
     try:
         plan = make_plan(*parse_command_line(argv))

@@ -215,6 +215,30 @@ def test_a_launched_rank_exits_with_its_code_after_the_atexit_handlers(tmp_path)
     assert (done.returncode, done.stdout, marker.read_text()) == (3, "flushed", "yes")
 
 
+def test_a_launched_rank_outlives_the_reader_of_its_output(tmp_path):
+    """outlive_its_terminal: a rank whose stdout and stderr lost their reader (a closed ssh session) prints on into
+    nothing and ends as it would have, exit status and atexit handlers included; a process that is not a launched
+    rank keeps Python's behaviour (the print raises BrokenPipeError)."""
+    marker = tmp_path / "atexit-ran"
+    script = ("import atexit, pathlib, sys, time; from trainkit.process import end_process, outlive_its_terminal\n"
+              "outlive_its_terminal()\n"
+              f"atexit.register(pathlib.Path({str(marker)!r}).write_text, 'yes')\n"
+              "print('ready', flush=True); sys.stdin.readline()\n"  # the reader is gone once this returns
+              "for _ in range(3): print('x' * 100000, flush=True); print('y', file=sys.stderr, flush=True)\n"
+              "end_process(3)")
+    for launched in (True, False):
+        env = {**os.environ, **({"LOCAL_RANK": "0"} if launched else {})}
+        proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, cwd=ROOT, env=env, text=True)
+        assert proc.stdout.readline() == "ready\n"
+        proc.stdout.close()
+        proc.stderr.close()
+        proc.stdin.write("go\n")
+        proc.stdin.close()
+        assert proc.wait(timeout=30) == (3 if launched else 1)  # not launched: BrokenPipeError ends it
+    assert marker.read_text() == "yes"
+
+
 @pytest.mark.slow
 def test_gradient_checkpointing_changes_memory_not_numbers(run_dir):
     """Recomputing activations in backward gives the gradients that keeping them does: the same loss curve."""

@@ -8,7 +8,7 @@ import re
 import sys
 import time
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn, TextIO
 
 import torch
 
@@ -113,6 +113,43 @@ def end_with_launcher() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
     if os.getppid() == 1 and b"python" not in _command_line(1):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def outlive_its_terminal() -> None:
+    """A launched rank's output goes to /dev/null once nothing reads it any more, instead of ending the rank.
+
+    DeepSpeed's pdsh runner, asked to stop (a scheduler's SIGTERM through `python -m trainkit.hosts`), ends pdsh and
+    with it every host's ssh session a second later, and then has each host's launcher pass SIGTERM to its ranks.
+    The ranks stop at one step and save, but their stdout is the closed session: the next print raised
+    BrokenPipeError and the rank died mid-checkpoint (measured: no checkpoint, no stopped.json, exit 241)."""
+    if _launched():
+        sys.stdout, sys.stderr = _Output(sys.stdout), _Output(sys.stderr)
+
+
+class _Output:
+    """A text stream whose reader may go away: writing to it then goes nowhere."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            self._reader_gone()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._reader_gone()
+
+    def _reader_gone(self) -> None:
+        self._stream = open(os.devnull, "w")  # noqa: SIM115 (kept until exit, as sys.stdout is)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
 
 
 def _command_line(pid: int) -> bytes:
