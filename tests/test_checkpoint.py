@@ -527,6 +527,8 @@ def test_the_dcp_format_moves_optimizer_state_between_a_whole_model_and_its_pipe
         stages[0][0].weight.grad, stages[1].weight.grad = tied.clone(), tied.clone()
         optimizer.step()
         optimizer.zero_grad()
+    for group, lr in zip(optimizer.param_groups, (0.05, 0.01), strict=True):  # where a schedule took them
+        group["lr"] = lr
     DCP(engine).save(tmp_path / "stages")
     model = whole_model(1)
     model_opt, model_engine = whole(model)
@@ -535,12 +537,13 @@ def test_the_dcp_format_moves_optimizer_state_between_a_whole_model_and_its_pipe
     state = {name: model_opt.state[p] for name, p in model.named_parameters()}
     assert torch.equal(state["0.weight"]["exp_avg"], optimizer.state[stages[0][0].weight]["exp_avg"])
     assert torch.equal(state["2.bias"]["exp_avg_sq"], optimizer.state[stages[1].bias]["exp_avg_sq"])
-    assert [g["lr"] for g in model_opt.param_groups] == [0.1, 0.02] and state["1.bias"]["step"] == 2
+    assert [g["lr"] for g in model_opt.param_groups] == [0.05, 0.01] and state["1.bias"]["step"] == 2
     DCP(model_engine).save(tmp_path / "whole")  # and back: the stages read what the whole model wrote
     again, again_opt, again_engine = staged(whole_model(2))
     DCP(again_engine).load(tmp_path / "whole")
     assert torch.equal(again[1].weight, stages[0][0].weight) and torch.equal(again[0][1].bias, stages[0][1].bias)
     assert torch.equal(again_opt.state[again[1].weight]["exp_avg"], optimizer.state[stages[1].weight]["exp_avg"])
+    assert [g["lr"] for g in again_opt.param_groups] == [0.05, 0.01]
 
 
 def test_each_format_has_one_name_and_the_deepspeed_one_says_which_moves_it_restores():

@@ -315,28 +315,36 @@ def launch_passing_signals(cmd: list[str], env: Mapping[str, str], argv: list[st
     """Run the launch; SIGTERM and SIGINT (a scheduler's preemption, Ctrl-C) are passed on to its launchers rather
     than ending this process first, whose private env file is then removed only after the launch. A stop the run
     recorded (stopped.json in its --output_dir: every rank stopped at one step with a checkpoint) exits 0, so that a
-    script tells it from a crash; DeepSpeed's runner itself exits 1 after passing on a signal."""
+    script tells it from a crash; DeepSpeed's runner itself exits 1 after passing on a signal.
+
+    With `--max_restarts N` (accelerate launch's flag, which DeepSpeed's pdsh launcher ignores) a launch that failed
+    is started again, up to N times, unless it was stopped or refused its arguments (exit 2): with `--resume auto`
+    the run continues from its newest checkpoint."""
     from trainkit.run_folder import STOP_RECORD
 
-    output_dir = _output_dir(argv)
+    output_dir, restarts = _output_dir(argv), _max_restarts(argv)
     record = output_dir / STOP_RECORD if output_dir else None
-    started = time.time()
-    child = subprocess.Popen(cmd, env=dict(env), start_new_session=True)  # signals reach it through this process
-    received: list[int] = []
+    started, received, child = time.time(), [], None
 
     def pass_on(signum: int, frame: object) -> None:
         """To `accelerate launch` and the launcher it started: DeepSpeed's runner, which has each host's launcher
         stop its ranks (accelerate launch itself passes nothing on, and pdsh or ssh must not get it: a closed
         connection would end a host's launcher, and its ranks, before they saved)."""
         received.append(signum)
-        with contextlib.suppress(psutil.Error):
+        with contextlib.suppress(psutil.Error, AttributeError):
             launch = psutil.Process(child.pid)
             for process in [*launch.children(), launch]:
                 process.send_signal(signum)
 
     previous = {sig: signal.signal(sig, pass_on) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        status = child.wait()
+        for attempt in range(restarts + 1):
+            child = subprocess.Popen(cmd, env=dict(env), start_new_session=True)  # signals reach it through here
+            status = child.wait()
+            if received or status in (0, 2) or attempt == restarts:
+                break
+            print(f"note: the launch failed (exit {status}); starting it again ({attempt + 1} of --max_restarts "
+                  f"{restarts})", file=sys.stderr, flush=True)
         deadline = time.time() + STOP_RECORD_WAIT_S
         while received and record is not None and not _written_since(record, started) and time.time() < deadline:
             time.sleep(0.5)  # the hosts' ranks still writing their checkpoint
@@ -349,6 +357,15 @@ def launch_passing_signals(cmd: list[str], env: Mapping[str, str], argv: list[st
         return 0
     return status
 
+
+def _max_restarts(argv: list[str]) -> int:
+    """accelerate launch's --max_restarts in the launch's arguments (before the script), else 0."""
+    from accelerate.commands.launch import launch_command_parser
+
+    script = next((i for i, arg in enumerate(argv) if arg.endswith(".py")), len(argv))
+    with contextlib.suppress(SystemExit), contextlib.redirect_stderr(io.StringIO()):
+        return launch_command_parser().parse_known_args([*argv[:script], "train.py"])[0].max_restarts or 0
+    return 0
 
 
 def _output_dir(argv: list[str]) -> Path | None:
