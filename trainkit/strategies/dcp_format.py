@@ -77,24 +77,19 @@ class DCP(CheckpointFormat):
 
     def save(self, step_dir: Path) -> Future | None:
         model, optimizer, names = self.engine.checkpointed()
-        model_state, optim_state = trained_state(model, optimizer)
-        state = _renamed(model_state, optim_state, names) if names else {"model": model_state, "optim": optim_state}
-        return _write(state, step_dir / self.folder, self.writer)
+        return _write(_renamed(*trained_state(model, optimizer), names), step_dir / self.folder, self.writer)
 
     def load(self, step_dir: Path) -> None:
         import torch.distributed.checkpoint as dcp
 
         model, optimizer, names = self.engine.checkpointed()
         model_state, optim_state = trained_state(model, optimizer)
-        if not names:
-            state = {"model": model_state, "optim": optim_state}
-            dcp.load(state, checkpoint_id=str(step_dir / self.folder))
-            restore_trained(model, optimizer, state["model"], state["optim"])
-            return
         state = _renamed(model_state, optim_state, names)
         dcp.load(state, checkpoint_id=str(step_dir / self.folder))
-        restore_trained(model, optimizer, {name: state["model"][names[name][0]] for name in model_state},
-                        {key: state["optim"][_per_parameter(key, names)] for key in optim_state})
+        if names:  # back under the part's own names
+            state = {"model": {name: state["model"][names[name][0]] for name in model_state},
+                     "optim": {key: state["optim"][_per_parameter(key, names)] for key in optim_state}}
+        restore_trained(model, optimizer, state["model"], state["optim"])
 
     @classmethod
     def load_weights(cls, model: torch.nn.Module, step_dir: Path) -> None:
@@ -144,11 +139,13 @@ def load_weights(model: torch.nn.Module, folder: Path) -> None:
     load_trained_weights(model, weights["model"])
 
 
-def _renamed(model_state: dict, optim_state: dict, names: dict[str, list[str]]) -> dict:
-    """A part of the model's state (a pipeline's stages) under the whole model's names (`names`: each name in the
-    part's state dict -> every name the tensor has in the whole model): every name of a weight (tied ones under
-    both), the optimizer's entries under the first. Stages that share a weight write equal values under equal
-    names, which torch.distributed.checkpoint writes once."""
+def _renamed(model_state: dict, optim_state: dict, names: dict[str, list[str]] | None) -> dict:
+    """The state as written: a part of the model's (a pipeline's stages) under the whole model's names (`names`:
+    each name in the part's state dict -> every name the tensor has in the whole model; None: the model is whole):
+    every name of a weight (tied ones under both), the optimizer's entries under the first. Stages that share a
+    weight write equal values under equal names, which torch.distributed.checkpoint writes once."""
+    if not names:
+        return {"model": model_state, "optim": optim_state}
     model = {alias: value for name, value in model_state.items() for alias in names[name]}
     return {"model": model, "optim": {_per_parameter(key, names): value for key, value in optim_state.items()}}
 
