@@ -457,6 +457,33 @@ def assert_both_hosts_reached(server, since: int) -> None:
         assert f"on {host} port {SSH_PORT}" in log, log[-3000:]
 
 
+def ssh_env(sshd, tmp_path: Path) -> dict[str, str]:
+    """The environment of a hostfile launch that reaches the loopback sshd: pdsh's ssh gets `-F <our ssh_config>`
+    through PDSH_SSH_ARGS_APPEND, and an `ssh` first on PATH adds it for DeepSpeed's own ssh check, which ignores
+    that variable (the user's ~/.ssh/config with a Port line, as the YAML's header says)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "ssh").write_text(f'#!/bin/sh\nexec {shutil.which("ssh")} -F {sshd.config} "$@"\n')
+    (bin_dir / "ssh").chmod(0o755)
+    return {**ENV, "PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}",
+            "PDSH_SSH_ARGS_APPEND": f"-F {sshd.config}"}
+
+
+def start_hosts_launch(sshd, tmp_path: Path, args: list[str],
+                       launch_args: tuple[str, ...] = ()) -> tuple[subprocess.Popen, Path]:
+    """`python -m trainkit.hosts` of deepspeed_hostfile.yaml on the two loopback hosts, one rank each, in a session
+    of its own (a scheduler signals its process group), its output in one pipe; and the run's output folder."""
+    hostfile = write_hostfile(tmp_path / "hostfile", f"{HOSTS[0]} slots=1", f"{HOSTS[1]} slots=1")
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "trainkit.hosts",
+           "--config_file", str(ROOT / "accelerate_configs" / "deepspeed_hostfile.yaml"), *launch_args,
+           "--deepspeed_hostfile", str(hostfile), "--main_process_ip", HOSTS[0],
+           "--main_process_port", str(free_port()), "train.py", "--output_dir", str(out), "--report_to", "none",
+           *args]
+    return subprocess.Popen(cmd, cwd=ROOT, env=ssh_env(sshd, tmp_path), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True), out
+
+
 def check_deepspeed_run(run: Run, reference: Run) -> float:
     run.check()
     assert run.resolved["strategy"] == "deepspeed" and run.resolved["zero_stage"] == 2
@@ -479,15 +506,11 @@ def test_hostfile_yaml_over_ssh_matches_ddp(sshd, ddp_reference, tmp_path):
     variable, not its value, and remove that file.
     """
     hostfile = write_hostfile(tmp_path / "hostfile", f"{HOSTS[0]} slots=1", f"{HOSTS[1]} slots=1")
-    bin_dir, here = tmp_path / "bin", tmp_path / "launch_folder"
-    bin_dir.mkdir()
+    here = tmp_path / "launch_folder"
     here.mkdir()
     (here / "ds_configs").symlink_to(ROOT / "ds_configs")
-    (bin_dir / "ssh").write_text(f'#!/bin/sh\nexec {shutil.which("ssh")} -F {sshd.config} "$@"\n')
-    (bin_dir / "ssh").chmod(0o755)
     token = "hf_fake_secret_123"
-    env = {**ENV, "PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}",
-           "PDSH_SSH_ARGS_APPEND": f"-F {sshd.config}", "HF_TOKEN": token}
+    env = {**ssh_env(sshd, tmp_path), "HF_TOKEN": token}
     env.pop("DS_ENV_FILE", None)
     out = tmp_path / "out"
     log_start = len(sshd.log.read_text())
@@ -571,21 +594,8 @@ def test_hosts_launcher_stopped_by_a_scheduler_over_ssh_exits_0_with_the_stop_re
     its ranks. The ranks outlive their closed sessions (trainkit/process.py, outlive_its_terminal: before, the next
     print ended them mid-checkpoint, exit 241, nothing recorded), stop at one step with a checkpoint, record it, and
     trainkit.hosts exits 0; its private env file is removed after the launch, not before."""
-    hostfile = write_hostfile(tmp_path / "hostfile", f"{HOSTS[0]} slots=1", f"{HOSTS[1]} slots=1")
-    out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "trainkit.hosts",
-           "--config_file", str(ROOT / "accelerate_configs" / "deepspeed_hostfile.yaml"),
-           "--deepspeed_hostfile", str(hostfile), "--main_process_ip", HOSTS[0],
-           "--main_process_port", str(free_port()), "train.py", "--output_dir", str(out), "--report_to", "none",
-           *MLP[:2], "--max_steps", "100000", "--eval_every", "0", "--batch_size", "8"]
-    bin_dir = tmp_path / "bin"  # DeepSpeed's ssh check ignores PDSH_SSH_ARGS_APPEND (see the hostfile test above)
-    bin_dir.mkdir()
-    (bin_dir / "ssh").write_text(f'#!/bin/sh\nexec {shutil.which("ssh")} -F {sshd.config} "$@"\n')
-    (bin_dir / "ssh").chmod(0o755)
-    env = {**ENV, "PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}",
-           "PDSH_SSH_ARGS_APPEND": f"-F {sshd.config}"}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc, out = start_hosts_launch(sshd, tmp_path, [*MLP[:2], "--max_steps", "100000", "--eval_every", "0",
+                                                    "--batch_size", "8"])
     metrics = out / "metrics.jsonl"
     try:
         deadline = time.time() + 120
@@ -615,23 +625,10 @@ def test_hosts_launcher_restarts_a_launch_that_lost_a_rank(sshd, tmp_path):
     once and the curve of one uninterrupted DDP launch (ZeRO-2 against DDP: within 1e-5)."""
     import psutil
 
-    hostfile = write_hostfile(tmp_path / "hostfile", f"{HOSTS[0]} slots=1", f"{HOSTS[1]} slots=1")
-    out, steps, save_every = tmp_path / "out", 120, 40
+    steps, save_every = 120, 40
     args = ["--recipe", "mlp", "--max_steps", str(steps), "--eval_every", "0", "--batch_size", "4", "--save_every",
             str(save_every)]
-    cmd = [sys.executable, "-m", "trainkit.hosts",
-           "--config_file", str(ROOT / "accelerate_configs" / "deepspeed_hostfile.yaml"), "--max_restarts", "1",
-           "--deepspeed_hostfile", str(hostfile), "--main_process_ip", HOSTS[0],
-           "--main_process_port", str(free_port()), "train.py", "--output_dir", str(out), "--report_to", "none",
-           *args, "--resume", "auto"]
-    bin_dir = tmp_path / "bin"  # DeepSpeed's ssh check ignores PDSH_SSH_ARGS_APPEND (see the hostfile test above)
-    bin_dir.mkdir()
-    (bin_dir / "ssh").write_text(f'#!/bin/sh\nexec {shutil.which("ssh")} -F {sshd.config} "$@"\n')
-    (bin_dir / "ssh").chmod(0o755)
-    env = {**ENV, "PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}",
-           "PDSH_SSH_ARGS_APPEND": f"-F {sshd.config}"}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc, out = start_hosts_launch(sshd, tmp_path, [*args, "--resume", "auto"], ("--max_restarts", "1"))
     metrics, killed = out / "metrics.jsonl", None
     try:
         deadline = time.time() + 120
