@@ -5,13 +5,16 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
 import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
+from helpers import forked_launch
 
 from trainkit.compare import ROOT, Run, kill_tree, launch_command, max_rel_diff, run_config
-from trainkit.launch import shipped_configs
+from trainkit.launch import config_path, shipped_configs
 from trainkit.recipes import load_recipe
 from trainkit.strategies import Strategy, for_launch, shipped_strategies
 
@@ -147,9 +150,24 @@ def zero2_json(**changes) -> str:
 def launch(output_dir: Path, *args: str, config: str | None = None, extra_launch: tuple[str, ...] = (),
            script: str = "train.py", env: dict | None = None) -> Run:
     """`python train.py ARGS` (config None) or `accelerate launch --config_file <config>.yaml train.py ARGS`,
-    with TEST_ENV; a launch that has not ended after LAUNCH_TIMEOUT seconds is killed and fails its test."""
-    return run_config(config, output_dir, list(args), launch_args=extra_launch, script=script,
-                      env={**TEST_ENV, **(env or {})}, timeout=LAUNCH_TIMEOUT)
+    with TEST_ENV; a launch that has not ended after LAUNCH_TIMEOUT seconds is killed and fails its test. The
+    launcher is forked from one that imported it once (tests/helpers/forked_launch.py); its ranks start anew."""
+    if config is None or not forkable(config):
+        return run_config(config, output_dir, list(args), launch_args=extra_launch, script=script,
+                          env={**TEST_ENV, **(env or {})}, timeout=LAUNCH_TIMEOUT)
+    command = launch_command(config, output_dir, list(args), launch_args=extra_launch, script=script)
+    assert command[1:3] == ["-m", "accelerate.commands.launch"], command
+    code, out, err = forked_launch.run(command[3:], ROOT, {**os.environ, **TEST_ENV, **(env or {})}, LAUNCH_TIMEOUT)
+    return Run(config, code, out, err, output_dir)
+
+
+def forkable(config: str) -> bool:
+    """Whether a launch's launcher may be forked: not Accelerate's one-process launcher (distributed_type NO or
+    MULTI_CPU), whose rank reads the process count from its launcher's command line (trainkit/launch.py)."""
+    try:
+        return yaml.safe_load(config_path(config).read_text())["distributed_type"] not in ("NO", "MULTI_CPU")
+    except (OSError, yaml.YAMLError, KeyError, TypeError):
+        return False  # what Accelerate makes of it is the test's to see
 
 
 def assert_refused(run: Run, message: str, code: int = 2) -> None:

@@ -99,7 +99,7 @@ def run_config(config: str | None, output_dir: Path, args: list[str], num_proces
     return Run(config or "one process", proc.returncode, stdout, stderr, output_dir)
 
 
-def kill_tree(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
+def kill_tree(proc: subprocess.Popen | psutil.Process, sig: int = signal.SIGKILL) -> None:
     """Signal a launch and every process under it, workers first (torchrun starts its workers in their own
     sessions, so a process group would miss them)."""
     try:
