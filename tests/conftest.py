@@ -19,7 +19,7 @@ from trainkit.recipes import load_recipe
 from trainkit.strategies import Strategy, for_launch, shipped_strategies
 
 __all__ = ["EXAMPLES", "FLAG_STRATEGIES", "LAUNCHES", "LAUNCH_TIMEOUT", "LM", "ROOT", "TEST_ENV", "Run",
-           "architecture", "assert_refused", "conversation", "entry", "kill_tree", "launch",
+           "architecture", "assert_refused", "conversation", "entry", "forkable", "kill_tree", "launch",
            "launch_command", "max_rel_diff", "PARITY_BOUND", "processes", "strategy_of", "write_yaml",
            "yaml_of", "zero2_json"]
 
@@ -165,7 +165,7 @@ def forkable(config: str) -> bool:
     """Whether a launch's launcher may be forked: not Accelerate's one-process launcher (distributed_type NO or
     MULTI_CPU), whose rank reads the process count from its launcher's command line (trainkit/launch.py)."""
     try:
-        return yaml.safe_load(config_path(config).read_text())["distributed_type"] not in ("NO", "MULTI_CPU")
+        return yaml.safe_load((ROOT / config_path(config)).read_text())["distributed_type"] not in ("NO", "MULTI_CPU")
     except (OSError, yaml.YAMLError, KeyError, TypeError):
         return False  # what Accelerate makes of it is the test's to see
 

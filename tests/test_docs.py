@@ -17,8 +17,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from helpers import forked_launch
 
-from conftest import ROOT, TEST_ENV
+from conftest import ROOT, TEST_ENV, forkable
 
 PAGES = [ROOT / "README.md", ROOT / "recipes" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 STARTS = ("python train.py", "accelerate launch", "python -m trainkit.")
@@ -129,15 +130,28 @@ def side_by_side(args: list[str]) -> list[str]:
     return [*args[:2], "--main_process_port", "0", *args[2:]] if args[:2] == ["accelerate", "launch"] else args
 
 
+def run(command: str, args: list[str]) -> tuple[int, str]:
+    """(exit status, output) of one command. `accelerate launch ARGS` is Accelerate's console script calling
+    accelerate.commands.launch's main on ARGS: it runs so, with the launcher forked (tests/helpers/forked_launch.py),
+    but for the README's main job, which runs through the script itself, and for a launch whose rank reads its
+    launcher's command line (conftest.forkable)."""
+    args = side_by_side(args)
+    config = args[args.index("--config_file") + 1] if "--config_file" in args else None
+    if args[:2] == ["accelerate", "launch"] and command != COMMANDS[0][1] and config and forkable(config):
+        code, out, err = forked_launch.run(args[2:], ROOT, {**os.environ, **TEST_ENV}, 600)
+        return code, out + err
+    done = subprocess.run(args, cwd=ROOT, env={**os.environ, **TEST_ENV}, capture_output=True, text=True, timeout=600)
+    return done.returncode, done.stdout + done.stderr
+
+
 def run_chain(chain: list[tuple[str, list[str]]]) -> list[str]:
     failures = []
     for command, args in chain:
-        done = subprocess.run(side_by_side(args), cwd=ROOT, env={**os.environ, **TEST_ENV}, capture_output=True,
-                              text=True, timeout=600)
-        print(f"\nexit {done.returncode}: {shlex.join(args)}")
-        if done.returncode != 0:
-            said = [line for line in (done.stdout + done.stderr).splitlines() if "error" in line or "FAILED" in line]
-            failures.append(f"{command}\n  -> exit {done.returncode}: {said or (done.stdout + done.stderr)[-1500:]}")
+        code, output = run(command, args)
+        print(f"\nexit {code}: {shlex.join(args)}")
+        if code != 0:
+            said = [line for line in output.splitlines() if "error" in line or "FAILED" in line]
+            failures.append(f"{command}\n  -> exit {code}: {said or output[-1500:]}")
             break  # what comes after it on its chain reads what it did not write
     return failures
 

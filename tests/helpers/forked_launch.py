@@ -24,10 +24,12 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 SERVER: tuple[subprocess.Popen, str] | None = None  # this test process's server and its socket
+STARTING = threading.Lock()  # tests/test_docs.py launches from two threads
 
 
 def _launch(request: dict, out: int, err: int) -> int:
@@ -92,11 +94,11 @@ def serve(path: str) -> None:
 
 def _server() -> str:
     global SERVER
-    if SERVER is None or SERVER[0].poll() is not None:
-        path = os.path.join(tempfile.mkdtemp(prefix="forked-launch-"), "socket")
-        proc = subprocess.Popen([sys.executable, __file__, path], stdin=subprocess.DEVNULL)
-        SERVER = (proc, path)
-    proc, path = SERVER
+    with STARTING:
+        if SERVER is None or SERVER[0].poll() is not None:
+            path = os.path.join(tempfile.mkdtemp(prefix="forked-launch-"), "socket")
+            SERVER = (subprocess.Popen([sys.executable, __file__, path], stdin=subprocess.DEVNULL), path)
+        proc, path = SERVER
     while not os.path.exists(path):
         if proc.poll() is not None:
             raise RuntimeError(f"the launch server exited ({proc.returncode})")
