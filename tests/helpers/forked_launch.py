@@ -67,15 +67,18 @@ def serve(path: str) -> None:
     parent = os.getppid()
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the watchers
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(path)
+    listener.bind(path + ".tmp")
     listener.listen(8)
+    os.rename(path + ".tmp", path)  # a client waits for the path: it appears once connections are taken
     listener.settimeout(2)
     while os.getppid() == parent:
         try:
             conn, _ = listener.accept()
         except TimeoutError:
             continue
-        message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 2)
+        message, fds, _, _ = socket.recv_fds(conn, 1 << 16, 2)
+        while part := conn.recv(1 << 16):  # the rest of the request, to the client's end of writing
+            message += part
         if os.fork() == 0:  # the watcher
             listener.close()
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # torchrun waits for its ranks
@@ -128,6 +131,7 @@ def run(args: list[str], cwd: Path, env: dict[str, str], timeout: float | None) 
         conn.connect(_server())
         request = {"args": args, "cwd": str(cwd), "env": env}
         socket.send_fds(conn, [json.dumps(request).encode()], [out.fileno(), err.fileno()])
+        conn.shutdown(socket.SHUT_WR)
         pid = int(_line(conn))
         conn.settimeout(timeout)
         killed = ""
