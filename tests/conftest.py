@@ -20,7 +20,7 @@ from trainkit.strategies import Strategy, for_launch, shipped_strategies
 
 __all__ = ["EXAMPLES", "FLAG_STRATEGIES", "LAUNCHES", "LAUNCH_TIMEOUT", "LM", "ROOT", "TEST_ENV", "Run",
            "architecture", "assert_refused", "conversation", "entry", "forkable", "kill_tree", "launch",
-           "launch_command", "max_rel_diff", "PARITY_BOUND", "processes", "strategy_of", "write_yaml",
+           "launch_command", "max_rel_diff", "PARITY_BOUND", "processes", "SERVER_ENV", "strategy_of", "write_yaml",
            "yaml_of", "zero2_json"]
 
 # What every run in the tests gets: their own data cache, one thread per process (TRAINKIT_CPU_THREADS: under a
@@ -28,6 +28,8 @@ __all__ = ["EXAMPLES", "FLAG_STRATEGIES", "LAUNCHES", "LAUNCH_TIMEOUT", "LM", "R
 TEST_ENV = {"TRAINKIT_CACHE": str(ROOT / ".cache" / "tests"), "OMP_NUM_THREADS": "1", "TRAINKIT_CPU_THREADS": "1",
             "HF_DATASETS_OFFLINE": "1",
             "PYTHONPATH": str(ROOT)}
+# The environment that tests/helpers/forked_launch.py's server imports under: a run on another forks nothing.
+SERVER_ENV = {**os.environ, **TEST_ENV}
 
 
 
@@ -151,14 +153,18 @@ def launch(output_dir: Path, *args: str, config: str | None = None, extra_launch
            script: str = "train.py", env: dict | None = None) -> Run:
     """`python train.py ARGS` (config None) or `accelerate launch --config_file <config>.yaml train.py ARGS`,
     with TEST_ENV; a launch that has not ended after LAUNCH_TIMEOUT seconds is killed and fails its test. The
-    launcher is forked from one that imported it once (tests/helpers/forked_launch.py); its ranks start anew."""
+    launcher and train.py's processes are forked from one that imported what they import, once
+    (tests/helpers/forked_launch.py)."""
+    command = launch_command(config, output_dir, list(args), launch_args=extra_launch, script=script)
+    run_env = {**os.environ, **TEST_ENV, **(env or {})}
+    if config is None and script == "train.py":
+        return Run("one process", *forked_launch.train(command[2:], ROOT, run_env, LAUNCH_TIMEOUT, SERVER_ENV),
+                   output_dir)
     if config is None or not forkable(config):
         return run_config(config, output_dir, list(args), launch_args=extra_launch, script=script,
                           env={**TEST_ENV, **(env or {})}, timeout=LAUNCH_TIMEOUT)
-    command = launch_command(config, output_dir, list(args), launch_args=extra_launch, script=script)
     assert command[1:3] == ["-m", "accelerate.commands.launch"], command
-    code, out, err = forked_launch.run(command[3:], ROOT, {**os.environ, **TEST_ENV, **(env or {})}, LAUNCH_TIMEOUT)
-    return Run(config, code, out, err, output_dir)
+    return Run(config, *forked_launch.launch(command[3:], ROOT, run_env, LAUNCH_TIMEOUT, SERVER_ENV), output_dir)
 
 
 def forkable(config: str) -> bool:

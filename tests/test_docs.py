@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from helpers import forked_launch
 
-from conftest import ROOT, TEST_ENV, forkable
+from conftest import ROOT, SERVER_ENV, TEST_ENV, forkable
 
 PAGES = [ROOT / "README.md", ROOT / "recipes" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 STARTS = ("python train.py", "accelerate launch", "python -m trainkit.")
@@ -132,15 +132,19 @@ def side_by_side(args: list[str]) -> list[str]:
 
 def run(command: str, args: list[str]) -> tuple[int, str]:
     """(exit status, output) of one command. `accelerate launch ARGS` is Accelerate's console script calling
-    accelerate.commands.launch's main on ARGS: it runs so, with the launcher forked (tests/helpers/forked_launch.py),
-    but for the README's main job, which runs through the script itself, and for a launch whose rank reads its
-    launcher's command line (conftest.forkable)."""
+    accelerate.commands.launch's main on ARGS: it runs so, with the launcher and its ranks forked
+    (tests/helpers/forked_launch.py), as does `python train.py ARGS`; but the README's main job runs through the
+    script itself, and a launch whose rank reads its launcher's command line as itself (conftest.forkable)."""
     args = side_by_side(args)
+    env = {**os.environ, **TEST_ENV}
     config = args[args.index("--config_file") + 1] if "--config_file" in args else None
     if args[:2] == ["accelerate", "launch"] and command != COMMANDS[0][1] and config and forkable(config):
-        code, out, err = forked_launch.run(args[2:], ROOT, {**os.environ, **TEST_ENV}, 600)
+        code, out, err = forked_launch.launch(args[2:], ROOT, env, 600, SERVER_ENV)
         return code, out + err
-    done = subprocess.run(args, cwd=ROOT, env={**os.environ, **TEST_ENV}, capture_output=True, text=True, timeout=600)
+    if args[:2] == ["python", "train.py"]:
+        code, out, err = forked_launch.train(args[2:], ROOT, env, 600, SERVER_ENV)
+        return code, out + err
+    done = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     return done.returncode, done.stdout + done.stderr
 
 
