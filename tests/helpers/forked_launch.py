@@ -222,7 +222,7 @@ def serve(path: str) -> None:
     shutil.rmtree(os.path.dirname(path))
 
 
-def _server(env: dict[str, str]) -> str:
+def server(env: dict[str, str]) -> str:
     """The socket of this test process's server, started on `env` (the tests' environment) at the first call."""
     global SERVER
     with STARTING:
@@ -261,7 +261,7 @@ def launch(args: list[str], cwd: Path, env: dict[str, str], timeout: float | Non
 
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err, \
             socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
-        conn.connect(_server(server_env))
+        conn.connect(server(server_env))
         request = {"args": args, "cwd": str(cwd), "env": env}
         socket.send_fds(conn, [json.dumps(request).encode() + b"\n"], [out.fileno(), err.fileno()])
         pid = int(_line(conn))
@@ -284,7 +284,7 @@ def train(args: list[str], cwd: Path, env: dict[str, str], timeout: float | None
     """(exit status, stdout, stderr) of `python train.py ARGS`, as launch() for the rest."""
     from trainkit.compare import kill_tree
 
-    with subprocess.Popen([sys.executable, __file__, "--rank", _server(server_env), str(TRAIN), *args], cwd=cwd,
+    with subprocess.Popen([sys.executable, __file__, "--rank", server(server_env), str(TRAIN), *args], cwd=cwd,
                           env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                           text=True) as proc:
         try:

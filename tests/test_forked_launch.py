@@ -1,0 +1,99 @@
+"""The suite's runs come from tests/helpers/forked_launch.py's server: a forked run trains as the real command does,
+takes its signals, dies with its client, and a run on an environment the server did not import under is not forked.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from helpers import forked_launch
+
+from conftest import ROOT, SERVER_ENV, TEST_ENV, launch
+from trainkit.compare import run_config
+
+pytestmark = pytest.mark.slow
+
+MLP = ["--recipe", "mlp", "--max_steps", "4", "--eval_every", "2"]
+LONG = ["--recipe", "mlp", "--max_steps", "1000000", "--eval_every", "0", "--report_to", "none"]
+
+
+def server_log() -> str:
+    return Path(forked_launch.server(SERVER_ENV)).with_name("server.log").read_text()
+
+
+def server_children() -> set[int]:
+    forked_launch.server(SERVER_ENV)
+    return {p.pid for p in psutil.Process(forked_launch.SERVER[0].pid).children(recursive=True)}
+
+
+def started(out: Path) -> subprocess.Popen:
+    """A long one-process run through the client, once it has trained a step."""
+    client = subprocess.Popen([sys.executable, forked_launch.__file__, "--rank", forked_launch.server(SERVER_ENV),
+                               str(forked_launch.TRAIN), *LONG, "--output_dir", str(out)],
+                              cwd=ROOT, env={**os.environ, **TEST_ENV}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True)
+    while not (out / "metrics.jsonl").exists():
+        assert client.poll() is None, client.communicate()
+        time.sleep(0.2)
+    return client
+
+
+@pytest.mark.parametrize("config", [None, "deepspeed_zero2"])
+def test_a_forked_run_trains_as_the_real_command(tmp_path, config):
+    """The same losses, outputs and exit status as `python train.py` / `python -m accelerate.commands.launch`, and
+    the run was forked (the server names every run it did not fork)."""
+    forked = launch(tmp_path / "forked", *MLP, config=config).check()
+    real = run_config(config, tmp_path / "real", MLP, env=TEST_ENV, timeout=300).check()
+    assert forked.losses == real.losses and len(forked.losses) == 4
+    assert [m["eval_loss"] for m in forked.metrics if "eval_loss" in m] == \
+        [m["eval_loss"] for m in real.metrics if "eval_loss" in m]
+    assert sorted(os.listdir(tmp_path / "forked")) == sorted(os.listdir(tmp_path / "real"))
+    evaluations = [line for line in real.stdout.splitlines() if line.startswith("step ")]  # "step 2: eval loss ..."
+    assert [line for line in forked.stdout.splitlines() if line.startswith("step ")] == evaluations
+    assert len(evaluations) == 2
+    assert str(tmp_path / "forked") not in server_log()
+
+
+def test_a_run_on_another_environment_is_the_real_process(tmp_path):
+    """A variable that a library may read at import (MKL's threads here) differs from the server's: the client
+    becomes `python train.py` itself, and the server's log says why."""
+    out = tmp_path / "out"
+    code, _, err = forked_launch.train([*MLP, "--output_dir", str(out), "--report_to", "none"], ROOT,
+                                       {**SERVER_ENV, "MKL_NUM_THREADS": "1"}, 300, SERVER_ENV)
+    assert code == 0, err
+    assert f"not forked: {forked_launch.TRAIN} {' '.join(MLP)} --output_dir {out}" in server_log()
+    assert server_log().rstrip().endswith(": MKL_NUM_THREADS")
+
+
+def test_sigterm_to_the_client_stops_the_forked_run_at_a_step_with_a_checkpoint(tmp_path):
+    """The client passes SIGTERM on: the run stops at a step boundary, saves there and exits 0 (the contract's
+    preemption), as `python train.py` does."""
+    out = tmp_path / "out"
+    client = started(out)
+    client.send_signal(signal.SIGTERM)
+    _, err = client.communicate(timeout=60)
+    assert client.returncode == 0, err
+    assert (out / "stopped.json").exists() and (out / "checkpoints" / "latest").exists()
+    assert str(out) not in server_log()
+
+
+def test_a_client_killed_takes_its_forked_run_with_it(tmp_path):
+    """SIGKILL to the client (a launcher's torchrun ending its workers, a test's time running out): its rank ends
+    too, and nothing the server forked for it is left."""
+    out = tmp_path / "out"
+    client = started(out)
+    forked = server_children()  # the run's watcher and the run
+    assert len(forked) >= 2
+    client.kill()
+    client.communicate()
+    deadline = time.monotonic() + 10
+    while forked & server_children() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert client.returncode == -signal.SIGKILL and not forked & server_children()
