@@ -248,36 +248,51 @@ def test_an_architecture_the_runner_cannot_cut_is_refused_naming_it(check_only, 
     assert "declare pipeline_layers, pipeline_stage and pipeline_loss in a recipe of your own" in run.stderr
 
 
-# Launched: the causal-LM recipe on three architectures it was not written for, each cut another way, against one
-# process at the same global batch (8): (architecture, its layers, data, YAML, processes, flags).
-FINE_TUNES = {
-    "qwen2-4-stages-1f1b": ("qwen2", 4, "chat", "ddp", 4, ["--pipeline_stages", "4", "--grad_accum", "4",
-                                                           "--batch_size", "2"]),
-    "gpt_neox-interleaved": ("gpt_neox", 4, "text", "ddp", 2, ["--pipeline_stages", "2", "--pipeline_schedule",
-                                                               "interleaved", "--grad_accum", "4", "--batch_size",
-                                                               "2"]),
-    "llama-tied-gpipe-x-fsdp": ("llama", 2, "chat", "fsdp", 4, ["--pipeline_stages", "2", "--pipeline_schedule",
-                                                                "gpipe", "--grad_accum", "2", "--batch_size", "2"]),
-}
+# Launched: the causal-LM recipe on three architectures it was not written for (Qwen2 and Llama with tied embeddings
+# on chats, GPT-NeoX on text), each cut into 2 and 4 stages under each schedule, and Llama's stages sharded by FSDP2,
+# against one process at the same global batch (8). 8 layers: a layer per stage for interleaved 1F1B on 4 processes.
+ARCHITECTURES = {"qwen2": "chat", "gpt_neox": "text", "llama": "chat"}
+FINE_TUNES = {f"{name}-{stages}-stages-{schedule}": (name, "ddp", stages, ["--pipeline_stages", str(stages),
+                                                                           "--pipeline_schedule", schedule])
+              for name in ARCHITECTURES for stages in (2, 4) for schedule in ("gpipe", "1f1b", "interleaved")}
+FINE_TUNES["llama-gpipe-x-fsdp"] = ("llama", "fsdp", 4, ["--pipeline_stages", "2", "--pipeline_schedule", "gpipe"])
+
+
+@pytest.fixture(scope="module")
+def fine_tune(chat, tmp_path_factory):
+    """fine_tune(architecture) -> (the common flags, its one-process run): the model saved once, run once."""
+    from transformers import PreTrainedTokenizerFast
+
+    done = {}
+
+    def run(name: str):
+        if name not in done:
+            folder = tmp_path_factory.mktemp(name) / "model"
+            architecture(name, layers=8).save_pretrained(folder)
+            PreTrainedTokenizerFast.from_pretrained(chat[0]).save_pretrained(folder)
+            common = ["--recipe", "causal_lm", "--model_name_or_path", str(folder), "--tokenizer", "saved",
+                      "--max_steps", "6", "--eval_every", "3", "--seq_len", "64", "--warmup_steps", "2",
+                      "--save_every", "0",
+                      "--eval_fraction", "0.2",  # two global batches held out: the same eval batches under every split
+                      *(["--data", str(chat[1]), "--chat_template", "chatml"] if ARCHITECTURES[name] == "chat" else [])]
+            done[name] = common, launch(folder.parent / "one", *common, "--batch_size", "8").check()
+        return done[name]
+
+    return run
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", FINE_TUNES)
-def test_the_causal_lm_recipe_pipelines_other_architectures_like_one_process(chat, tmp_path, case):
+def test_the_causal_lm_recipe_pipelines_other_architectures_like_one_process(fine_tune, tmp_path, case):
     """Padded chats (the loss on the answers) or padded text, each micro-batch weighed by its learned tokens through
     the stages: the loss curve and eval loss of one process, and final/ the whole model."""
-    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+    from transformers import AutoModelForCausalLM
 
-    name, layers, data, yaml, count, flags = FINE_TUNES[case]
-    folder = tmp_path / name
-    architecture(name, layers=layers).save_pretrained(folder)
-    PreTrainedTokenizerFast.from_pretrained(chat[0]).save_pretrained(folder)
-    common = ["--recipe", "causal_lm", "--model_name_or_path", str(folder), "--tokenizer", "saved", "--max_steps",
-              "6", "--eval_every", "3", "--seq_len", "64", "--warmup_steps", "2", "--save_every", "0",
-              "--eval_fraction", "0.2",  # two global batches held out: the same eval batches under every split
-              *(["--data", str(chat[1]), "--chat_template", "chatml"] if data == "chat" else [])]
-    one = launch(tmp_path / "one", *common, "--batch_size", "8").check()
-    cut = launch(tmp_path / "cut", *common, *flags, config=yaml, extra_launch=("--num_processes", str(count))).check()
+    name, yaml, count, flags = FINE_TUNES[case]
+    common, one = fine_tune(name)
+    batch = 2 if count // int(flags[1]) == 1 else 1  # global batch 8: 4 micro-batches on each data-parallel rank
+    cut = launch(tmp_path / "cut", *common, *flags, "--grad_accum", "4", "--batch_size", str(batch), config=yaml,
+                 extra_launch=("--num_processes", str(count))).check()
     assert cut.resolved["strategy"] == "pipeline" and cut.resolved["global_batch_size"] == 8
     assert max_rel_diff(cut.losses, one.losses) <= PARITY_BOUND, (cut.losses, one.losses)
     evals = [m["eval_loss"] for m in cut.metrics if "eval_loss" in m]
