@@ -157,7 +157,7 @@ def launch(output_dir: Path, *args: str, config: str | None = None, extra_launch
     (tests/helpers/forked_launch.py)."""
     command = launch_command(config, output_dir, list(args), launch_args=extra_launch, script=script)
     run_env = {**os.environ, **TEST_ENV, **(env or {})}
-    if config is None and script == "train.py":
+    if config is None and script == "train.py" and forkable(None):
         return Run("one process", *forked_launch.train(command[2:], ROOT, run_env, LAUNCH_TIMEOUT, SERVER_ENV),
                    output_dir)
     if config is None or not forkable(config):
@@ -167,9 +167,14 @@ def launch(output_dir: Path, *args: str, config: str | None = None, extra_launch
     return Run(config, *forked_launch.launch(command[3:], ROOT, run_env, LAUNCH_TIMEOUT, SERVER_ENV), output_dir)
 
 
-def forkable(config: str) -> bool:
-    """Whether a launch's launcher may be forked: not Accelerate's one-process launcher (distributed_type NO or
-    MULTI_CPU), whose rank reads the process count from its launcher's command line (trainkit/launch.py)."""
+def forkable(config: str | None) -> bool:
+    """Whether a run may be forked (tests/helpers/forked_launch.py): not on a machine with CUDA, and for a launch
+    (config not None) not under Accelerate's one-process launcher (distributed_type NO or MULTI_CPU), whose rank
+    reads the process count from its launcher's command line (trainkit/launch.py)."""
+    if not forked_launch.available():
+        return False
+    if config is None:
+        return True
     try:
         return yaml.safe_load((ROOT / config_path(config)).read_text())["distributed_type"] not in ("NO", "MULTI_CPU")
     except (OSError, yaml.YAMLError, KeyError, TypeError):

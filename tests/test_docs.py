@@ -141,7 +141,7 @@ def run(command: str, args: list[str]) -> tuple[int, str]:
     if args[:2] == ["accelerate", "launch"] and command != COMMANDS[0][1] and config and forkable(config):
         code, out, err = forked_launch.launch(args[2:], ROOT, env, 600, SERVER_ENV)
         return code, out + err
-    if args[:2] == ["python", "train.py"]:
+    if args[:2] == ["python", "train.py"] and forkable(None):
         code, out, err = forked_launch.train(args[2:], ROOT, env, 600, SERVER_ENV)
         return code, out + err
     done = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)

@@ -18,7 +18,8 @@ from helpers import forked_launch
 from conftest import ROOT, SERVER_ENV, TEST_ENV, launch
 from trainkit.compare import run_config
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not forked_launch.available(),
+                                                  reason="runs are not forked where CUDA is (the real commands run)")]
 
 MLP = ["--recipe", "mlp", "--max_steps", "4", "--eval_every", "2"]
 LONG = ["--recipe", "mlp", "--max_steps", "1000000", "--eval_every", "0", "--report_to", "none"]

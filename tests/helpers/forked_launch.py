@@ -13,8 +13,9 @@ imported all of it before it forked anything:
   the rank is killed, as a launcher's death ends its ranks;
 - a one-process `python train.py ARGS` runs the same way, the test process starting the client.
 The server forks a rank only on the environment it imported under, but for what is read when a run starts (the
-launcher's rank variables, Accelerate's and this project's settings: not_forked), only train.py, and only without CUDA
-(it cannot start in a forked process); otherwise the client becomes `python train.py` itself. Tests that signal a
+launcher's rank variables, Accelerate's and this project's settings: not_forked), and only train.py; otherwise the
+client becomes `python train.py` itself. Nothing is forked where CUDA is (available()): it cannot start in a forked
+process. Tests that signal a
 launcher or read its command line start the real command (tests/test_checkpoint.py, tests/test_multinode.py,
 conftest.forkable), and tests/test_docs.py runs the README's main job through the `accelerate` script itself, so
 that a real launcher and real ranks stay tested.
@@ -112,18 +113,13 @@ def _launch(request: dict, fds: list[int]) -> int:
 
 def not_forked(request: dict, preloaded_env: dict[str, str]) -> str:
     """Why a rank may not be forked from the server ("" where it may): it must be train.py itself, on an environment
-    that differs from the one the server imported under only in what is read when a run starts, on a machine without
-    CUDA."""
-    import torch
-
+    that differs from the one the server imported under only in what is read when a run starts."""
     env = request["env"]
     changed = {k for k in {*env, *preloaded_env} if env.get(k) != preloaded_env.get(k)}
     if _folders(env.get("PYTHONPATH")) == _folders(preloaded_env.get("PYTHONPATH")):
         changed.discard("PYTHONPATH")  # Accelerate's DeepSpeed launch adds the folder that is already there
     if Path(request["argv"][0]) != TRAIN:
         return f"{request['argv'][0]} is not {TRAIN}"
-    if torch.cuda.is_available():
-        return "CUDA"
     return ", ".join(sorted(k for k in changed if k not in RUN_TIME_ENV and not k.startswith(RUN_TIME_PREFIXES)))
 
 
@@ -180,7 +176,8 @@ def serve(path: str) -> None:
 
     runpy.run_path(str(TRAIN), run_name="preloaded_train")  # a rank's: train.py's own imports, and the later ones
     for name in PRELOADED:
-        __import__(name)
+        with contextlib.suppress(ImportError):  # a library this machine lacks: its runs are refused, forked or not
+            __import__(name)
     if len(os.listdir("/proc/self/task")) != 1:  # a fork copies one thread: the others' locks would stay held
         raise RuntimeError(f"the launch server may not fork: it runs threads ({threading.enumerate()})")
     preloaded_env = dict(os.environ)
@@ -220,6 +217,14 @@ def serve(path: str) -> None:
     finally:
         os.unlink(path)
     shutil.rmtree(os.path.dirname(path))
+
+
+def available() -> bool:
+    """Whether runs may be forked on this machine: not where CUDA is, which a forked process cannot start, so a GPU
+    machine runs the real commands."""
+    import torch
+
+    return not torch.cuda.is_available()
 
 
 def server(env: dict[str, str]) -> str:
