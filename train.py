@@ -24,7 +24,7 @@ from accelerate.utils import set_seed
 
 from trainkit.checkpoint import Checkpointer, data_states, export_final
 from trainkit.command_line import parse_command_line
-from trainkit.data import BatchLayout, TrainStream, eval_batches, split_layouts
+from trainkit.data import BatchLayout, EvalLayout, TrainStream, eval_batches, split_layouts
 from trainkit.errors import ConfigError, TrainingError, failure_in_user_code, out_of_memory
 from trainkit.guards import FiniteCheck, StopSignal
 from trainkit.hardware import Compute
@@ -110,7 +110,7 @@ class Run:
     stream: TrainStream | StreamedTrain
     eval_set: Any
     layout: BatchLayout
-    eval_layout: BatchLayout  # the held-out split's: the layout, or a smaller micro-batch for a small split
+    eval_layout: EvalLayout  # every held-out sample once, on any process count
     peak_flops: float | None  # of one process's device, for MFU
     step: int = 0  # the last optimizer step done (a resume starts past 0)
     skipped_steps: int = 0  # fp16's loss scaler, so far
@@ -141,7 +141,7 @@ def build(plan: Plan) -> Run:
     with accelerator.local_main_process_first():  # one process per machine builds the data caches
         train_set, eval_set = recipe.make_datasets(cfg, options.cache_dir)
     layout = BatchLayout(cfg.batch_size, cfg.grad_accum, engine.data_parallel_rank, engine.data_parallel_size)
-    held_out, note = split_layouts(layout, train_set, eval_set)  # refuses splits too small
+    held_out, note = split_layouts(layout, train_set, eval_set, cfg.eval_batches)  # refuses empty splits
     notes += [note] if note else []
     set_seed(cfg.seed)  # the same initial weights on every rank and in a one-process run
     model = recipe.make_model(cfg)
@@ -193,7 +193,7 @@ def loop(plan: Plan, run: Run) -> str | None:
             run.record["tokens_per_s"] = samples_per_s * tokens
         run.record.update(run.stream.metrics(engine.accelerator, processes // engine.data_parallel_size))
         if step == cfg.max_steps or (cfg.eval_every and step % cfg.eval_every == 0):
-            batches = eval_batches(run.eval_set, run.eval_layout, cfg.eval_batches)
+            batches = eval_batches(run.eval_set, run.eval_layout)
             run.record.update(engine.evaluate(batches, plan.recipe.compute_loss, plan.recipe.eval_metrics))
             log.answers(step, engine.generate(plan.recipe.generate, run.eval_set))
         log.step(run.record)

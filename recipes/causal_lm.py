@@ -80,6 +80,10 @@ class Config(TrainConfig):
     # much as a long one), another objective. Either way every split of the global batch gives the same loss.
     loss_average: str = "tokens"
     seq_len: int = 128
+    # The held-out data: eval_data's files (or a Hub dataset's eval_split) in --data's layout; without it,
+    # eval_fraction of --data (instruction and chat data: examples drawn from the seed, before packing)
+    eval_data: str = ""
+    eval_split: str = "test"
     eval_fraction: float = 0.05
     # auto | true | false: read the data as it trains (trainkit/stream.py); auto streams mixtures (`a.jsonl:0.7,
     # b.jsonl:0.3`) and local files past 1 GiB. bad_lines: a streamed record that cannot be read stops the run, or skip
@@ -91,13 +95,14 @@ class Config(TrainConfig):
     warmup_steps: int = 10
     max_steps: int = 100
     eval_every: int = 50
-    eval_batches: int = 2
+    eval_batches: int = 0  # the whole held-out split; N: its first N global batches
     # At each evaluation, the model's greedy answers to the prompts of the first eval_answers held-out examples (the
     # text before their first learned token; plain text: a sample's first quarter), into generations.jsonl
     eval_answers: int = 2
     max_new_tokens: int = 32
+    preview: int = 0  # which example --dry_run shows as the model reads it (from 0)
 
-    may_change_on_resume = TrainConfig.may_change_on_resume | {"gradient_checkpointing"}
+    may_change_on_resume = TrainConfig.may_change_on_resume | {"gradient_checkpointing", "preview"}
 
     def check(self) -> list[Problem]:
         problems = []
@@ -137,6 +142,8 @@ class Config(TrainConfig):
                                     "train it without --pipeline_stages (fsdp.yaml or deepspeed_zero3.yaml shard a "
                                     "model that does not fit)"))
         problems += text.check_streaming(self.data, self.text_field, self.streaming, self.bad_lines)
+        if self.eval_data:
+            problems += text.check_data(self.eval_data, self.text_field if plain else None, flag="--eval_data")
         return problems + text.check_data(self.data, self.text_field if plain else None,
                                           text.streams(self.data, self.streaming))
 
@@ -190,15 +197,32 @@ def tokenizer_of(cfg: Config):
 
 
 def build_datasets(cfg: Config, cache_dir: Path):
+    """(train, held-out) samples: the held-out ones are --eval_data's, or eval_fraction of --data's (plain text: its
+    last blocks; instruction and chat data: examples drawn from the seed before packing)."""
     layout = cfg.layout()
     if text.streams(cfg.data, cfg.streaming):  # a streamed Hub dataset's layout, if not text: --data_format
-        return _streamed(cfg, layout, cache_dir)
+        train, held_out = _streamed(cfg, layout, cache_dir)
+        return train, _samples(cfg, layout, cfg.eval_data, cache_dir, cfg.eval_split) if cfg.eval_data else held_out
     if cfg.data_format == "auto" and text.local_files(cfg.data) is None and cfg.data != "pydoc":  # a Hub name
         layout = sft.detect(text.load_records(cfg.data, cfg.data_config, None, cache_dir).column_names,
                             cfg.text_field)
+    if cfg.eval_data:
+        return (_samples(cfg, layout, cfg.data, cache_dir),
+                _samples(cfg, layout, cfg.eval_data, cache_dir, cfg.eval_split))
+    if layout == "text":
+        return text.split_held_out(_samples(cfg, layout, cfg.data, cache_dir), cfg.eval_fraction, cfg.data,
+                                   f"samples of {cfg.seq_len} tokens")
+    examples = _encoded(cfg, layout, _records(cfg, layout, cfg.data, cache_dir), cfg.data)
+    train, held_out = text.drawn_held_out(examples, cfg.eval_fraction, cfg.seed, cfg.data,
+                                          "examples with something to learn")
+    return _rows(cfg, train), _rows(cfg, held_out)
+
+
+def _samples(cfg: Config, layout: str, data: str, cache_dir: Path, split: str = "train"):
+    """Every sample of `data` (a Hub dataset's `split`), as torch tensors: blocks of plain text, or examples."""
     if layout != "text":
-        return _examples(cfg, layout, cache_dir)
-    docs = text.load_documents(cfg.data, cfg.data_config, cfg.text_field, cache_dir)
+        return _rows(cfg, _encoded(cfg, layout, _records(cfg, layout, data, cache_dir, split), data))
+    docs = text.load_documents(data, cfg.data_config, cfg.text_field, cache_dir, split, _flag(cfg, data))
     tokenizer = tokenizer_of(cfg)
     pieces = rows.TextPieces(tokenizer, cfg.seq_len, cfg.loss_average == "samples")
 
@@ -207,8 +231,7 @@ def build_datasets(cfg: Config, cache_dir: Path):
                 for row, _ in pieces.cut([*ids, tokenizer.eos_token_id])]
         return {key: [row[key] for row in made] for key in made[0]} if made else {"input_ids": [], "attention_mask": []}
 
-    samples = docs.map(cut, batched=True, remove_columns=docs.column_names)
-    return text.split_held_out(samples, cfg.eval_fraction, cfg.data, f"samples of {cfg.seq_len} tokens")
+    return docs.map(cut, batched=True, remove_columns=docs.column_names).with_format("torch")
 
 
 def _streamed(cfg: Config, layout: str, cache_dir: Path) -> tuple[Streamed, list]:
@@ -222,19 +245,28 @@ def _streamed(cfg: Config, layout: str, cache_dir: Path) -> tuple[Streamed, list
     return streamed, streamed.held_out()
 
 
-def _examples(cfg: Config, layout: str, cache_dir: Path):
-    """Instruction or chat records, one sample each (cut to seq_len), with labels only on what is learned; examples
-    left with nothing to learn (their answers cut away) are dropped, and all of them dropped is refused."""
-    records = text.load_records(cfg.data, cfg.data_config, None, cache_dir)
+def _records(cfg: Config, layout: str, data: str, cache_dir: Path, split: str = "train"):
+    """Instruction or chat records of `data`, refused when they lack the layout's fields."""
+    records = text.load_records(data, cfg.data_config, None, cache_dir, split, _flag(cfg, data))
     missing = [f for f in sft.FIELDS[layout] if f not in records.column_names]
     if missing:
         raise ConfigError([Problem(f"the {layout} layout needs the field(s) {', '.join(missing)}; the data has "
-                                   f"{', '.join(records.column_names)}", f"--data {cfg.data}",
+                                   f"{', '.join(records.column_names)}", f"{_flag(cfg, data)} {data}",
                                    "pass --data_format for the layout the data has (docs/recipes.md)")])
-    tokenizer = tokenizer_of(cfg)
-    pad, length = sft.pad_id(tokenizer), cfg.seq_len
-    maker = rows.Examples(tokenizer, length, layout, sft.chat_template(tokenizer, cfg.chat_template),
-                          cfg.train_on == "all", cfg.loss_average == "samples")
+    return records
+
+
+def _flag(cfg: Config, data: str) -> str:
+    """The option that named `data`, for its errors."""
+    return "--eval_data" if data == cfg.eval_data and data != cfg.data else "--data"
+
+
+def _encoded(cfg: Config, layout: str, records, data: str):
+    """Instruction or chat records, one example each (cut to seq_len), with labels only on what is learned; examples
+    left with nothing to learn (their answers cut away) are dropped, and all of them dropped is refused."""
+    maker = rows.Examples(tokenizer := tokenizer_of(cfg), cfg.seq_len, layout,
+                          sft.chat_template(tokenizer, cfg.chat_template), cfg.train_on == "all",
+                          cfg.loss_average == "samples")
 
     def encode(batch):  # the examples with something to learn (the rest give None)
         listed = [dict(zip(batch, values, strict=True)) for values in zip(*batch.values(), strict=True)]
@@ -243,27 +275,58 @@ def _examples(cfg: Config, layout: str, cache_dir: Path):
 
     kept = records.map(encode, batched=True, remove_columns=records.column_names)
     if len(kept) == 0:
-        raise ConfigError([Problem(f"none of the {len(records)} examples of {cfg.data} has a token left to learn "
-                                   f"from within --seq_len {length} (the answers come after it)", "--seq_len",
+        raise ConfigError([Problem(f"none of the {len(records)} examples of {data} has a token left to learn "
+                                   f"from within --seq_len {cfg.seq_len} (the answers come after it)", "--seq_len",
                                    "pass a larger --seq_len, or --train_on all")])
-    samples = sft.packed(kept, length, pad) if cfg.packing else kept.map(lambda row: sft.padded(row, length, pad))
-    return text.split_held_out(samples, cfg.eval_fraction, cfg.data, "examples with something to learn")
+    return kept
+
+
+def _rows(cfg: Config, examples):
+    """Encoded examples as the rows of seq_len tokens the model reads: one padded example each, or packed."""
+    pad = sft.pad_id(tokenizer_of(cfg))
+    rows_ = sft.packed(examples, cfg.seq_len, pad) if cfg.packing else \
+        examples.map(lambda row: sft.padded(row, cfg.seq_len, pad))
+    return rows_.with_format("torch")
 
 
 def preview(cfg: Config, cache_dir: Path) -> str | None:
-    """--dry_run's view of the data: the first example as the model reads it, the learned tokens between [[ and ]]
-    (instruction and chat layouts only)."""
+    """--dry_run's view of the data: example --preview (from 0) as the model reads it, the learned tokens between [[
+    and ]], and with --packing the row the packer puts it in among the examples that follow it (instruction and chat
+    layouts only; streamed data: its first example)."""
     layout = cfg.layout()
     if layout == "text":
         return None
     data = text.streamed_data(cfg.data, cache_dir)
-    record = sources.first_record(sources.parse_data(data, cfg.text_field, cfg.data_config)[0])[1] \
-        if text.streams(cfg.data, cfg.streaming) else text.load_records(cfg.data, cfg.data_config, None, cache_dir)[0]
+    if text.streams(cfg.data, cfg.streaming):
+        number, records = 0, [sources.first_record(sources.parse_data(data, cfg.text_field, cfg.data_config)[0])[1]]
+    else:
+        loaded = _records(cfg, layout, cfg.data, cache_dir)
+        if cfg.preview >= len(loaded):
+            raise ConfigError([Problem(f"--preview {cfg.preview}: {cfg.data} holds {len(loaded)} examples",
+                                       "--preview", f"pass a number from 0 to {len(loaded) - 1}")])
+        number, records = cfg.preview, loaded.select(range(cfg.preview, min(len(loaded), cfg.preview + PACK_WINDOW)))
     tokenizer = tokenizer_of(cfg)
-    rendered = sft.render(record, layout, tokenizer, sft.chat_template(tokenizer, cfg.chat_template))
-    ids, labels = sft.encode(*rendered, tokenizer, cfg.seq_len, cfg.train_on == "all")
-    return (f"the first example ({layout}, {sft.learned_count(labels)} of {len(ids)} tokens learned, between "
-            f"[[ and ]]):\n{sft.preview(ids, labels, tokenizer)}")
+    maker = rows.Examples(tokenizer, cfg.seq_len, layout, sft.chat_template(tokenizer, cfg.chat_template),
+                          cfg.train_on == "all")
+    made = maker.examples([dict(r) for r in records])
+    if made[0] is None:
+        return f"example {number} ({layout}) has no token to learn within --seq_len {cfg.seq_len}: it is dropped"
+    shown = (f"example {number} ({layout}, {sft.learned_count(made[0]['labels'])} of {len(made[0]['input_ids'])} "
+             f"tokens learned, between [[ and ]]):\n{sft.preview(made[0]['input_ids'], made[0]['labels'], tokenizer)}")
+    if not cfg.packing:
+        return shown
+    kept = [(i, e) for i, e in enumerate(made) if e is not None]
+    members = next(row for row in sft.pack([len(e["input_ids"]) for _, e in kept], cfg.seq_len) if 0 in row)
+    row = sft.packed_row([kept[i][1] for i in members], cfg.seq_len, sft.pad_id(tokenizer))
+    used = sum(1 for segment in row["segment"] if segment)
+    together = ", ".join(str(number + kept[i][0]) for i in members)
+    return (f"{shown}\nits packed row (--packing: examples {together} of the {len(kept)} from {number} on, {used} of "
+            f"{cfg.seq_len} positions used, each example attending only to itself and learning nothing at its first "
+            f"token):\n{sft.preview(row['input_ids'][:used], row['labels'], tokenizer)}")
+
+
+# How many examples from --preview's on the dry run packs to show its row (the run packs them all: best fit)
+PACK_WINDOW = 64
 
 
 def _learned(batch: dict) -> torch.Tensor:
@@ -329,7 +392,8 @@ def eval_metrics(model: nn.Module, batch: dict) -> dict[str, torch.Tensor]:
 
 
 def generate(model: nn.Module, cfg: Config, eval_set) -> list[dict[str, str]]:
-    """The answers of eval_answers: {prompt, answer (the model's, to the end of its turn), expected (the data's)}.
+    """The answers of eval_answers: {prompt, answer (the model's, to the end of its turn), expected (the data's
+    answer to that prompt, not the rest of its conversation)}.
     Every rank generates the same tokens; synced_gpus keeps the ranks stepping together where a forward is a
     collective (ZeRO-3, FSDP2)."""
     import torch.distributed as dist
@@ -343,11 +407,13 @@ def generate(model: nn.Module, cfg: Config, eval_set) -> list[dict[str, str]]:
             ids = ids[:row["segment"].count(1)]
         learned = [j for j, label in enumerate(row.get("labels", [])[:len(ids)]) if label != sft.IGNORE]
         cut = learned[0] if learned else max(1, len(ids) // 4)
+        # the data's answer to that prompt: its first learned turn (plain text: the sample's rest)
+        end = cut + next((i for i, j in enumerate(learned) if j != cut + i), len(learned)) if learned else len(ids)
         output = model.generate(torch.tensor([ids[:cut]], device=device), max_new_tokens=cfg.max_new_tokens,
                                 do_sample=False, pad_token_id=sft.pad_id(tokenizer), tokenizer=tokenizer,
                                 stop_strings=TURN_ENDS, synced_gpus=dist.is_initialized() and dist.get_world_size() > 1)
         answers.append({"prompt": tokenizer.decode(ids[:cut]), "answer": tokenizer.decode(output[0, cut:]),
-                        "expected": tokenizer.decode(ids[cut:])})
+                        "expected": tokenizer.decode(ids[cut:end])})
     return answers
 
 

@@ -206,29 +206,38 @@ def test_too_little_text_says_so_naming_the_data(run_dir, tmp_path):
                    f"need 2 at least (--data {path}): pass more text, or a smaller --seq_len")
 
 
-def test_a_held_out_split_smaller_than_a_global_batch_is_evaluated_whole_in_smaller_micro_batches():
-    from trainkit.data import eval_layout
+@pytest.mark.parametrize("held_out", [1, 3, 49, 50, 62, 64, 97, 200])
+@pytest.mark.parametrize("micro_batch, grad_accum, world_size", [(16, 4, 1), (16, 2, 2), (8, 1, 2), (4, 2, 4)])
+def test_every_held_out_sample_is_evaluated_once_on_any_layout(held_out, micro_batch, grad_accum, world_size):
+    """The ranks' real micro-batches cover the first samples (all, or eval_batches global batches' worth) once each,
+    in one micro-batch size that divides them; every rank runs the same number of micro-batches, grad_accum a round
+    (a pipeline's schedule), and the copies that fill the last round are marked as such."""
+    from trainkit.data import EvalLayout
 
-    layout = BatchLayout(micro_batch=16, grad_accum=4, rank=1, world_size=1)  # the pipeline page's: 64 per step
-    small = eval_layout(layout, 62)
-    assert (small.micro_batch, small.grad_accum, small.global_batch) == (15, 4, 60)
-    assert eval_layout(layout, 64) is layout and eval_layout(layout, 3) is None
-    two = eval_layout(BatchLayout(micro_batch=16, grad_accum=2, rank=1, world_size=2), 50)
-    assert two.global_batch == 48 and two.micro_slices() == [slice(24, 36), slice(36, 48)]
+    for global_batches in (0, 1, 2):
+        dealt = [list(EvalLayout.of(BatchLayout(micro_batch, grad_accum, rank, world_size), held_out,
+                                    global_batches).micro_batches()) for rank in range(world_size)]
+        expected = min(held_out, global_batches * micro_batch * grad_accum * world_size) if global_batches else \
+            held_out
+        real = sorted(i for rank in dealt for indices, is_real in rank if is_real for i in indices)
+        assert real == list(range(expected))
+        sizes = {len(indices) for rank in dealt for indices, _ in rank}
+        assert len(sizes) == 1 and expected % sizes.pop() == 0
+        assert len({len(rank) for rank in dealt}) == 1 and len(dealt[0]) % grad_accum == 0
 
 
 @pytest.mark.slow
 def test_a_small_held_out_split_gives_one_process_eval_loss(run_dir):
-    """2 processes x 16 x 2 (a global batch of 64) with 50 held-out samples: the first 48 evaluated, in 2 x 2
-    micro-batches of 12, give the eval loss of one process that trains on the same global batches (16 x 4) and
-    evaluates the same 48 in 4 x 12; too few to give every micro-batch a sample is refused naming the split."""
-    args = ["--recipe", "mlp", "--max_steps", "3", "--eval_every", "0", "--eval_samples", "50"]
-    ddp = launch(run_dir("ddp"), *args, "--batch_size", "16", "--grad_accum", "2", config="ddp").check()
-    assert "note: the held-out split (50 samples) is smaller than one global batch (64): evaluated as one batch " \
-           "of 48 (micro-batch 12)" in ddp.stderr
-    one = launch(run_dir("one"), *args, "--batch_size", "16", "--grad_accum", "4").check()
-    assert "evaluated as one batch of 48 (micro-batch 12)" in one.stderr
-    assert abs(ddp.metrics[-1]["eval_loss"] - one.metrics[-1]["eval_loss"]) <= 1e-5 * one.metrics[-1]["eval_loss"]
-    assert_refused(launch(run_dir("few"), "--recipe", "mlp", "--max_steps", "1", "--eval_samples", "3",
-                          "--batch_size", "2", "--grad_accum", "2", config="ddp"),
-                   "the held-out split has 3 samples, fewer than 4: one per micro-batch of every data-parallel rank")
+    """2 processes x 16 x 2 (a global batch of 64) with 50 held-out samples: all 50 evaluated, in micro-batches of 10
+    (5 real ones, dealt over 2 x 2 a round: the last round's empty places evaluate a copy that weighs nothing), give
+    the eval loss of one process that trains on the same global batches (16 x 4); so do 3 held-out samples, fewer
+    than the places of one round."""
+    args = ["--recipe", "mlp", "--max_steps", "3", "--eval_every", "0"]
+    for samples in ("50", "3"):
+        ddp = launch(run_dir(f"ddp{samples}"), *args, "--eval_samples", samples, "--batch_size", "16", "--grad_accum",
+                     "2", config="ddp").check()
+        one = launch(run_dir(f"one{samples}"), *args, "--eval_samples", samples, "--batch_size", "16", "--grad_accum",
+                     "4").check()
+        if samples == "50":
+            assert "note: in micro-batches of 10, the largest that divides the 50 samples evaluated" in ddp.stderr
+        assert abs(ddp.metrics[-1]["eval_loss"] - one.metrics[-1]["eval_loss"]) <= 1e-6 * one.metrics[-1]["eval_loss"]

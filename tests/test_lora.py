@@ -10,6 +10,7 @@ layers are Conv1D) with the same tokenizer. tests/zoo/lora_probe.py is causal_lm
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
@@ -237,3 +238,31 @@ def test_the_estimate_counts_no_gradients_or_optimizer_states_for_a_frozen_base(
     params = sum(p.numel() for p in architecture("qwen2", "sdpa").parameters())
     assert full == 16 * params  # fp32 weights, gradients, two Adam moments
     assert 4 * params < lora < 0.5 * full  # the base's weights alone, the adapters' four copies
+
+
+def test_an_adapter_names_its_base_wherever_it_is_loaded_from(chat, test_env, tmp_path, monkeypatch, capsys):
+    """A relative --model_name_or_path is written into adapter_config.json as the folder's absolute path, so that
+    peft and trainkit.ask load the adapter from any directory; an adapter whose base is not found is refused naming
+    --base, which then answers (after a --system turn too)."""
+    from trainkit import ask
+
+    folder = chat[0]
+    monkeypatch.chdir(folder.parent)
+    recipe = load_recipe("causal_lm")
+    cfg = recipe.Config(model_name_or_path=folder.name, tokenizer="saved", data=str(chat[1]), lora_r=4)
+    adapter = tmp_path / "adapter"
+    recipe.build_model(cfg).save_pretrained(str(adapter))
+    sys.modules["recipe_causal_lm"].tokenizer_of(cfg).save_pretrained(str(adapter))
+    assert json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"] == str(
+        folder.resolve())
+    monkeypatch.chdir(tmp_path)
+    assert ask.main([str(adapter), "What is 2 plus 3?", "--max_new_tokens", "2"]) == 0
+    settings = json.loads((adapter / "adapter_config.json").read_text())
+    (adapter / "adapter_config.json").write_text(json.dumps({**settings, "base_model_name_or_path": "runs/sft/final"}))
+    assert ask.main([str(adapter), "What is 2 plus 3?"]) == 2  # written by an older run: relative to its launch
+    error = capsys.readouterr().err
+    assert f"error: the base model of {adapter} cannot be loaded from 'runs/sft/final' (" in error and \
+        error.rstrip().endswith("pass the base model it was trained on with --base FOLDER_OR_HUB_ID")
+    assert ask.main([str(adapter), "What is 2 plus 3?", "--base", str(folder), "--system", "Add.",
+                     "--max_new_tokens", "2"]) == 0
+    assert "Traceback" not in capsys.readouterr().err

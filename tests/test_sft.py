@@ -71,7 +71,7 @@ def test_the_dry_run_shows_the_first_example_with_the_learned_tokens_marked(chec
     run = check_only(tmp_path / "out", "--recipe", "causal_lm", "--model_name_or_path", str(folder), "--tokenizer",
                      "saved", "--data", str(data), "--chat_template", "chatml", "--dry_run")
     assert run.returncode == 0, run.stderr
-    assert "note: the first example (messages, 23 of 92 tokens learned, between [[ and ]]):\n" in run.stderr
+    assert "note: example 0 (messages, 23 of 92 tokens learned, between [[ and ]]):\n" in run.stderr
     assert ("<|im_start|>assistant\n[[2 plus 3 is 5.<|im_end|>\n]]<|im_start|>user\nAnd doubled?<|im_end|>\n"
             "<|im_start|>assistant\n[[Doubled it is 10.<|im_end|>\n]]") in run.stderr
     assert json.loads(run.stdout)["data_format"] == "auto"
@@ -128,6 +128,9 @@ def test_chat_fine_tuning_under_ddp_matches_one_process(chat, run_dir, packing):
     assert one.resolved["packing"] == ("--packing" in packing) and ("--data streamed" in one.stderr) == streamed
     ddp = launch(run_dir("ddp"), *args, "--batch_size", "4", config="ddp").check()
     assert max_rel_diff(ddp.losses, one.losses) < PARITY_BOUND and one.losses[-1] < one.losses[0]
+    # every held-out row evaluated on both process counts (packed: 3 rows, which 2 x 4 cannot split evenly)
+    assert abs(ddp.metrics[-1]["eval_loss"] - one.metrics[-1]["eval_loss"]) <= PARITY_BOUND * one.metrics[-1][
+        "eval_loss"]
     assert AutoModelForCausalLM.from_pretrained(one.output_dir / "final").config.vocab_size == 400
     assert AutoTokenizer.from_pretrained(one.output_dir / "final")("2 plus 3").input_ids
 
@@ -165,6 +168,8 @@ def test_every_split_of_the_global_batch_gives_the_same_token_mean_loss(chat, un
                  str(data.parent / "uneven.jsonl"), *UNEVEN, *flags, config=None if config == "single" else config)
     run.check()
     assert max_rel_diff(run.losses, uneven_reference.losses) < 1e-6
+    evaluated = [r["eval_loss"] for r in (run.metrics[-1], uneven_reference.metrics[-1])]
+    assert abs(evaluated[0] - evaluated[1]) <= 1e-6 * evaluated[1]  # the same held-out tokens, weighed alike
     assert max_rel_diff([m["grad_norm"] for m in run.metrics],
                         [m["grad_norm"] for m in uneven_reference.metrics]) < 1e-6
 
@@ -248,3 +253,56 @@ def test_the_samples_average_is_the_same_for_every_split(chat, run_dir):
     ddp = launch(run_dir("ddp"), *args, "--batch_size", "4", "--grad_accum", "2", config="ddp").check()
     assert max_rel_diff(ddp.losses, one.losses) < 1e-6
     assert max_rel_diff([m["grad_norm"] for m in ddp.metrics], [m["grad_norm"] for m in one.metrics]) < 1e-6
+
+
+def _examples_of(rows) -> list[tuple[int, ...]]:
+    """The examples in rows of the causal-LM recipe, padded (one each) or packed (split by segment), sorted."""
+    found = []
+    for row in rows:
+        ids = row["input_ids"].tolist()
+        if "segment" in row:
+            segments = row["segment"].tolist()
+            found += [tuple(t for t, s in zip(ids, segments, strict=True) if s == k) for k in set(segments) - {0}]
+        else:
+            found.append(tuple(ids[:int(row["attention_mask"].sum())]))
+    return sorted(found)
+
+
+def test_the_held_out_examples_are_drawn_from_the_seed_before_packing(chat, test_env, tmp_path):
+    """eval_fraction of the examples, drawn from the seed: the same examples whether they are packed or padded
+    (packing the whole set first and holding out its last rows held out the shortest examples), others for another
+    seed; --eval_data holds out that file's examples instead, and every example of --data trains."""
+    folder, data = chat
+    recipe = load_recipe("causal_lm")
+    common = {"model_name_or_path": str(folder), "tokenizer": "saved", "data": str(data), "chat_template": "chatml",
+              "seq_len": 192}
+    train, padded = recipe.make_datasets(recipe.Config(**common), tmp_path)
+    _, packed = recipe.make_datasets(recipe.Config(**common, packing=True), tmp_path)
+    assert len(padded) == int(EXAMPLES * 0.05) and len(train) == EXAMPLES - len(padded) and len(packed) < len(padded)
+    assert _examples_of(packed) == _examples_of(padded)
+    assert _examples_of(recipe.make_datasets(recipe.Config(**common, seed=1), tmp_path)[1]) != _examples_of(padded)
+    held = tmp_path / "held.jsonl"
+    held.write_text("".join(json.dumps({"messages": conversation(i, 2)}) + "\n" for i in range(5)))
+    train, evaluated = recipe.make_datasets(recipe.Config(**common, eval_data=str(held), packing=True), tmp_path)
+    _, alone = recipe.make_datasets(recipe.Config(**{**common, "data": str(held)}, eval_fraction=0.5), tmp_path)
+    assert len(_examples_of(evaluated)) == 5 and sum(len(r["input_ids"]) for r in train) >= EXAMPLES * 60
+    assert set(_examples_of(alone)) < set(_examples_of(evaluated))  # that file's own examples
+
+
+@pytest.mark.slow
+def test_an_eval_file_is_evaluated_whole_on_any_process_count(chat, run_dir, tmp_path):
+    """--eval_data with 5 examples packed into rows that 2 processes x 2 cannot split evenly: one process and DDP
+    give the same eval loss, every row evaluated (before, the rows past the last whole global batch were not)."""
+    folder, data = chat
+    held = tmp_path / "held.jsonl"
+    held.write_text("".join(json.dumps({"messages": conversation(i, i + 1)}) + "\n" for i in range(5)))
+    args = ["--recipe", "causal_lm", "--model_name_or_path", str(folder), "--tokenizer", "saved", "--data",
+            str(data), "--eval_data", str(held), "--chat_template", "chatml", "--seq_len", "96", "--max_steps", "2",
+            "--eval_every", "0"]
+    one = launch(run_dir("one"), *args, "--batch_size", "4").check()
+    ddp = launch(run_dir("ddp"), *args, "--batch_size", "2", config="ddp").check()
+    assert abs(ddp.metrics[-1]["eval_loss"] - one.metrics[-1]["eval_loss"]) <= PARITY_BOUND * one.metrics[-1][
+        "eval_loss"]
+    answers = [json.loads(line) for line in (one.output_dir / "generations.jsonl").read_text().splitlines()]
+    assert [a["expected"] for a in answers] == ["2 plus 3 is 5.<|im_end|>\n",
+                                                              "3 plus 4 is 7. 3 plus 4 is 7.<|im_end|>\n"]

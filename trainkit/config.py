@@ -39,7 +39,7 @@ class TrainConfig:
     # initial_scale_power). It halves on every overflow and doubles after 2000 steps without one.
     loss_scale: float = 2.0 ** 16
     eval_every: int = 50  # optimizer steps between evaluations; 0 evaluates only at the end
-    eval_batches: int = 4  # global batches of the held-out split per evaluation
+    eval_batches: int = 4  # global batches of the held-out split per evaluation; 0: all of it
     seed: int = 0
     # DDP: parameters may take no part in a step (a mixture of experts, a branch taken only sometimes). DDP then
     # has to search the graph for them every step, a cost; without it such a model stops with an error naming this.
@@ -88,7 +88,8 @@ class TrainConfig:
             ("max_grad_norm", self.max_grad_norm >= 0, ">= 0 (0 = no clipping)", "use --set max_grad_norm=1.0"),
             ("loss_scale", self.loss_scale > 0, "> 0", "use --set loss_scale=65536 (torch's default)"),
             ("eval_every", self.eval_every >= 0, ">= 0", "use --set eval_every=0 to evaluate only at the end"),
-            ("eval_batches", self.eval_batches >= 1, ">= 1", "use --set eval_batches=1 or more"),
+            ("eval_batches", self.eval_batches >= 0, ">= 0 (0: the whole held-out split)",
+             "use --set eval_batches=0 (all) or more"),
             # numpy's seeding (accelerate's set_seed) takes 0 ... 2**32 - 1 and fails otherwise, mid-setup
             ("seed", 0 <= self.seed < 2 ** 32, "in [0, 2**32 - 1]", "pass --seed 0 or another count"),
             ("pipeline_stages", self.pipeline_stages >= 1, ">= 1 (1 = no pipeline)", "pass --pipeline_stages 2"),

@@ -10,7 +10,6 @@ sharding is not used for this reason: it shards an already-batched loader, which
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -140,43 +139,72 @@ class TrainStream:
         return micro_batches
 
 
-def eval_layout(layout: BatchLayout, num_samples: int) -> BatchLayout | None:
-    """How the held-out split is cut: the training layout, or, for a split smaller than one global batch, the same
-    layout with the largest micro-batch that fits (the whole split but its remainder evaluated at once; the same
-    micro-batch count, which a pipeline's schedule needs). None: not even one sample per micro-batch."""
-    if num_samples >= layout.global_batch:
-        return layout
-    micro_batch = num_samples // (layout.grad_accum * layout.world_size)
-    return dataclasses.replace(layout, micro_batch=micro_batch) if micro_batch else None
+@dataclass(frozen=True, slots=True)
+class EvalLayout:
+    """How the held-out split is evaluated: every one of its first `samples` samples exactly once, on any number of
+    processes. They are cut into micro-batches of one size, the largest that divides `samples` and is at most the
+    training micro-batch, so that no sample is left over and no micro-batch mixes real samples with padding; those
+    micro-batches are dealt to the data-parallel ranks round by round, grad_accum each (a pipeline's schedule runs
+    them as one group), and a rank left without a real one in the last round evaluates a copy of the first that
+    weighs nothing: every rank runs the same forwards (a collective under ZeRO-3 and FSDP2). So the eval loss, the
+    mean over every sample (or every learned unit: a recipe's loss_weight) evaluated, is the same whatever the
+    process count and the split of the global batch."""
+
+    samples: int  # held-out samples evaluated
+    micro_batch: int
+    layout: BatchLayout  # the training layout: this rank's place, grad_accum, the data-parallel size
+
+    @classmethod
+    def of(cls, layout: BatchLayout, held_out: int, global_batches: int) -> EvalLayout:
+        """The first `global_batches` global batches' worth of the split (0: all of it)."""
+        samples = min(held_out, global_batches * layout.global_batch) if global_batches else held_out
+        micro_batch = max(d for d in range(1, min(layout.micro_batch, samples) + 1) if samples % d == 0)
+        return cls(samples, micro_batch, layout)
+
+    @property
+    def rounds(self) -> int:
+        """Rounds of grad_accum micro-batches per data-parallel rank."""
+        per_round = self.layout.grad_accum * self.layout.world_size
+        return -(-self.samples // self.micro_batch // per_round)
+
+    def micro_batches(self) -> Iterator[tuple[list[int], bool]]:
+        """This rank's micro-batches in order: (the samples' indices, whether they are real rather than a copy that
+        weighs nothing)."""
+        a, n, real = self.layout.grad_accum, self.micro_batch, self.samples // self.micro_batch
+        for r in range(self.rounds):
+            for j in range((r * self.layout.world_size + self.layout.rank) * a, (r * self.layout.world_size +
+                                                                                 self.layout.rank + 1) * a):
+                yield (list(range(j * n, (j + 1) * n)), True) if j < real else (list(range(n)), False)
+
+    def note(self, held_out: int) -> str | None:
+        """Said before training where the micro-batch is not the training's, or the split is not evaluated whole."""
+        parts = [f"the first {self.samples} of the {held_out} held-out samples evaluated (--eval_batches)"
+                 if self.samples < held_out else ""]
+        if self.micro_batch != self.layout.micro_batch:
+            parts.append(f"in micro-batches of {self.micro_batch}, the largest that divides the {self.samples} "
+                         f"samples evaluated, so that each is evaluated once on any number of processes")
+        return "; ".join(p for p in parts if p) or None
 
 
-def split_layouts(layout: BatchLayout, train_set: Dataset, eval_set: Dataset) -> tuple[BatchLayout, str | None]:
-    """The held-out split's layout (eval_layout) and a note when it is smaller than the training's; a training split
-    without one global batch (one that has a length: a streamed one has none), or a held-out one without a sample
-    per micro-batch, is refused."""
-    eval_samples = len(eval_set)  # type: ignore[arg-type]
-    held_out = eval_layout(layout, eval_samples)
+def split_layouts(layout: BatchLayout, train_set: Dataset, eval_set: Dataset,
+                  global_batches: int) -> tuple[EvalLayout, str | None]:
+    """The held-out split's EvalLayout and a note about it; a training split without one global batch (one that has
+    a length: a streamed one has none), or an empty held-out one, is refused."""
     where = "batch_size x grad_accum x data-parallel size"
-    fix = "use a smaller --batch_size or --grad_accum, or more data"
     if hasattr(train_set, "__len__") and len(train_set) < layout.global_batch:
         raise ConfigError([Problem(f"the training split has {len(train_set)} samples, fewer than "
-                                   f"{layout.global_batch}: one global batch", where, fix)])
-    if held_out is None:
-        raise ConfigError([Problem(f"the held-out split has {eval_samples} samples, fewer than "
-                                   f"{layout.grad_accum * layout.world_size}: one per micro-batch of every "
-                                   f"data-parallel rank", where, fix)])
-    note = None if held_out is layout else (
-        f"the held-out split ({eval_samples} samples) is smaller than one global batch ({layout.global_batch}): "
-        f"evaluated as one batch of {held_out.global_batch} (micro-batch {held_out.micro_batch})")
-    return held_out, note
+                                   f"{layout.global_batch}: one global batch", where,
+                                   "use a smaller --batch_size or --grad_accum, or more data")])
+    if len(eval_set) == 0:  # type: ignore[arg-type]
+        raise ConfigError([Problem("the held-out split is empty", "--eval_fraction / --eval_data",
+                                   "hold out more data (a larger --eval_fraction, or a larger --eval_data file)")])
+    held = EvalLayout.of(layout, len(eval_set), global_batches)  # type: ignore[arg-type]
+    return held, held.note(len(eval_set))  # type: ignore[arg-type]
 
 
-def eval_batches(dataset: Dataset, layout: BatchLayout, num_global_batches: int) -> Iterator:
-    """This rank's micro-batches of the first `num_global_batches` global batches of the held-out split, in order."""
-    sampler = GlobalBatchSampler(len(dataset), layout, seed=0, shuffle=False)  # type: ignore[arg-type]
-    sampler.set_epoch(0)
-    limit = min(num_global_batches, sampler.batches_per_epoch) * layout.grad_accum
-    for i, batch in enumerate(DataLoader(dataset, batch_sampler=sampler, generator=private_generator())):
-        if i == limit:
-            return
-        yield batch
+def eval_batches(dataset: Dataset, held: EvalLayout) -> Iterator[tuple[Any, bool]]:
+    """This rank's held-out micro-batches, collated, each with whether it is real (EvalLayout.micro_batches)."""
+    dealt = list(held.micro_batches())
+    loader = DataLoader(dataset, batch_sampler=[indices for indices, _ in dealt], generator=private_generator())
+    for batch, (_, real) in zip(loader, dealt, strict=True):
+        yield batch, real

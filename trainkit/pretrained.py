@@ -57,12 +57,20 @@ def tokenizer_mismatch(tokenizer, folder: Path) -> Problem | None:
                    f"--tokenizer auto to take {name} (what AutoTokenizer gives every user of this folder)")
 
 
+def source(model_name_or_path: str) -> str:
+    """What from_pretrained is given: a local folder as its absolute path, which the loaded model keeps as its
+    name_or_path and peft writes into the adapter's adapter_config.json (a relative one would name another folder,
+    or none, wherever the adapter is loaded from outside the launch's directory); a Hub id as it is."""
+    folder = Path(model_name_or_path)
+    return str(folder.resolve()) if folder.is_dir() else model_name_or_path
+
+
 def load(what: str, cfg: Any, from_pretrained: Callable[..., Any]) -> Any:
     """from_pretrained(cfg.model_name_or_path) with the recipe's safety settings (trust_remote_code; allow_pickle
     where the caller passes it on); a failure is a config problem naming the model and the fix."""
     where = f"--model_name_or_path {cfg.model_name_or_path}"
     try:
-        return from_pretrained(cfg.model_name_or_path, trust_remote_code=cfg.trust_remote_code)
+        return from_pretrained(source(cfg.model_name_or_path), trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError) as e:
         said = " ".join(str(e).split())
         local = Path(cfg.model_name_or_path).is_dir()

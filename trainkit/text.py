@@ -92,7 +92,8 @@ def check_streaming(data: str, text_field: str, streaming: str, bad_lines: str) 
 CHECKED_BYTES = 1 << 20
 
 
-def check_data(data: str, text_field: str | None = None, streamed: bool = False) -> list[Problem]:
+def check_data(data: str, text_field: str | None = None, streamed: bool = False,
+               flag: str = "--data") -> list[Problem]:
     """Problems with `--data` that can be seen cheaply, before anything is built: missing files, mixed formats, and
     each local file's first CHECKED_BYTES (empty, a line that is not valid JSON, no `text_field`, a field that is not
     text, a CSV row of the wrong width), named by file and line. text_field None checks no field. Streamed data: its
@@ -106,7 +107,7 @@ def check_data(data: str, text_field: str | None = None, streamed: bool = False)
     files = local_files(data)
     if files is None:
         return []
-    where = f"--data {data}"
+    where = f"{flag} {data}"
     missing = [str(p) for p in files if not p.is_file()]
     if missing:
         return [Problem(f"data file(s) not found: {', '.join(missing)}", where,
@@ -115,16 +116,16 @@ def check_data(data: str, text_field: str | None = None, streamed: bool = False)
     if len(formats) != 1 or None in formats:
         return [Problem(f"cannot tell one format from the suffixes of {data}", where,
                         "use files of one kind: .txt, .jsonl/.json or .csv")]
-    return [problem for path in files if (problem := file_problem(path, text_field, CHECKED_BYTES))]
+    return [problem for path in files if (problem := file_problem(path, text_field, CHECKED_BYTES, flag))]
 
 
-def file_problem(path: Path, text_field: str | None, limit: int | None = None) -> Problem | None:
+def file_problem(path: Path, text_field: str | None, limit: int | None = None, flag: str = "--data") -> Problem | None:
     """The first mistake in a local data file (its first `limit` bytes; None: all of it), as editors count lines
     (from 1), or None."""
     import csv
     import io
 
-    where = f"--data {path}"
+    where = f"{flag} {path}"
     if path.stat().st_size == 0:
         return Problem(f"{path} is empty", where, "pass a file that holds the text to train on")
     with open(path, "rb") as f:
@@ -196,9 +197,11 @@ def _json_type(value) -> str:
             type(None): "null"}.get(type(value), type(value).__name__)
 
 
-def load_documents(data: str, data_config: str, text_field: str, cache_dir: Path):
-    """A `datasets.Dataset` with a `text` column, from the default corpus, local files, or a hub dataset."""
-    ds, where = load_records(data, data_config, text_field, cache_dir), f"--data {data}"
+def load_documents(data: str, data_config: str, text_field: str, cache_dir: Path, split: str = "train",
+                   flag: str = "--data"):
+    """A `datasets.Dataset` with a `text` column, from the default corpus, local files, or a hub dataset (its
+    `split`); flag: the option that named the data, for the errors."""
+    ds, where = load_records(data, data_config, text_field, cache_dir, split, flag), f"{flag} {data}"
     if text_field not in ds.column_names:
         raise ConfigError([Problem(f"the data has no column {text_field!r} (columns: {', '.join(ds.column_names)})",
                                    where, "name the text column with --text_field")])
@@ -237,17 +240,19 @@ def first_fields(data: str) -> list[str] | None:
     return None
 
 
-def load_records(data: str, data_config: str, text_field: str | None, cache_dir: Path):
+def load_records(data: str, data_config: str, text_field: str | None, cache_dir: Path, split: str = "train",
+                 flag: str = "--data"):
     """A `datasets.Dataset` of --data's records with every field, from the default corpus, local files, or a hub
-    dataset; text_field is the field check_data looks for in local files (None: none)."""
+    dataset (its `split`: local files are one split); text_field is the field check_data looks for in local files
+    (None: none)."""
     import datasets
 
     datasets.disable_progress_bars()
     hf_cache = str(cache_dir / "hf_datasets")
     files = [default_corpus(cache_dir)] if data == "pydoc" else local_files(data)
-    where = f"--data {data}"
+    where = f"{flag} {data}"
     if files is not None:
-        problems = check_data(data, text_field)
+        problems = check_data(data, text_field, flag=flag)
         if problems:
             raise ConfigError(problems)
         builder = LOCAL_FORMATS[files[0].suffix]
@@ -258,7 +263,7 @@ def load_records(data: str, data_config: str, text_field: str | None, cache_dir:
             ds = datasets.load_dataset(builder, data_files=[str(p) for p in files], split="train",
                                        cache_dir=hf_cache, **kwargs)
         except Exception as e:  # a mistake past what check_data read: find it in the whole files
-            found = [problem for path in files if (problem := file_problem(path, text_field))]
+            found = [problem for path in files if (problem := file_problem(path, text_field, flag=flag))]
             cause = e.__cause__ or e.__context__ or e
             raise ConfigError(found[:1] or [Problem(f"cannot read {data}: {said(cause)}", where,
                                                     "check the files' format")]) from None
@@ -266,13 +271,28 @@ def load_records(data: str, data_config: str, text_field: str | None, cache_dir:
             datasets.logging.set_verbosity(verbosity)
     else:
         try:
-            ds = datasets.load_dataset(data, data_config or None, split="train", cache_dir=hf_cache)
+            ds = datasets.load_dataset(data, data_config or None, split=split, cache_dir=hf_cache)
         except Exception as e:  # offline, unknown name, gated: the library's own words, and what to do instead
             raise ConfigError([Problem(f"could not load the Hugging Face dataset {data!r}: {type(e).__name__}: "
                                        f"{str(e).splitlines()[0] if str(e) else ''}", where,
                                        "check the name and the network, or pass local .txt/.jsonl/.csv files")]
                               ) from None
     return ds
+
+
+def drawn_held_out(records, eval_fraction: float, seed: int, data: str, units: str):
+    """(train, held-out) of a recipe's records (examples, before they are packed into rows), eval_fraction of them
+    held out, drawn from the seed: every kind of example is held out as often as it occurs, whatever the file's
+    order and however a packer would group them. Too little data for both is said as such, naming the data."""
+    import torch
+
+    if len(records) < 2:
+        raise ConfigError([Problem(
+            f"too little data: --data {data} gives {len(records)} {units}, and a training and a held-out split need "
+            f"2 at least", f"--data {data}", "pass more data, or a held-out file (--eval_data)")])
+    order = torch.randperm(len(records), generator=torch.Generator().manual_seed(seed)).tolist()
+    held_out = max(1, int(len(records) * eval_fraction))
+    return records.select(sorted(order[held_out:])), records.select(sorted(order[:held_out]))
 
 
 def split_held_out(samples, eval_fraction: float, data: str, units: str):

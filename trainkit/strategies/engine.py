@@ -195,34 +195,35 @@ class Engine:
 
         return send_to_device(batch, self.accelerator.device)
 
-    def evaluate(self, batches: Iterator, loss_fn: LossFn, metrics_fn: MetricsFn) -> dict[str, float]:
-        """eval_loss and eval_<metric> over every rank's held-out micro-batches, with one collective.
+    def evaluate(self, batches: Iterator[tuple[Any, bool]], loss_fn: LossFn,
+                 metrics_fn: MetricsFn) -> dict[str, float]:
+        """eval_loss and eval_<metric> over every rank's held-out micro-batches (trainkit/data.py's EvalLayout: each
+        with whether it is real or a copy that weighs nothing), with one collective.
 
-        The loss is the mean of the micro-batch means (equal micro-batches: that is the mean), or with the recipe's
-        loss_weight the mean over every unit evaluated; each recipe metric is a sum over a micro-batch's samples,
-        divided here by the number of samples evaluated on all ranks.
+        The loss is the mean over every sample evaluated (each micro-batch's mean weighs its samples), or with the
+        recipe's loss_weight over every unit (a learned token); each recipe metric is a sum over a micro-batch's
+        samples, divided here by the number of samples evaluated on all ranks.
         """
         model = self.model
         model.eval()
         weigh = self.loss_weigher
-        loss_sum, batch_count, sample_count, sums = 0.0, 0, 0, {}
+        loss_sum, weight_sum, sample_count, sums = 0.0, 0.0, 0, {}
         with torch.no_grad():
-            for batch in batches:
-                weight = 1.0 if weigh is None else float(weigh(self.cfg, batch))
+            for batch, real in batches:
+                samples = batch_samples(batch)
+                weight = (float(weigh(self.cfg, batch)) if weigh is not None else samples) if real else 0.0
                 batch = self.cast_batch(batch)
                 loss_sum = loss_sum + loss_fn(model, batch).detach().float() * weight
                 for name, value in metrics_fn(model, batch).items():
-                    sums[name] = sums.get(name, 0.0) + value.detach().float()
-                batch_count += weight
-                sample_count += _samples(batch)
+                    sums[name] = sums.get(name, 0.0) + value.detach().float() * real
+                weight_sum += weight
+                sample_count += samples * real
         model.train()
         device = self.accelerator.device
         local = torch.stack([torch.as_tensor(v, dtype=torch.float32, device=device).reshape(()) for v in
-                             (loss_sum / batch_count, loss_sum, batch_count, sample_count, *sums.values())])
-        mean_of_means, loss_total, weight_total, samples, *metric_sums = self.accelerator.reduce(local, "sum").tolist()
-        # The mean of the ranks' means (their batches weigh the same), or, weighed, the mean over every unit evaluated
-        eval_loss = mean_of_means / self.accelerator.num_processes if weigh is None else loss_total / weight_total
-        return {"eval_loss": eval_loss,
+                             (loss_sum, weight_sum, sample_count, *sums.values())])
+        loss_total, weight_total, samples, *metric_sums = self.accelerator.reduce(local, "sum").tolist()
+        return {"eval_loss": loss_total / weight_total,
                 **{f"eval_{name}": total / samples for name, total in zip(sums, metric_sums, strict=True)}}
 
     def generate(self, generate_fn: Callable[[torch.nn.Module, TrainConfig, Any], list[dict[str, str]]],
@@ -270,7 +271,7 @@ class Engine:
         return contextlib.nullcontext()
 
 
-def _samples(batch: Any) -> int:
+def batch_samples(batch: Any) -> int:
     """The number of samples in a collated batch: the length of its first tensor."""
     first = next(iter(batch.values())) if isinstance(batch, dict) else batch[0] if isinstance(batch, list | tuple) \
         else batch

@@ -44,7 +44,7 @@ from trainkit.metrics import state_bytes
 from trainkit.recipes import Recipe, no_generations
 from trainkit.strategies.base import Strategy
 from trainkit.strategies.dims import ParallelDims, data_parallel_rank, parallelism_problems
-from trainkit.strategies.engine import Engine, LossFn, MetricsFn
+from trainkit.strategies.engine import Engine, LossFn, MetricsFn, batch_samples
 from trainkit.strategies.mesh import held_numel, without_accelerate_fsdp
 from trainkit.strategies.parallelize import FSDPSettings, block_classes, clip_to, grad_norm, local, parallelize, whole
 from trainkit.strategies.stages import (
@@ -238,25 +238,33 @@ class PipelineEngine(Engine):
     def loss_holders(self) -> int:
         return self.data_parallel_size  # the last stage of each replica; the others agree with a loss of 0
 
-    def evaluate(self, batches: Iterator, loss_fn: LossFn, metrics_fn: MetricsFn) -> dict[str, float]:
-        """eval_loss through the pipeline, forward only, grad_accum micro-batches at a time (the recipe's other
-        eval metrics need the whole model's output, which no stage has: not computed under a pipeline)."""
+    def evaluate(self, batches: Iterator[tuple[Any, bool]], loss_fn: LossFn,
+                 metrics_fn: MetricsFn) -> dict[str, float]:
+        """eval_loss through the pipeline, forward only, grad_accum micro-batches at a time, each weighing its
+        samples or its units (the recipe's loss_weight), a copy that is not real nothing (trainkit/data.py's
+        EvalLayout); the recipe's other eval metrics need the whole model's output, which no stage has: not computed
+        under a pipeline."""
         self.model.eval()
         weigh, counts = self.loss_weigher, self.last and self.tp_rank == 0  # once per tensor-parallel group
         group: list = []
         sums = torch.zeros(2, device=self.accelerator.device)  # the losses (weighed), and what they weigh
-        for batch in batches:
-            group.append(self.cast_batch(batch))
+        for batch, real in batches:
+            group.append((self.cast_batch(batch), real))
             if len(group) < self.cfg.grad_accum:
                 continue
-            weights = [float(weigh(self.cfg, b)) for b in group] if weigh is not None else [1.0] * len(group)
-            inputs, targets = self._cut(group, weights if weigh is not None else None)
+            micro = [b for b, _ in group]
+            weights = [(float(weigh(self.cfg, b)) if weigh is not None else batch_samples(b)) * real
+                       for b, real in group]
+            # Weighed multiplies each loss by its factor inside the schedule; without it, the factor is applied here
+            inputs, targets = self._cut(micro, weights if weigh is not None else None)
             losses: list[torch.Tensor] = []
             with torch.no_grad(), self.accelerator.autocast():
                 self.schedule.eval(*([inputs] if self.first else []), target=targets if self.last else None,
                                    losses=losses)
             if counts:
-                sums += torch.stack([torch.stack(losses).float().sum(), torch.tensor(sum(weights))])
+                weighed = [loss.float() * (1.0 if weigh is not None else w) for loss, w in
+                           zip(losses, weights, strict=True)]
+                sums += torch.stack([torch.stack(weighed).sum(), torch.tensor(sum(weights))])
             group = []
         self.model.train()
         dist.all_reduce(sums)
