@@ -50,6 +50,10 @@ class Config(TrainConfig):
     trust_remote_code: bool = False  # run code shipped with the model (a Hub model's own modelling files)
     allow_pickle: bool = False  # accept pytorch_model.bin weights (unpickled) when there are no safetensors
     trainable: str = ""  # comma-separated parameter-name prefixes to train, the rest frozen; empty: all
+    # What the pretrained weights load as (from_pretrained's dtype; auto: the dtype saved with them). It is what a
+    # frozen base holds under LoRA (an 8B base: 15 GiB in bf16, 30 in fp32); every weight that trains (LoRA's
+    # adapters, a full or --trainable fine-tune) is kept in fp32 with its optimizer state, as is --trainable's rest.
+    model_dtype: str = "auto"
     # Which tokenizer: "" (AutoTokenizer's, refused when it encodes text otherwise than the folder's tokenizer.json),
     # "saved" (that tokenizer.json as it is) or "auto" (AutoTokenizer's, unchecked). transformers picks some model
     # types' own class whatever tokenizer_config.json says (a Qwen2 folder loads as Qwen2Tokenizer).
@@ -110,6 +114,9 @@ class Config(TrainConfig):
             problems.append(Problem("no model to fine-tune", "config field model_name_or_path",
                                     "pass --model_name_or_path with a folder from_pretrained reads (such as "
                                     "runs/tiny_transformer/final) or a Hub id"))
+        if self.model_dtype not in MODEL_DTYPES:
+            problems.append(Problem(f"model_dtype must be one of {', '.join(MODEL_DTYPES)}, got {self.model_dtype!r}",
+                                    "config field model_dtype", "use --model_dtype auto"))
         if self.tokenizer not in ("", "saved", "auto"):
             problems.append(Problem(f"tokenizer must be saved or auto (or empty), got {self.tokenizer!r}",
                                     "config field tokenizer", "use --tokenizer saved"))
@@ -156,15 +163,21 @@ class Config(TrainConfig):
         return "text" if fields is None else sft.detect(fields, self.text_field)
 
 
+# --model_dtype's names -> from_pretrained's dtype
+MODEL_DTYPES = {"auto": "auto", "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
 def build_model(cfg: Config) -> nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = pretrained.load("model's config", cfg, AutoConfig.from_pretrained)
     if torch.get_default_device().type == "meta":  # --estimate and --dry_run: the shapes, no weights
-        model = AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.trust_remote_code)
-        return lora.with_lora(model, cfg) if cfg.lora_r else model
+        dtype = MODEL_DTYPES[cfg.model_dtype]
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.trust_remote_code,
+                                                 dtype=getattr(config, "dtype", None) if dtype == "auto" else dtype)
+        return _trained_in_fp32(lora.with_lora(model, cfg) if cfg.lora_r else model)
     model = pretrained.load("model", cfg, lambda path, **kw: AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, use_safetensors=None if cfg.allow_pickle else True,
+        path, dtype=MODEL_DTYPES[cfg.model_dtype], use_safetensors=None if cfg.allow_pickle else True,
         **lora.quantised(cfg.load_in_4bit), **kw))
     if cfg.load_in_4bit:
         from peft import prepare_model_for_kbit_training
@@ -180,7 +193,16 @@ def build_model(cfg: Config) -> nn.Module:
             param.requires_grad_(name in chosen)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return lora.with_lora(model, cfg) if cfg.lora_r else model
+    return _trained_in_fp32(lora.with_lora(model, cfg) if cfg.lora_r else model)
+
+
+def _trained_in_fp32(model: nn.Module) -> nn.Module:
+    """--model_dtype is the frozen base's: a model that trains more than adapters (peft keeps those in fp32 itself)
+    is made fp32 whole, since layers of two dtypes in one forward fail without autocast; a QLoRA base stays 4-bit."""
+    is_peft = hasattr(model, "peft_config")
+    if not is_peft and any(p.is_floating_point() and p.dtype != torch.float32 for p in model.parameters()):
+        model.float()
+    return model
 
 
 def tokenizer_of(cfg: Config):

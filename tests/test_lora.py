@@ -266,3 +266,36 @@ def test_an_adapter_names_its_base_wherever_it_is_loaded_from(chat, test_env, tm
     assert ask.main([str(adapter), "What is 2 plus 3?", "--base", str(folder), "--system", "Add.",
                      "--max_new_tokens", "2"]) == 0
     assert "Traceback" not in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def fp32_base(chat, tmp_path_factory):
+    """One process, LoRA over the base loaded in fp32: the reference of the bf16-base runs."""
+    out = tmp_path_factory.mktemp("fp32-base") / "out"
+    return launch(out, *DTYPE_ARGS(chat), "--model_dtype", "fp32", "--batch_size", "8").check()
+
+
+def DTYPE_ARGS(chat) -> list[str]:  # noqa: N802 (a constant made from the fixture)
+    return ["--recipe", "causal_lm", "--model_name_or_path", str(chat[0]), "--data", str(chat[1]), "--tokenizer",
+            "saved", "--chat_template", "chatml", "--packing", "--seq_len", "192", "--max_steps", "6", "--eval_every",
+            "0", "--lr", "3e-3", "--lora_r", "8"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", ["single", "ddp", "fsdp", "deepspeed_zero2", "deepspeed_zero3"])
+def test_a_bf16_base_holds_half_the_frozen_bytes_and_trains_like_the_fp32_one(chat, fp32_base, run_dir, config):
+    """--model_dtype bf16 (the Qwen2 was saved in fp32): the frozen base held in bf16, the adapters and their
+    optimizer state in fp32; the curve within 1e-4 of the fp32 base's (measured 2e-5 over 6 steps: the base's
+    matmuls round to bf16), the state the estimate said to 1%. ZeRO-3 partitions every weight in its training
+    dtype: under fp32 it holds the base in fp32 again and gives the fp32 curve."""
+    yaml, flags = ("single", ["--batch_size", "8"]) if config == "single" else entry(config, 8)
+    run = launch(run_dir("out"), *DTYPE_ARGS(chat), "--model_dtype", "bf16", *flags,
+                 config=None if yaml == "single" else yaml).check()
+    held, estimated = run.metrics[-1]["state_bytes"], run.resolved["estimated_state_bytes"]
+    if config == "deepspeed_zero3":  # its partitions' padding and persistent parameters: 5.6% here, 10% elsewhere
+        assert abs(estimated - held) <= 0.1 * held and max_rel_diff(run.losses, fp32_base.losses) < PARITY_BOUND
+        return
+    assert abs(estimated - held) <= 0.01 * held, (estimated, held)
+    assert 0 < max_rel_diff(run.losses, fp32_base.losses) < 1e-4 and run.losses[-1] < run.losses[0]
+    reference = fp32_base.metrics[-1]["state_bytes"] / (1 if config in ("single", "ddp", "deepspeed_zero2") else 2)
+    assert held < 0.8 * reference

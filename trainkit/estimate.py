@@ -60,10 +60,16 @@ class ModelShape:
     tp_plan: tuple[tuple[str, str], ...] = ()
     decoder: DecoderShape | None = None  # a transformers decoder's sizes; None for any other model
     frozen: tuple[bool, ...] = ()  # per parameter, in the order of numels: frozen (no gradient, no optimizer state)
+    frozen_bytes: int = 4  # bytes per element of the frozen weights (what a pretrained base loads as: --model_dtype)
 
     @property
     def num_params(self) -> int:
         return sum(self.numels)
+
+    def weight_bytes(self, held: int, trained: int, low: int = 4) -> int:
+        """Bytes of `held` weight elements of which `trained` train: those at `low` bytes (4: fp32; DeepSpeed casts
+        to 16 bits), the frozen rest at their own size where it is smaller."""
+        return low * trained + min(low, self.frozen_bytes) * (held - trained)
 
     def trained(self) -> ModelShape:
         """The parameters that train (LoRA's adapters, --trainable's): the ones with gradients and optimizer states."""
@@ -91,9 +97,10 @@ def model_shape(recipe: Recipe, cfg: TrainConfig, model: torch.nn.Module | None 
     names, params = zip(*model.named_parameters(), strict=True)
     layers = getattr(getattr(model, "config", None), "num_hidden_layers", None) or \
         sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    frozen = [p.element_size() for p in params if not p.requires_grad and p.is_floating_point()]
     return ModelShape(tuple(p.numel() for p in params), hidden_size(model), layers, tuple(names),
                       tuple((getattr(model, "_tp_plan", None) or {}).items()), decoder_shape(model),
-                      tuple(not p.requires_grad for p in params))
+                      tuple(not p.requires_grad for p in params), max(frozen, default=4))
 
 
 def decoder_shape(model: torch.nn.Module) -> DecoderShape | None:

@@ -56,10 +56,12 @@ class DDP(Strategy):
         return launch.distributed_type in ("MULTI_GPU", "MULTI_CPU") and launch.world_size > 1
 
     def estimate(self, shape: ModelShape, world_size: int, activations: int) -> Estimate:
-        """Everything replicated: fp32 weights, fp32 gradients (kept between steps), the optimizer's fp32 states.
-        Accelerate's bf16 is autocast: the weights stay fp32, so bf16 saves no state memory."""
+        """Everything replicated: fp32 weights (a frozen base: as loaded, --model_dtype), fp32 gradients (kept
+        between steps), the optimizer's fp32 states. Accelerate's bf16 is autocast: the weights stay fp32, so bf16
+        saves no state memory."""
         n, trained = shape.num_params, shape.trained().num_params
-        return Estimate(self.label, 4 * n, 4 * trained, OPTIMIZER_BYTES[self.cfg.optimizer] * trained, 0, activations)
+        return Estimate(self.label, shape.weight_bytes(n, trained), 4 * trained,
+                        OPTIMIZER_BYTES[self.cfg.optimizer] * trained, 0, activations)
 
 
 class Single(DDP):

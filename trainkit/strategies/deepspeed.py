@@ -348,12 +348,15 @@ class DeepSpeed(Strategy):
         if self.stage != 3:
             if not self.offloads_optimizer:
                 transient = low * t if self.stage in (0, 1) else 0  # ZeRO-2 reduce-scatters in buckets
-                return Estimate(self.label, low * n, 0, optimizer, 0, activations, transient)
+                return Estimate(self.label, shape.weight_bytes(n, t, low), 0, optimizer, 0, activations, transient)
             staging = low * max(trained.numels, default=0)
             grads = 4 * math.ceil(t / w) + 2 * staging
             optimizer += low * math.ceil(t / w)
-            return Estimate(self.label, low * n, grads, optimizer, optimizer + grads - staging, activations)
+            return Estimate(self.label, shape.weight_bytes(n, t, low), grads, optimizer, optimizer + grads - staging,
+                            activations)
         persistent = sum(k for k in shape.numels if k < persistence_threshold(shape.hidden))
+        # ZeRO-3 partitions every weight in its training dtype, a frozen base too (measured: a LoRA run's bf16 base
+        # is held in fp32 under fp32 ZeRO-3 and trains as the fp32 base does; ZeRO-1/2 leave frozen weights alone)
         params = low * (math.ceil((n - persistent) / w) + persistent)
         host = (params if self.offloads_params else 0) + (optimizer if self.offloads_optimizer else 0)
         return Estimate(self.label, params, low * math.ceil(t / w), optimizer, host, activations)

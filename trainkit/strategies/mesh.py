@@ -163,8 +163,9 @@ class Mesh(Strategy):
         shard, trained = held_numel(shape, self.dims.resized(world_size)), \
             held_numel(shape.trained(), self.dims.resized(world_size))
         opt = OPTIMIZER_BYTES[self.cfg.optimizer]
-        host = 4 * shard + (4 + opt) * trained if self.offload else 0
-        return Estimate(self.label, 4 * shard, 4 * trained, opt * trained, host, activations)
+        weights = shape.weight_bytes(shard, trained)
+        host = weights + (4 + opt) * trained if self.offload else 0
+        return Estimate(self.label, weights, 4 * trained, opt * trained, host, activations)
 
     @property
     def data_parallel_size(self) -> int:

@@ -402,6 +402,8 @@ class Pipeline(Strategy):
         n, trained = held(shape), held(shape.trained())
         m = self.cfg.grad_accum
         in_flight = m if self.cfg.pipeline_schedule == "gpipe" else min(m, self.stages)
-        host = (4 + 4 + OPTIMIZER_BYTES[self.cfg.optimizer]) * n if self.sharded and self.settings.offload else 0
-        return Estimate(self.label, 4 * n, 4 * trained, OPTIMIZER_BYTES[self.cfg.optimizer] * trained, host,
+        weights = shape.weight_bytes(n, trained)
+        host = weights + (4 + OPTIMIZER_BYTES[self.cfg.optimizer]) * trained \
+            if self.sharded and self.settings.offload else 0
+        return Estimate(self.label, weights, 4 * trained, OPTIMIZER_BYTES[self.cfg.optimizer] * trained, host,
                         int(activations * per_process * in_flight / dims.tp))
