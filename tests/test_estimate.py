@@ -32,8 +32,8 @@ def test_table_names_the_cheapest_strategy_that_fits(check_only, run_dir):
                      "--device_memory", "80GB", *BIG).check()
     rows = {line.split()[0] for line in run.stdout.splitlines()}
     assert set(STRATEGIES) <= rows
-    assert ("--device_memory 74.506 GiB: a strategy fits when its device peak is at most 67.055 GiB (90%; the rest "
-            "goes to the framework") in run.stdout
+    assert ("--device_memory 74.506 GiB: a strategy fits when its device peak is at most 66.055 GiB (90% less 1 "
+            "GiB: the rest goes to the CUDA context") in run.stdout
     assert "cheapest strategy that fits: deepspeed_zero2 (device peak " in run.stdout
     small = check_only(run_dir("y"), "--recipe", "tiny_transformer", "--estimate", "--num_processes", "8",
                        "--device_memory", "24GB", *BIG).check()
@@ -112,7 +112,7 @@ def test_7b_at_4096_tokens_without_checkpointing_fits_zero3_under_sdpa(check_onl
                      "--device_memory", "80GB", "--precision", "bf16", *llama_7b, "--accelerate_config",
                      str(ROOT / "accelerate_configs" / "deepspeed_zero3.yaml")).check()
     activations = float(re.search(r"activations ([\d.]+) GiB", run.stdout).group(1))
-    assert 15 < activations < 30 and "this launch (deepspeed_zero3, 8 process(es))" in run.stdout
+    assert 15 < activations < 40 and "this launch (deepspeed_zero3, 8 process(es))" in run.stdout
     assert re.search(r"device peak [\d.]+ GiB; fits", run.stdout), run.stdout
 
 
@@ -139,3 +139,80 @@ def test_activation_estimate_matches_the_measured_peak(arch, attention, micro_ba
     estimated = activation_bytes(shape, micro_batch, seq_len, "no", False)
     assert shape.decoder.attention == attention and saved < peak
     assert abs(estimated - peak) <= 0.15 * peak, (estimated, peak)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("vocab, hidden, micro_batch, seq_len", [(1024, 256, 4, 512), (32000, 256, 2, 512),
+                                                                  (128256, 64, 2, 256)])
+def test_the_bf16_activation_estimate_counts_the_logits_in_fp32(vocab, hidden, micro_batch, seq_len):
+    """Under bf16 autocast the loss upcasts the logits: its logit-sized tensors are fp32 (Llama-3's vocabulary of
+    128,256: 2 x 256 tokens hold 769 MiB at the peak, as in fp32; counted at 2 bytes they were estimated at 379).
+    The estimate within 10% of the measured peak of the causal-LM recipe's loss on a Llama built from a config, at a
+    small and at two large vocabularies."""
+    import sys
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from trainkit.estimate import activation_bytes, measured_activations
+
+    load_recipe("causal_lm")
+    recipe = sys.modules["recipe_causal_lm"]
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                                         tie_word_embeddings=False, attn_implementation="sdpa"))
+    batch = {"input_ids": torch.randint(0, vocab, (micro_batch, seq_len)),
+             "attention_mask": torch.ones(micro_batch, seq_len, dtype=torch.long)}
+
+    def step() -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return recipe.loss(model, batch)
+
+    _, peak = measured_activations(model, step)
+    from trainkit.estimate import ModelShape, decoder_shape
+
+    names, params = zip(*model.named_parameters(), strict=True)
+    shape = ModelShape(tuple(p.numel() for p in params), hidden, 2, names, (), decoder_shape(model))
+    estimated = activation_bytes(shape, micro_batch, seq_len, "bf16", False)
+    assert abs(estimated - peak) <= 0.1 * peak, (estimated, peak)
+
+
+LLAMA_3_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+              "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+              "vocab_size": 128256, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+              "tie_word_embeddings": False, "dtype": "bfloat16"}
+
+
+@pytest.mark.parametrize("processes", [1, 2, 8])
+def test_the_estimate_recommends_only_what_the_dry_run_accepts(check_only, run_dir, tmp_path, processes):
+    """Llama-3-8B from its config.json alone (no weights: an estimate needs none), LoRA r 16 at 4096 tokens in bf16
+    with checkpointing on 24 GB devices: the rows the plan refuses (the mesh YAMLs' sizes against the process count,
+    tensor parallelism under LoRA) are marked and never recommended, and the recommended YAML passes --dry_run at that
+    process count (a folder with weights, which the dry run asks for); the frozen bf16 base is counted at 2 bytes."""
+    import json
+
+    folder = tmp_path / "llama3-8b"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(LLAMA_3_8B))
+    args = ["--recipe", "causal_lm", "--model_name_or_path", str(folder), "--lora_r", "16", "--seq_len", "4096",
+            "--batch_size", "1", "--gradient_checkpointing", "--num_processes", str(processes)]
+    run = check_only(run_dir("x"), *args, "--estimate", "--device_memory", "24GB", "--precision", "bf16").check()
+    # Llama-3-8B's published 8,030,261,248 and LoRA r 16's adapters on every linear layer but the head (41,943,040)
+    assert run.stdout.startswith(f"8,072,204,288 parameters, {processes} process(es), bf16"), run.stdout[:80]
+    refused = {line.split()[0] for line in run.stdout.splitlines() if line.endswith(" refused")}
+    assert {"tp", "fsdp_tp", "hsdp_tp"} <= refused and ("hsdp" in refused) == (processes != 4)
+    chosen = re.search(r"cheapest strategy that fits: (\w+) \(device peak", run.stdout)
+    assert chosen, run.stdout
+    assert chosen.group(1) not in refused
+    (folder / "model.safetensors").write_bytes(b"")  # the dry run asks for weights; it reads none
+    dry = check_only(run_dir("d"), *args, "--dry_run", "--accelerate_config",
+                     str(ROOT / "accelerate_configs" / f"{chosen.group(1)}.yaml"))
+    assert dry.returncode == 0, dry.stderr
+    ddp = next(line.split() for line in run.stdout.splitlines() if line.split()[0] in ("ddp", "single"))
+    params_gib = float(ddp[1])  # the frozen base in bf16 (2 bytes), the adapters in fp32
+    assert 14.5 < params_gib < 15.5, ddp
+    # host memory while loading, per machine: every process loads the whole base, but under ZeRO-3's zero.Init
+    zero3 = next(line.split() for line in run.stdout.splitlines() if line.startswith("deepspeed_zero3 "))
+    assert float(ddp[6]) == pytest.approx(processes * params_gib, rel=1e-3)
+    assert float(zero3[6]) == pytest.approx(params_gib, rel=1e-3)

@@ -125,16 +125,23 @@ def fine_tune_reference(pretrained, tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config", ["ddp", "deepspeed_zero3", "fsdp"])
+@pytest.mark.parametrize("config", ["ddp", "deepspeed_zero3", "deepspeed_zero3_built_whole", "fsdp"])
 def test_fine_tuning_starts_where_the_model_ended_and_matches_one_process(pretrained, fine_tune_reference, run_dir,
-                                                                         config):
+                                                                         tmp_path, config):
     folder, pretrained_eval = pretrained
-    run = fine_tune(folder, run_dir(config), "--batch_size", "4", config=config)
+    yaml = config
+    if config == "deepspeed_zero3_built_whole":
+        yaml = tmp_path / "zero3.yaml"
+        yaml.write_text((ROOT / "accelerate_configs" / "deepspeed_zero3.yaml").read_text().replace(
+            "zero3_init_flag: true", "zero3_init_flag: false"))
+    run = fine_tune(folder, run_dir(config), "--batch_size", "4", config=str(yaml))
     # A fresh model starts near ln(1024) = 6.93; the pretrained one where its own training ended.
     assert abs(run.losses[0] - pretrained_eval) < 0.5 and run.losses[0] < 6.93 - 1.0, (run.losses[0], pretrained_eval)
     assert max_rel_diff(run.losses, fine_tune_reference.losses) <= PARITY_BOUND
     if config == "deepspeed_zero3":
         assert "the model was built partitioned across 2 process(es) (zero.Init): no rank held it whole" in run.stderr
+    if config == "deepspeed_zero3_built_whole":  # zero3_init_flag false: Accelerate registered zero.Init anyway
+        assert "built partitioned" not in run.stderr
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(run.output_dir / "final")

@@ -75,6 +75,19 @@ def test_the_dry_run_shows_the_first_example_with_the_learned_tokens_marked(chec
     assert ("<|im_start|>assistant\n[[2 plus 3 is 5.<|im_end|>\n]]<|im_start|>user\nAnd doubled?<|im_end|>\n"
             "<|im_start|>assistant\n[[Doubled it is 10.<|im_end|>\n]]") in run.stderr
     assert json.loads(run.stdout)["data_format"] == "auto"
+    packed = check_only(tmp_path / "packed", "--recipe", "causal_lm", "--model_name_or_path", str(folder),
+                        "--tokenizer", "saved", "--data", str(data), "--chat_template", "chatml", "--dry_run",
+                        "--preview", "3", "--packing", "--seq_len", "192")
+    assert packed.returncode == 0, packed.stderr
+    assert "note: example 3 (messages, 23 of 92 tokens learned" in packed.stderr and "What is 5 plus 6?" in \
+        packed.stderr
+    assert "its packed row (--packing: examples 3, 4 of the 64 from 3 on, 184 of 192 positions used" in packed.stderr
+    assert packed.stderr.count("What is 6 plus 7?") == 1  # example 4, in the row only
+    assert_refused(check_only(tmp_path / "far", "--recipe", "causal_lm", "--model_name_or_path", str(folder),
+                              "--tokenizer", "saved", "--data", str(data), "--chat_template", "chatml", "--dry_run",
+                              "--preview", "500"),
+                   f"--preview 500: {data} holds {EXAMPLES} examples (--preview): pass a number from 0 to "
+                   f"{EXAMPLES - 1}")
 
 
 def test_chat_data_mistakes_are_named_with_the_fix(check_only, chat, tmp_path):

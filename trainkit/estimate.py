@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -145,7 +145,8 @@ class Estimate:
 # its scores: heads x seq_len per token (and with dropout, the mask and the dropped copy); sdpa and flash attention
 # recompute them in backward and keep none. The head keeps the logits (vocab per token) and a few hidden-sized norms,
 # and the loss's backward makes two more logit-sized tensors (the softmax and the logits' gradient) while every
-# layer's activations are still held: that is the step's peak (measured with torch.profiler's memory timeline).
+# layer's activations are still held: that is the step's peak (measured with torch.profiler's memory timeline). The
+# logit-sized ones are fp32 in every precision (loss_bytes).
 PER_TOKEN = {True: (10, 4), False: (8, 2)}  # gated: (per hidden, per ffn)
 
 
@@ -155,7 +156,9 @@ def activation_bytes(shape: ModelShape, micro_batch: int, seq_len: int | None, p
     (ModelShape.decoder) of seq_len tokens: what the forward keeps for backward, and the loss's backward on top; with
     gradient checkpointing each layer's input, plus one layer's own while backward recomputes it. Other models:
     every Linear output twice (pre- and post-activation) at the model's hidden width."""
-    size = 2 if precision in ("bf16", "fp16") else 4  # bytes per element (autocast keeps some in fp32: a floor)
+    # Bytes per element: autocast computes the matrix products in 16 bits but keeps the residual stream, the norms
+    # and their inputs in fp32; measured on a Llama block, 2.9 bytes per element counted here (BENCHMARKS.md)
+    size = 3 if precision in ("bf16", "fp16") else 4
     d = shape.decoder
     if d is None or not seq_len:
         return int(size * 2 * micro_batch * shape.hidden * shape.layers)
@@ -163,9 +166,16 @@ def activation_bytes(shape: ModelShape, micro_batch: int, seq_len: int | None, p
     layer = per_hidden * d.hidden + per_ffn * d.ffn
     if d.attention == "eager":
         layer += d.heads * seq_len * (2 + 1 / size if d.dropout else 1)
-    head = 3 * d.vocab + 3 * d.hidden
     kept = (d.hidden * shape.layers + layer) if checkpointing else layer * shape.layers
-    return int(size * micro_batch * seq_len * (kept + head))
+    return int(size * micro_batch * seq_len * (kept + 3 * d.hidden) + loss_bytes(d.vocab, micro_batch * seq_len))
+
+
+def loss_bytes(vocab: int, tokens: int) -> int:
+    """The logit-sized tensors of a step's peak: the logits, and the loss's softmax and the logits' gradient in its
+    backward, each in fp32 whatever the precision: the loss upcasts the logits first (transformers' causal-LM loss
+    and recipes/causal_lm.py's .float() alike; measured in bf16 at vocabularies of 32,000 and 128,256: the same
+    peak as fp32, BENCHMARKS.md's memory section)."""
+    return 3 * 4 * vocab * tokens
 
 
 def measured_activations(model: torch.nn.Module, step: Callable[[], torch.Tensor]) -> tuple[int, int]:
@@ -210,14 +220,33 @@ def attention_note(shape: ModelShape) -> str:
 
 
 PRECISION_NAMES = {"no": "fp32", "bf16": "bf16", "fp16": "fp16"}
-HEADROOM = 0.9  # of a device's memory a strategy may plan for: the rest is the framework's, buffers', fragmentation's
+# What a strategy may plan for of a device's memory: 90% of it (the allocator's fragmentation and caching, and the
+# communication buffers, grow with it), less a fixed 1 GiB that no row counts either (a CUDA context with its kernels
+# takes 0.5-1 GiB before the first tensor).
+HEADROOM, CONTEXT_BYTES = 0.9, 1 << 30
+
+
+def usable_bytes(device_memory: int) -> int:
+    """What the rows' device peaks are held against (HEADROOM, CONTEXT_BYTES)."""
+    return max(0, int(HEADROOM * device_memory) - CONTEXT_BYTES)
+
+
+def load_host_bytes(shape: ModelShape, processes_per_machine: int, partitioned_over: int = 1) -> int:
+    """Host memory one machine needs while the model is built and loaded, before any strategy shards it: each
+    process builds the whole model (its weights at their load dtype: the trained ones fp32, a frozen base at
+    --model_dtype), or, built inside ZeRO-3's zero.Init, 1/partitioned_over of it."""
+    whole = shape.weight_bytes(shape.num_params, shape.trained().num_params)
+    return processes_per_machine * -(-whole // partitioned_over)
 
 
 def report(shape: ModelShape, rows: list[Estimate], mine: Estimate | None, world_size: int, precision: str,
-           optimizer: str, device_memory: int | None, assumed: str) -> str:
-    """--estimate: every strategy's bytes per rank (`rows`, fastest first), the fastest that fits `device_memory`,
-    and whether this launch's strategy (`mine`; None when no launch was chosen) fits. `assumed`: the micro-batch,
-    sequence length and attention that the activations were counted for. One unit throughout."""
+           optimizer: str, device_memory: int | None, assumed: str, refused: Mapping[str, str],
+           load_host: Mapping[str, int]) -> str:
+    """--estimate: every strategy's bytes per rank (`rows`, fastest first), the fastest that fits `device_memory`
+    among those the plan accepts (`refused`: the label of each it refuses -> why, as --dry_run says), and whether
+    this launch's strategy (`mine`; None when no launch was chosen) fits. `assumed`: the micro-batch, sequence length
+    and attention that the activations were counted for; `load_host`: each label's host memory per machine while the
+    model loads. One unit throughout."""
     gib = 1024 ** 3
     shown = [*rows, mine] if mine else rows
     unit, size = ("GiB", gib) if max(r.device for r in shown) >= gib / 10 else ("MiB", 1024 ** 2)
@@ -229,21 +258,26 @@ def report(shape: ModelShape, rows: list[Estimate], mine: Estimate | None, world
              f"{optimizer}; {unit} per rank",
              f"assumed per rank: {assumed}: activations {fmt(rows[0].activations)} {unit} (device peak = states not "
              f"offloaded + activations)",
-             f"{'strategy':<26}{'params':>12}{'grads':>12}{'optim+master':>14}{'host (CPU)':>12}{'device peak':>13}"]
+             f"{'strategy':<26}{'params':>12}{'grads':>12}{'optim+master':>14}{'host (CPU)':>12}{'device peak':>13}"
+             f"{'load host/machine':>19}"]
     for r in rows:
         lines.append(f"{r.strategy:<26}{fmt(r.params):>12}{fmt(r.grads):>12}{fmt(r.optimizer):>14}"
-                     f"{fmt(r.host):>12}{fmt(r.device):>13}")
+                     f"{fmt(r.host):>12}{fmt(r.device):>13}{fmt(load_host[r.strategy]):>19}"
+                     + (" refused" if r.strategy in refused else ""))
     lines.append("params/grads/optim are held between steps (what metrics.jsonl's state_bytes measures); device peak "
                  "adds gradients that exist only in backward (ZeRO-1 holds them whole) and activations. The ZeRO "
                  "paper's 2+2+12 bytes/param assumes fp16 training; DeepSpeed also keeps an fp32 master partition "
-                 "in fp32 training.")
+                 "in fp32 training. Load host/machine: the host memory one machine needs while the model is built "
+                 "and loaded, before it is sharded (ZeRO-3 with zero3_init_flag builds it partitioned).")
+    lines += [f"refused by the plan at {world_size} process(es) (as --dry_run would be): {label}: {why}"
+              for label, why in refused.items()]
     verdict = ""
     if device_memory:
-        usable = HEADROOM * device_memory
+        usable = usable_bytes(device_memory)
         lines.append(f"--device_memory {fmt(device_memory)} {unit}: a strategy fits when its device peak is at most "
-                     f"{fmt(usable)} {unit} ({HEADROOM:.0%}; the rest goes to the framework, communication buffers "
-                     f"and fragmentation)")
-        fitting = [r for r in rows if r.device <= usable]
+                     f"{fmt(usable)} {unit} ({HEADROOM:.0%} less {CONTEXT_BYTES / gib:.0f} GiB: the rest goes to "
+                     f"the CUDA context, communication buffers and fragmentation, which no row counts)")
+        fitting = [r for r in rows if r.device <= usable and r.strategy not in refused]
         lines.append(f"cheapest strategy that fits: {fitting[0].strategy} (device peak {fmt(fitting[0].device)} "
                      f"{unit})" if fitting else
                      "nothing fits: add processes, or shrink the model, the micro-batch or the sequence length "
@@ -251,6 +285,8 @@ def report(shape: ModelShape, rows: list[Estimate], mine: Estimate | None, world
         if mine:
             verdict = (f"; fits, {fmt(usable - mine.device)} {unit} to spare" if mine.device <= usable else
                        f"; does not fit: {fmt(mine.device - usable)} {unit} over")
+    if mine and mine.strategy in refused:
+        verdict += f"; refused by the plan: {refused[mine.strategy]}"
     lines.append(f"this launch ({mine.strategy}, {world_size} process(es)): {fmt(mine.state)} {unit} of model state "
                  f"per rank, device peak {fmt(mine.device)} {unit}{verdict}" if mine else
                  "no launch chosen: with --accelerate_config FILE (or under accelerate launch) the last line is that "

@@ -26,6 +26,7 @@ from trainkit.estimate import (
     Estimate,
     ModelShape,
     attention_note,
+    load_host_bytes,
     meta_model,
     model_shape,
     report,
@@ -34,6 +35,7 @@ from trainkit.estimate import (
 from trainkit.hosts import check_hosts, environment_note, rendezvous_note
 from trainkit.launch import Launch, check_machine, check_yaml
 from trainkit.metrics import FlopCount, check_trackers, count_flops
+from trainkit.pretrained import sizing
 from trainkit.recipes import Recipe, load_recipe
 from trainkit.run_folder import check_output_dir, lock_output_dir
 from trainkit.strategies import Strategy, for_launch, shipped_strategies
@@ -63,7 +65,8 @@ def make_plan(options: RunOptions, overrides: list[tuple[str, str, str]]) -> Pla
     resume = find_checkpoint(options.output_dir, options.resume) if options.resume and not options.estimate else None
     saved = resume.state["resolved_config"] if resume else {}  # --resume continues the checkpoint's settings
     options, restored = restore_run_options(options, saved)
-    cfg = build_config(recipe.Config, overrides, restored=saved, flags=run_flags())
+    with sizing(options.estimate):  # --estimate needs a pretrained model's config, not its weights
+        cfg = build_config(recipe.Config, overrides, restored=saved, flags=run_flags())
     sources = field_sources(cfg, overrides, saved, f"checkpoint {resume.path}" if resume else "")
     sources.update({name: f"--{name}" if name in options.given else f"checkpoint {resume.path}"
                     if resume and name in restored else "default" for name in RESUMED_OPTIONS})
@@ -176,15 +179,24 @@ def estimate_report(plan: Plan) -> str:
     resized = {"world_size": world_size, "mixed_precision": precision}
     mine = for_launch(dataclasses.replace(this, **resized), plan.cfg, {}, plan.recipe)
     # The shipped configs as they are (a pipeline is this run's flags, not theirs).
-    plain = dataclasses.replace(plan.cfg, pipeline_stages=1)
-    candidates = [for_launch(dataclasses.replace(launch, **resized), plain, {})
-                  for launch in shipped_strategies().values()]
+    with sizing(True):
+        plain = dataclasses.replace(plan.cfg, pipeline_stages=1)
+        model = meta_model(plan.recipe, plan.cfg)
+    candidates = sorted([for_launch(dataclasses.replace(launch, **resized), plain, {}, plan.recipe)
+                         for launch in shipped_strategies().values()], key=lambda s: s.speed_rank)
     seq_len = plan.recipe.tokens_per_sample(plan.cfg)
     activations = run_activations(plan.shape, plan.cfg, seq_len, precision)
-    rows = [s.estimate(plan.shape, world_size, activations) for s in sorted(candidates, key=lambda s: s.speed_rank)]
+    rows = [s.estimate(plan.shape, world_size, activations) for s in candidates]
+    # A row is offered only where the plan's own checks (those of --dry_run, but this machine's) accept it
+    refused = {s.label: problems[0].what for s in [*candidates, mine]
+               if (problems := s.check(this_machine=False) + s.check_model(model))}
+    per_machine = max(1, world_size // max(1, plan.launch.num_machines))
+    pretrained = bool(getattr(model, "name_or_path", ""))  # from_pretrained loads inside zero.Init (ZeRO-3)
+    load_host = {s.label: load_host_bytes(plan.shape, per_machine, world_size if getattr(
+        s, "builds_partitioned", False) and pretrained else 1) for s in [*candidates, mine]}
     checkpointing = getattr(plan.cfg, "gradient_checkpointing", False)
     assumed = (f"micro-batch {plan.cfg.batch_size}" + (f" x {seq_len} tokens" if seq_len else "")
                + f" (--batch_size{', --seq_len' if seq_len else ''}), {PRECISION_NAMES[precision]}, "
                + f"{attention_note(plan.shape)}, gradient checkpointing {'on' if checkpointing else 'off'}")
     return report(plan.shape, rows, mine.estimate(plan.shape, world_size, activations) if plan.launch.chosen else None,
-                  world_size, precision, plan.cfg.optimizer, plan.options.device_memory, assumed)
+                  world_size, precision, plan.cfg.optimizer, plan.options.device_memory, assumed, refused, load_host)

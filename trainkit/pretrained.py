@@ -5,17 +5,33 @@ encodes text otherwise than the one saved beside the model refused.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
 from trainkit.errors import ConfigError, Problem
 
+# Set while --estimate plans a run: it sizes the model from its config alone, so a folder that holds only config.json
+# (a model not downloaded yet) is enough (trainkit/plan.py sets it).
+sizes_only: ContextVar[bool] = ContextVar("sizes_only", default=False)
+
+
+@contextlib.contextmanager
+def sizing(on: bool) -> Iterator[None]:
+    """sizes_only within the block, when `on`."""
+    token = sizes_only.set(on)
+    try:
+        yield
+    finally:
+        sizes_only.reset(token)
+
 
 def weights_problems(model_name_or_path: str, allow_pickle: bool) -> list[Problem]:
-    """A local model folder without weights, or with pickled ones only (unless allowed)."""
+    """A local model folder without weights, or with pickled ones only (unless allowed); none while sizing only."""
     folder = Path(model_name_or_path)
-    if not (model_name_or_path and folder.is_dir() and (folder / "config.json").is_file()):
+    if sizes_only.get() or not (model_name_or_path and folder.is_dir() and (folder / "config.json").is_file()):
         return []
     safetensors, pickled = any(folder.glob("*.safetensors")), any(folder.glob("*.bin"))
     if not (safetensors or pickled):

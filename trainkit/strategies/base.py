@@ -48,9 +48,10 @@ class Strategy:
         """Whether this strategy runs `launch` with this config (the registry asks each in turn)."""
         raise NotImplementedError
 
-    def check(self) -> list[Problem]:
+    def check(self, this_machine: bool = True) -> list[Problem]:
         """What this strategy refuses in the launch and the config, every problem at once (a subclass adds its own
-        to these)."""
+        to these); `this_machine` False leaves out what only this machine refuses (--estimate sizes a launch for
+        another machine)."""
         problems = []
         if self.cfg.compile and (refusal := self.compile_refusal()) is not None:
             problems.append(Problem(f"--compile does not work under {self.label}: {refusal}",
@@ -58,7 +59,7 @@ class Strategy:
                                     "drop --compile (it changes speed, not the numbers), or train under a config it "
                                     "works under: ddp.yaml, deepspeed_zero2.yaml, fsdp.yaml, ... "
                                     "(docs/strategies.md#torchcompile)"))
-        if self.cpu_fp16 and (refusal := self.cpu_fp16_refusal()) is not None:
+        if this_machine and self.cpu_fp16 and (refusal := self.cpu_fp16_refusal()) is not None:
             problems.append(Problem(f"fp16 on a CPU does not work under {self.label}: {refusal}",
                                     f"mixed_precision from {self.launch.source}",
                                     "on a CPU, test fp16's loss scaler under single.yaml, ddp.yaml or fsdp.yaml, and "

@@ -31,7 +31,7 @@ from trainkit.config import TrainConfig
 from trainkit.errors import ConfigError, Problem
 from trainkit.estimate import OPTIMIZER_BYTES, Estimate, ModelShape
 from trainkit.guards import FiniteCheck
-from trainkit.launch import Launch
+from trainkit.launch import Launch, is_true
 from trainkit.recipes import Recipe
 from trainkit.step import StepResult, agree, loss_weights, optimizer_step
 from trainkit.strategies.base import Strategy
@@ -149,7 +149,15 @@ class ZeroEngine(Engine):
         # translated into it and its "auto" values filled from the YAML's precision (deepspeed_config.py), so
         # nothing is left for Accelerate to ignore.
         os.environ["ACCELERATE_CONFIG_DS_FIELDS"] = ""
-        return super().build_accelerator(output_dir, report_to)
+        accelerator = super().build_accelerator(output_dir, report_to)
+        if self.strategy.stage == 3 and not self.strategy.builds_partitioned:
+            # zero3_init_flag false: Accelerate's plugin registers its ZeRO-3 config with transformers whatever the
+            # flag says (an HfDeepSpeedConfig made for any config it is handed), and transformers then builds inside
+            # zero.Init anyway. Withdrawn, so that false means what the YAML says: the model built whole.
+            from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+            unset_hf_deepspeed_config()
+        return accelerator
 
     def accelerator_kwargs(self) -> dict[str, Any]:
         from accelerate.utils import DeepSpeedPlugin
@@ -171,10 +179,14 @@ class ZeroEngine(Engine):
 
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
         fill_bucket_sizes(self.accelerator.state.deepspeed_plugin.deepspeed_config, model)
-        if self.strategy.stage == 3 and all(hasattr(p, "ds_id") for p in model.parameters()):
-            # transformers' from_pretrained builds inside zero.Init once Accelerate has selected a ZeRO-3 config
+        built = [hasattr(p, "ds_id") for p in model.parameters()]
+        if self.strategy.stage == 3 and any(built):
+            # transformers builds inside zero.Init once Accelerate has selected a ZeRO-3 config with zero3_init_flag;
+            # what is added to it later (peft's adapters) the engine partitions
+            later = f" ({built.count(False)} parameter(s) added after it, such as LoRA's adapters, partitioned by " \
+                f"the engine)" if not all(built) else ""
             self.notes.append(f"ZeRO-3: the model was built partitioned across {self.launch.world_size} process(es) "
-                              f"(zero.Init): no rank held it whole")
+                              f"(zero.Init): no rank held it whole{later}")
         return super().prepare_model(model)
 
     def make_optimizer(self, model: torch.nn.Module,
@@ -268,7 +280,8 @@ class ZeroEngine(Engine):
         try:
             yield
         finally:
-            set_hf_deepspeed_config(self.accelerator.state.deepspeed_plugin.dschf)
+            if self.strategy.builds_partitioned:
+                set_hf_deepspeed_config(self.accelerator.state.deepspeed_plugin.dschf)
 
 
 class DeepSpeed(Strategy):
@@ -297,6 +310,12 @@ class DeepSpeed(Strategy):
         return self.zero.get("stage")
 
     @property
+    def builds_partitioned(self) -> bool:
+        """ZeRO-3 with zero3_init_flag (Accelerate's default: true): a transformers model is built inside zero.Init,
+        each parameter partitioned as it is made."""
+        return self.stage == 3 and is_true(self.launch.settings.get("zero3_init_flag", True))
+
+    @property
     def offloads_optimizer(self) -> bool:
         return self.zero.get("offload_optimizer", {}).get("device", "none") not in ("none", None)
 
@@ -319,8 +338,8 @@ class DeepSpeed(Strategy):
             return 7 if self.stage == 3 else 5
         return {0: 1, 1: 1, 2: 2, 3: 4}.get(self.stage, 4)
 
-    def check(self) -> list[Problem]:
-        return super().check() + self.resolved.problems
+    def check(self, this_machine: bool = True) -> list[Problem]:
+        return super().check(this_machine) + self.resolved.problems
 
     def cpu_fp16_refusal(self) -> str | None:
         return "DeepSpeed's own fp16 engine needs a GPU (it fails with \"Type fp16 is not supported on your device\")"

@@ -127,8 +127,8 @@ class Mesh(Strategy):
     def offload(self) -> bool:
         return self.settings.offload
 
-    def check(self) -> list[Problem]:
-        return (super().check() + parallelism_problems(self.launch) + self.dims.problems(self.launch)
+    def check(self, this_machine: bool = True) -> list[Problem]:
+        return (super().check(this_machine) + parallelism_problems(self.launch) + self.dims.problems(self.launch)
                 + FSDPSettings.problems(self.launch, self.cfg))
 
     def check_model(self, model: torch.nn.Module) -> list[Problem]:

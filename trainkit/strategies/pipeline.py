@@ -336,9 +336,9 @@ class Pipeline(Strategy):
     def resolved_fields(self) -> dict[str, Any]:
         return {**super().resolved_fields(), **self.dims.sizes()}
 
-    def check(self) -> list[Problem]:
+    def check(self, this_machine: bool = True) -> list[Problem]:
         cfg, launch, where = self.cfg, self.launch, "--pipeline_stages"
-        problems = super().check() if launch.mixed_precision != "fp16" else [
+        problems = super().check(this_machine) if launch.mixed_precision != "fp16" else [
             # Measured on a CPU, and so on a GPU: torch's schedule runs each stage's backward itself, on the
             # unscaled loss, and the scaler's step then fails ("Attempted step but _scale is None").
             Problem("fp16 does not work with pipeline stages: the pipeline schedule runs each stage's backward "
