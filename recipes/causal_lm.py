@@ -172,6 +172,8 @@ def build_model(cfg: Config) -> nn.Module:
 
     config = pretrained.load("model's config", cfg, AutoConfig.from_pretrained)
     if torch.get_default_device().type == "meta":  # --estimate and --dry_run: the shapes, no weights
+        if not pretrained.sizes_only.get():  # the tokenizer the run trains with, checked as the run checks it
+            tokenizer_of(cfg)
         dtype = MODEL_DTYPES[cfg.model_dtype]
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.trust_remote_code,
                                                  dtype=getattr(config, "dtype", None) if dtype == "auto" else dtype)

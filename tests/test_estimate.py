@@ -185,11 +185,12 @@ LLAMA_3_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hid
 
 
 @pytest.mark.parametrize("processes", [1, 2, 8])
-def test_the_estimate_recommends_only_what_the_dry_run_accepts(check_only, run_dir, tmp_path, processes):
+def test_the_estimate_recommends_only_what_the_dry_run_accepts(check_only, chat, run_dir, tmp_path, processes):
     """Llama-3-8B from its config.json alone (no weights: an estimate needs none), LoRA r 16 at 4096 tokens in bf16
     with checkpointing on 24 GB devices: the rows the plan refuses (the mesh YAMLs' sizes against the process count,
     tensor parallelism under LoRA) are marked and never recommended, and the recommended YAML passes --dry_run at that
-    process count (a folder with weights, which the dry run asks for); the frozen bf16 base is counted at 2 bytes."""
+    process count (a folder with weights and a tokenizer, which the dry run asks for); the frozen bf16 base is counted
+    at 2 bytes."""
     import json
 
     folder = tmp_path / "llama3-8b"
@@ -205,8 +206,10 @@ def test_the_estimate_recommends_only_what_the_dry_run_accepts(check_only, run_d
     chosen = re.search(r"cheapest strategy that fits: (\w+) \(device peak", run.stdout)
     assert chosen, run.stdout
     assert chosen.group(1) not in refused
-    (folder / "model.safetensors").write_bytes(b"")  # the dry run asks for weights; it reads none
-    dry = check_only(run_dir("d"), *args, "--dry_run", "--accelerate_config",
+    (folder / "model.safetensors").write_bytes(b"")  # the dry run asks for weights (it reads none) and a tokenizer
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).write_text((chat[0] / name).read_text())
+    dry = check_only(run_dir("d"), *args, "--tokenizer", "saved", "--dry_run", "--accelerate_config",
                      str(ROOT / "accelerate_configs" / f"{chosen.group(1)}.yaml"))
     assert dry.returncode == 0, dry.stderr
     ddp = next(line.split() for line in run.stdout.splitlines() if line.split()[0] in ("ddp", "single"))

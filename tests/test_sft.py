@@ -319,3 +319,16 @@ def test_an_eval_file_is_evaluated_whole_on_any_process_count(chat, run_dir, tmp
     answers = [json.loads(line) for line in (one.output_dir / "generations.jsonl").read_text().splitlines()]
     assert [a["expected"] for a in answers] == ["2 plus 3 is 5.<|im_end|>\n",
                                                               "3 plus 4 is 7. 3 plus 4 is 7.<|im_end|>\n"]
+
+
+def test_the_dry_run_refuses_the_tokenizer_that_the_run_refuses(check_only, chat, tmp_path):
+    """A Qwen2 folder holding a PreTrainedTokenizerFast loads as Qwen2Tokenizer, which encodes text otherwise: the run
+    refuses it, and so does the dry run, on plain text too (where it shows no example); an estimate needs none."""
+    folder = chat[0]
+    args = ["--recipe", "causal_lm", "--model_name_or_path", str(folder), "--data", str(chat[1].parent / "plain.txt")]
+    (chat[1].parent / "plain.txt").write_text("2 plus 3 is 5.\n" * 400)
+    assert_refused(check_only(tmp_path / "a", *args, "--dry_run"),
+                   f"the tokenizer loaded from {folder} (Qwen2Tokenizer, chosen by transformers from the model type) "
+                   f"is not the one saved there")
+    assert check_only(tmp_path / "b", *args, "--dry_run", "--tokenizer", "saved").returncode == 0
+    assert check_only(tmp_path / "c", *args, "--estimate").returncode == 0

@@ -59,14 +59,19 @@ class Plan:
 
 
 def make_plan(options: RunOptions, overrides: list[tuple[str, str, str]]) -> Plan:
-    """The plan for this command line and launch, or a ConfigError with every problem found."""
+    """The plan for this command line and launch, or a ConfigError with every problem found. --estimate sizes a
+    pretrained model from its config alone (trainkit/pretrained.py's sizing): no weights or tokenizer needed."""
+    with sizing(options.estimate):
+        return _plan(options, overrides)
+
+
+def _plan(options: RunOptions, overrides: list[tuple[str, str, str]]) -> Plan:
     recipe = load_recipe(options.recipe)
     options, notes = resolve_resume_auto(options)
     resume = find_checkpoint(options.output_dir, options.resume) if options.resume and not options.estimate else None
     saved = resume.state["resolved_config"] if resume else {}  # --resume continues the checkpoint's settings
     options, restored = restore_run_options(options, saved)
-    with sizing(options.estimate):  # --estimate needs a pretrained model's config, not its weights
-        cfg = build_config(recipe.Config, overrides, restored=saved, flags=run_flags())
+    cfg = build_config(recipe.Config, overrides, restored=saved, flags=run_flags())
     sources = field_sources(cfg, overrides, saved, f"checkpoint {resume.path}" if resume else "")
     sources.update({name: f"--{name}" if name in options.given else f"checkpoint {resume.path}"
                     if resume and name in restored else "default" for name in RESUMED_OPTIONS})

@@ -14,7 +14,7 @@ from typing import Any
 from trainkit.errors import ConfigError, Problem
 
 # Set while --estimate plans a run: it sizes the model from its config alone, so a folder that holds only config.json
-# (a model not downloaded yet) is enough (trainkit/plan.py sets it).
+# (a model not downloaded yet) is enough: neither weights nor a tokenizer are checked (trainkit/plan.py sets it).
 sizes_only: ContextVar[bool] = ContextVar("sizes_only", default=False)
 
 
