@@ -16,10 +16,11 @@ def test_ruff_finds_nothing():
     assert done.returncode == 0, done.stdout + done.stderr
 
 
-def test_no_module_over_400_lines_and_no_function_over_60():
+def test_train_py_reads_in_one_sitting_and_no_function_is_over_60_lines():
+    """Modules are split where a concept ends, not at a count of lines (a cap cut six modules where no concept ended);
+    train.py alone has a length: the whole loop, read in one sitting."""
     files = [ROOT / "train.py", *sorted((ROOT / "trainkit").rglob("*.py")), *sorted((ROOT / "recipes").glob("*.py"))]
-    long = [f"{f.relative_to(ROOT)}: {f.read_text().count(chr(10))} lines" for f in files
-            if f.read_text().count("\n") > 400]
+    long = [f"train.py: {files[0].read_text().count(chr(10))} lines"] if files[0].read_text().count("\n") > 300 else []
     long += [f"{f.relative_to(ROOT)}:{node.lineno} {node.name}: {node.end_lineno - node.lineno + 1} lines"
              for f in files for node in ast.walk(ast.parse(f.read_text()))
              if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno - node.lineno >= 60]

@@ -84,7 +84,7 @@ def model_state_tensors(model: torch.nn.Module, optimizer: Any) -> Iterator[torc
 
 
 def state_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of the storages behind `tensors` (Strategy.state_tensors: parameters, gradients, optimizer states,
+    """Bytes of the storages behind `tensors` (Engine.state_tensors: parameters, gradients, optimizer states,
     wherever they live), each storage once: a library's flat buffers and the parameters that view them count once;
     a DTensor counts its local shard; meta tensors hold no memory."""
     seen: set[tuple[int, str]] = set()

@@ -2,7 +2,7 @@
 the format of the torch engines (one process, DDP, the FSDP2 / tensor-parallel mesh, the pipeline):
 torch.distributed.checkpoint, each rank writing its own shards, reshardable across world sizes and these strategies.
 
-A strategy names its format class (`Strategy.format`); trainkit/checkpoint.py's Checkpointer makes the one instance
+An engine names its format class (`Engine.format`); trainkit/checkpoint.py's Checkpointer makes the one instance
 of a run and is the only caller. The step folder around it (trainer_state.json, every rank's RNG, the atomic rename)
 is the Checkpointer's and the same for every format.
 

@@ -58,9 +58,9 @@ def pipeline_io(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class Weighed:
-    """A recipe's pipeline_loss times each micro-batch's factor (Strategy.loss_weights: its share of the global
-    batch's learned units), which _cut appends to the target as a last column of float64 (which holds token ids
-    exactly): the schedule passes a loss function only the output and the target."""
+    """A recipe's pipeline_loss times each micro-batch's factor (trainkit/step.py's loss_weights: its share of the
+    global batch's learned units), which _cut appends to the target as a last column of float64 (which holds token
+    ids exactly): the schedule passes a loss function only the output and the target."""
 
     def __init__(self, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
         self.loss_fn = loss_fn
