@@ -177,7 +177,7 @@ class ZeroEngine(Engine):
     def expected_distributed_type(self) -> str:
         return "DEEPSPEED"
 
-    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+    def apply(self, model: torch.nn.Module) -> torch.nn.Module:
         fill_bucket_sizes(self.accelerator.state.deepspeed_plugin.deepspeed_config, model)
         built = [hasattr(p, "ds_id") for p in model.parameters()]
         if self.strategy.stage == 3 and any(built):
@@ -187,7 +187,7 @@ class ZeroEngine(Engine):
                 f"the engine)" if not all(built) else ""
             self.notes.append(f"ZeRO-3: the model was built partitioned across {self.launch.world_size} process(es) "
                               f"(zero.Init): no rank held it whole{later}")
-        return super().prepare_model(model)
+        return super().apply(model)
 
     def make_optimizer(self, model: torch.nn.Module,
                        build_optimizer: Callable[..., torch.optim.Optimizer]) -> torch.optim.Optimizer:

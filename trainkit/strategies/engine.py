@@ -89,21 +89,34 @@ class Engine:
         self.notes += notes
         return self.accelerator
 
+    # Whether Accelerate wraps the model (DDP's wrapper, DeepSpeed's engine); False where the runner parallelised it
+    # itself (FSDP2, tensor parallelism, pipeline stages) and Accelerate prepares only the optimizer and schedule.
+    accelerate_wraps_model: ClassVar[bool] = True
+
     def prepare(self, model: torch.nn.Module,
                 build_optimizer: Callable[..., torch.optim.Optimizer],
                 build_scheduler: Callable[[TrainConfig, torch.optim.Optimizer], Any]) -> None:
-        """Shard or wrap the model, build the optimizer and schedule for it, and hand them to Accelerate."""
-        model = self.prepare_model(model)
-        self.compile_model(model)
-        optimizer = self.make_optimizer(model, build_optimizer)
+        """One fixed sequence that every engine goes through, as torchtitan applies its parallelisms in one order:
+        the BatchNorm policy, the strategy's own parallelisation of the model (apply), the optimizer and schedule
+        for what this rank trains, the hand-over to Accelerate. An engine changes a step, never the sequence, so
+        that no step is skipped under one strategy (the BatchNorm policy was, under FSDP2, TP and the pipeline,
+        when they replaced the whole of prepare)."""
+        model = self.sync_batch_norm(model)
+        trained = self.apply(model)
+        optimizer = self.make_optimizer(trained, build_optimizer)
         scheduler = build_scheduler(self.cfg, optimizer)
-        self.model, self.optimizer, self.scheduler = self.accelerator.prepare(model, optimizer, scheduler)
+        if self.accelerate_wraps_model:
+            self.model, self.optimizer, self.scheduler = self.accelerator.prepare(trained, optimizer, scheduler)
+        else:
+            self.model = trained
+            self.optimizer, self.scheduler = self.accelerator.prepare(optimizer, scheduler)
 
-    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Strategy-specific changes before Accelerate sees the model. Replicas normalise BatchNorm per rank unless it
-        is converted to SyncBatchNorm, which torch supports on GPU/XPU only."""
-        if self.launch.world_size == 1 or not any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
-                                                  for m in model.modules()):
+    def sync_batch_norm(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Replicas normalise BatchNorm with their own micro-batch unless it is converted to SyncBatchNorm (over
+        batch_norm_group: the ranks that compute other samples of the same layers), which torch supports on GPU/XPU
+        only: on a CPU, a note says so."""
+        if self.data_parallel_size == 1 or not any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
+                                                   for m in model.modules()):
             return model
         if self.accelerator.device.type == "cpu":
             self.notes.append("BatchNorm stays per-rank: torch's SyncBatchNorm supports only GPU/XPU devices, so on "
@@ -111,7 +124,19 @@ class Engine:
                               "one process)")
             return model
         self.notes.append("BatchNorm converted to SyncBatchNorm")
-        return torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        return torch.nn.SyncBatchNorm.convert_sync_batchnorm(model, self.batch_norm_group())
+
+    def batch_norm_group(self) -> Any:
+        """The process group SyncBatchNorm reduces over: every rank (None), where every rank holds the same layers
+        (ranks that share samples, tensor parallelism's, add copies of them, which leave a mean and a variance as
+        they are)."""
+        return None
+
+    def apply(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The strategy's own changes before the optimizer is made, returning what this rank trains: here torch.compile
+        (--compile); FSDP2 and TP parallelise the model, a pipeline builds this rank's stages."""
+        self.compile_model(model)
+        return model
 
     def compile_model(self, model: torch.nn.Module, units: list[torch.nn.Module] | None = None) -> None:
         """--compile: torch.compile on the forward of each of `units` (by default the whole model), before any

@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -56,15 +56,14 @@ class MeshEngine(Engine):
         self.mesh = self.dims.build(accelerator.device.type)
         return accelerator
 
-    def prepare(self, model: torch.nn.Module, build_optimizer: Callable[..., torch.optim.Optimizer],
-                build_scheduler: Callable[[TrainConfig, torch.optim.Optimizer], Any]) -> None:
+    accelerate_wraps_model = False
+
+    def apply(self, model: torch.nn.Module) -> torch.nn.Module:
         self.notes += parallelize(model, self.dims, self.mesh, self.settings,
                                   mixed_precision=self.launch.mixed_precision, compile=self.cfg.compile,
                                   tp_layers=tp_layers(model) if self.dims.tp > 1 else {},
                                   classes=block_classes(model, self.settings))
-        self.model = model
-        optimizer = build_optimizer(self.cfg, self.model)
-        self.optimizer, self.scheduler = self.accelerator.prepare(optimizer, build_scheduler(self.cfg, optimizer))
+        return model
 
     # --- one optimizer step -------------------------------------------------------------------------------------
 

@@ -90,11 +90,19 @@ class PipelineEngine(Engine):
         self.mesh = self.dims.build(accelerator.device.type)
         return accelerator
 
-    def prepare(self, model: torch.nn.Module, build_optimizer: Callable[..., torch.optim.Optimizer],
-                build_scheduler: Callable[[TrainConfig, torch.optim.Optimizer], Any]) -> None:
+    accelerate_wraps_model = False
+
+    def batch_norm_group(self) -> Any:
+        """The ranks that hold this rank's stages: the same layers, other samples (every rank holds other layers)."""
+        groups = [dist.new_group(ranks.tolist()) for ranks in self.mesh.mesh.reshape(self.stages, -1)]
+        return groups[self.mesh.get_local_rank("pp")]
+
+    def apply(self, model: torch.nn.Module) -> torch.nn.Module:
+        """This rank's stages of the model, parallelised as the rest of the mesh asks, and torch's schedule over
+        them."""
         from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-        acc, recipe, device = self.accelerator, self.recipe, self.accelerator.device
+        recipe, device = self.recipe, self.accelerator.device
         self.pp_group, self.pp_rank = self.mesh.get_group("pp"), self.mesh.get_local_rank("pp")
         self.tp_rank = self.mesh.get_local_rank("tp")
         cuts = cut_points(recipe, model, self.total_stages, self.cfg.pipeline_split)
@@ -121,8 +129,7 @@ class PipelineEngine(Engine):
         loss_fn = recipe.pipeline_loss if self.loss_weigher is None else Weighed(recipe.pipeline_loss)
         self.schedule = kind(stages if kind is ScheduleInterleaved1F1B else stages[0], self.cfg.grad_accum,
                              loss_fn=loss_fn)
-        optimizer = build_optimizer(self.cfg, self.model)
-        self.optimizer, self.scheduler = acc.prepare(optimizer, build_scheduler(self.cfg, optimizer))
+        return self.model
 
     def _parallelize_stages(self, model: torch.nn.Module) -> None:
         """Each of this process's stages as the rest of the mesh asks (an FSDP launch: strategies/parallelize.py,
