@@ -15,8 +15,9 @@ import psutil
 import pytest
 from helpers import forked_launch
 
-from conftest import ROOT, SERVER_ENV, TEST_ENV, launch
+from conftest import FLAG_STRATEGIES, ROOT, SERVER_ENV, TEST_ENV, entry, forkable, launch, processes, strategy_of
 from trainkit.compare import run_config
+from trainkit.strategies import shipped_strategies
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not forked_launch.available(),
                                                   reason="runs are not forked where CUDA is (the real commands run)")]
@@ -46,20 +47,33 @@ def started(out: Path) -> subprocess.Popen:
     return client
 
 
-@pytest.mark.parametrize("config", [None, "deepspeed_zero2"])
+# Every shipped multi-process YAML, and the flag strategies on theirs: a model they cut needs a split the recipe
+# declares (the tiny transformer's), the others take the MLP.
+MATRIX = [None, *shipped_strategies(), *FLAG_STRATEGIES]
+SMALL_LM = ["--recipe", "tiny_transformer", "--max_steps", "2", "--eval_every", "1", "--hidden", "32", "--layers",
+            "4", "--seq_len", "32", "--warmup_steps", "1"]
+
+
+@pytest.mark.parametrize("config", MATRIX)
 def test_a_forked_run_trains_as_the_real_command(tmp_path, config):
-    """The same losses, outputs and exit status as `python train.py` / `python -m accelerate.commands.launch`, and
-    the run was forked (the server names every run it did not fork)."""
-    forked = launch(tmp_path / "forked", *MLP, config=config).check()
-    real = run_config(config, tmp_path / "real", MLP, env=TEST_ENV, timeout=300).check()
-    assert forked.losses == real.losses and len(forked.losses) == 4
+    """Config by config, the proof that the suite's fast path is the real one: a run forked from the server gives the
+    same losses, evaluations, printed lines, output files and exit status as the real `python train.py` / `python
+    -m accelerate.commands.launch` of the same config, and it was forked (the server names every run it did not
+    fork)."""
+    yaml, flags = entry(config, 16) if config else (None, ["--batch_size", "16"])
+    args = [*(SMALL_LM if config and strategy_of(config).splits_model else MLP), *flags]
+    extra = processes(config) if config else ()
+    forked = launch(tmp_path / "forked", *args, config=yaml, extra_launch=extra).check()
+    real = run_config(yaml, tmp_path / "real", args, launch_args=extra, env=TEST_ENV, timeout=300).check()
+    assert forked.losses == real.losses and len(forked.losses) == (2 if "tiny_transformer" in args else 4)
     assert [m["eval_loss"] for m in forked.metrics if "eval_loss" in m] == \
         [m["eval_loss"] for m in real.metrics if "eval_loss" in m]
     assert sorted(os.listdir(tmp_path / "forked")) == sorted(os.listdir(tmp_path / "real"))
     evaluations = [line for line in real.stdout.splitlines() if line.startswith("step ")]  # "step 2: eval loss ..."
     assert [line for line in forked.stdout.splitlines() if line.startswith("step ")] == evaluations
     assert len(evaluations) == 2
-    assert str(tmp_path / "forked") not in server_log()
+    if config is None or forkable(yaml):
+        assert str(tmp_path / "forked") not in server_log()
 
 
 def test_a_run_on_another_environment_is_the_real_process(tmp_path):
