@@ -25,3 +25,24 @@ def test_train_py_reads_in_one_sitting_and_no_function_is_over_60_lines():
              for f in files for node in ast.walk(ast.parse(f.read_text()))
              if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno - node.lineno >= 60]
     assert len(files) > 40 and not long, "\n".join(long)
+
+
+def test_no_import_circle_among_the_modules():
+    """A module-level import (a type-only one too: a reader follows it as well) never leads back to where it started:
+    the step imports no strategy (engines meet its StepEngine protocol), a strategy's base imports its engine and not
+    the other way, a checkpoint format reads its engine through a protocol."""
+    modules = {"train" if f.name == "train.py" else ".".join(f.relative_to(ROOT).with_suffix("").parts)
+               .removesuffix(".__init__"): f for f in [ROOT / "train.py", *sorted((ROOT / "trainkit").rglob("*.py"))]}
+    graph = {}
+    for name, path in modules.items():
+        body = ast.parse(path.read_text()).body
+        found = [n for node in body for n in ([node, *ast.walk(node)] if isinstance(node, ast.If) else [node])]
+        graph[name] = {f"{n.module}.{a.name}" if f"{n.module}.{a.name}" in modules else n.module
+                       for n in found if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("trainkit")
+                       for a in n.names} & set(modules) - {name}
+
+    def reaches(start: str, goal: str, seen: set[str]) -> bool:
+        return any(n == goal or (n not in seen and not seen.add(n) and reaches(n, goal, seen)) for n in graph[start])
+
+    circles = sorted(name for name in graph if reaches(name, name, set()))
+    assert not circles, circles

@@ -24,17 +24,15 @@ loss_weights, agree and optimizer_step.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from trainkit.guards import FiniteCheck
 
-if TYPE_CHECKING:
-    from trainkit.strategies.engine import Engine
-
-__all__ = ["StepResult", "agree", "loss_weights", "optimizer_step", "train_step"]
+__all__ = ["StepEngine", "StepResult", "agree", "loss_weights", "optimizer_step", "train_step"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +47,41 @@ class StepResult:
     extra: dict[str, Any] = field(default_factory=dict)  # the engine's own metrics (a pipeline's idle time)
 
 
-def train_step(engine: Engine, step: int, micro_batches: list, loss_fn: Any, finite: FiniteCheck,
+class StepEngine(Protocol):
+    """What a step asks of an engine (strategies/engine.py's Engine, which every strategy's engine extends): named
+    here, so that this module imports no strategy and the engines import its StepResult, one way."""
+
+    cfg: Any
+    accelerator: Any
+    optimizer: Any
+    scheduler: Any
+    owns_step: bool
+
+    @property
+    def data_parallel_size(self) -> int: ...
+
+    @property
+    def loss_holders(self) -> int: ...
+
+    @property
+    def loss_weigher(self) -> Callable[[Any, Any], Any] | None: ...
+
+    def engine_step(self, step: int, micro_batches: list, loss_fn: Any, finite: FiniteCheck,
+                    stop_requested: bool) -> StepResult: ...
+
+    def hold_gradients(self) -> None: ...
+
+    def forward_backward(self, step: int, micro_batches: list, weights: list[float],
+                         loss_fn: Any) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+
+    def clip_grad_norm(self) -> torch.Tensor | None: ...
+
+    def step_metrics(self, step: int, extra_sums: list[float]) -> dict[str, Any]: ...
+
+    def step_was_skipped(self) -> bool: ...
+
+
+def train_step(engine: StepEngine, step: int, micro_batches: list, loss_fn: Any, finite: FiniteCheck,
                stop_requested: bool) -> StepResult:
     if engine.owns_step:
         return engine.engine_step(step, micro_batches, loss_fn, finite, stop_requested)
@@ -65,7 +97,7 @@ def train_step(engine: Engine, step: int, micro_batches: list, loss_fn: Any, fin
     return result
 
 
-def loss_weights(engine: Engine, micro_batches: list) -> list[float]:
+def loss_weights(engine: StepEngine, micro_batches: list) -> list[float]:
     """The factor on each micro-batch's mean loss, 1 each unless the recipe weighs them (its loss_weight: the
     learned tokens a mean is over). Then micro-batch m's factor is w_m x A x D / N, with A micro-batches per
     rank, D data-parallel ranks and N the units of the whole global batch (one all-reduce, before the first
@@ -80,7 +112,7 @@ def loss_weights(engine: Engine, micro_batches: list) -> list[float]:
     return [w * len(micro_batches) * engine.data_parallel_size / total if total else 0.0 for w in local]
 
 
-def agree(engine: Engine, loss: torch.Tensor, stop_requested: bool, grad_norm: torch.Tensor | None = None,
+def agree(engine: StepEngine, loss: torch.Tensor, stop_requested: bool, grad_norm: torch.Tensor | None = None,
           extra: torch.Tensor | None = None) -> tuple[float, bool, float | None, list[float]]:
     """The mean loss over the ranks that hold one, whether any rank asked to stop, and the sum over all ranks of
     an engine's own numbers (`extra`): one collective, then one transfer to the host that also brings the
@@ -94,7 +126,7 @@ def agree(engine: Engine, loss: torch.Tensor, stop_requested: bool, grad_norm: t
             numbers[2:end])
 
 
-def optimizer_step(engine: Engine, loss: float, grad_norm: float | None, stop: bool) -> StepResult:
+def optimizer_step(engine: StepEngine, loss: float, grad_norm: float | None, stop: bool) -> StepResult:
     """The optimizer and schedule step; whether fp16's scaler skipped it: under torch's GradScaler the scale halves
     exactly when it found an overflow and skipped (engine.step_was_skipped where another library scales).
     Gradient buffers are kept (zeroed): state_bytes counts them as held."""

@@ -14,7 +14,7 @@ accelerate_configs/, and the tests that every shipped config gets (tests/test_st
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -23,9 +23,7 @@ from trainkit.errors import Problem
 from trainkit.estimate import Estimate, ModelShape
 from trainkit.launch import Launch
 from trainkit.recipes import Recipe
-
-if TYPE_CHECKING:
-    from trainkit.strategies.engine import Engine
+from trainkit.strategies.engine import Engine
 
 
 class Strategy:

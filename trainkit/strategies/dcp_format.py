@@ -16,12 +16,16 @@ from __future__ import annotations
 from collections.abc import Mapping
 from concurrent.futures import Future
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from trainkit.strategies.base import Strategy
+
+class Checkpointed(Protocol):
+    """What a format reads of its engine (strategies/engine.py's Engine, which imports this module for its
+    `format`): the trained model and optimizer, and how a part's names map to the whole model's."""
+
+    def checkpointed(self) -> tuple[torch.nn.Module, torch.optim.Optimizer, dict[str, list[str]] | None]: ...
 
 
 class CheckpointFormat:
@@ -33,7 +37,7 @@ class CheckpointFormat:
     folder: ClassVar[str]  # the model + optimizer state's folder inside checkpoints/step_<N>/
     writes_async: ClassVar[bool] = False  # whether save() can return before the write ends (--async_save)
 
-    def __init__(self, engine: Strategy, asynchronous: bool = False) -> None:
+    def __init__(self, engine: Checkpointed, asynchronous: bool = False) -> None:
         if asynchronous and not self.writes_async:
             raise ValueError(f"the {self.name} format writes synchronously only")  # the plan refuses it before
         self.engine = engine  # prepared by the time save or load runs

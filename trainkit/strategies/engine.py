@@ -15,22 +15,33 @@ import contextlib
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 
 from trainkit.config import TrainConfig
 from trainkit.guards import FiniteCheck
+from trainkit.launch import Launch
 from trainkit.metrics import model_state_tensors
+from trainkit.recipes import Recipe
 from trainkit.step import StepResult
 from trainkit.strategies import accelerator, dcp_format
 from trainkit.strategies.parallelize import compile_forward
 
-if TYPE_CHECKING:
-    from trainkit.strategies.base import Strategy
-
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
 MetricsFn = Callable[[torch.nn.Module, Any], dict[str, torch.Tensor]]
+
+
+class Planned(Protocol):
+    """What an engine reads of its strategy's plan (strategies/base.py's Strategy, which imports this module for its
+    `engine`; each strategy module's engine reads its own strategy's fields)."""
+
+    launch: Launch
+    cfg: TrainConfig
+    recipe: Recipe | None
+
+    @property
+    def data_parallel_size(self) -> int: ...
 
 
 class Engine:
@@ -39,7 +50,7 @@ class Engine:
     # How checkpoints hold this engine's model and optimizer (trainkit/checkpoint.py's Checkpointer makes one).
     format: ClassVar[type[dcp_format.CheckpointFormat]] = dcp_format.DCP
 
-    def __init__(self, strategy: Strategy) -> None:
+    def __init__(self, strategy: Planned) -> None:
         self.strategy = strategy
         self.launch, self.cfg, self.recipe = strategy.launch, strategy.cfg, strategy.recipe
         self.notes: list[str] = []  # what building decided on the user's behalf, printed before training
