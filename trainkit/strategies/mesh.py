@@ -38,12 +38,16 @@ from trainkit.strategies.parallelize import FSDPSettings, block_classes, clip_to
 from trainkit.strategies.tp_plan import plan_problems, split_parameters, tp_layers
 
 
-class MeshEngine(Engine):
-    """The mesh built once the process group exists, the model parallelized on it, FSDP2's gradient sync per step."""
+class OnMesh(Engine):
+    """An engine on the one device mesh (strategies/dims.py), which it builds once the process group exists, and
+    that parallelises the model itself: this module's, and the pipeline's (strategies/pipeline.py)."""
 
-    def __init__(self, strategy: Mesh) -> None:
+    accelerate_wraps_model = False
+
+    def __init__(self, strategy: Any) -> None:  # a Mesh, or strategies/pipeline.py's Pipeline: dims and settings
         super().__init__(strategy)
         self.dims, self.settings = strategy.dims, strategy.settings
+        self.sharded = strategy.launch.distributed_type == "FSDP"  # FSDP2 (and TP) on the mesh: Accelerate's FSDP off
         self.mesh: Any = None  # the DeviceMesh, once built
 
     @property
@@ -51,12 +55,15 @@ class MeshEngine(Engine):
         return data_parallel_rank(self.mesh, self.dims)
 
     def build_accelerator(self, output_dir, report_to):
-        without_accelerate_fsdp()
+        if self.sharded:
+            without_accelerate_fsdp()
         accelerator = super().build_accelerator(output_dir, report_to)  # verified: world size, type, precision
         self.mesh = self.dims.build(accelerator.device.type)
         return accelerator
 
-    accelerate_wraps_model = False
+
+class MeshEngine(OnMesh):
+    """The model parallelized on the mesh, FSDP2's gradient sync per step."""
 
     def apply(self, model: torch.nn.Module) -> torch.nn.Module:
         self.notes += parallelize(model, self.dims, self.mesh, self.settings,

@@ -43,9 +43,9 @@ from trainkit.launch import Launch
 from trainkit.metrics import state_bytes
 from trainkit.recipes import Recipe, no_generations
 from trainkit.strategies.base import Strategy
-from trainkit.strategies.dims import ParallelDims, data_parallel_rank, parallelism_problems
-from trainkit.strategies.engine import Engine, LossFn, MetricsFn, batch_samples
-from trainkit.strategies.mesh import held_numel, without_accelerate_fsdp
+from trainkit.strategies.dims import ParallelDims, parallelism_problems
+from trainkit.strategies.engine import LossFn, MetricsFn, batch_samples
+from trainkit.strategies.mesh import OnMesh, held_numel
 from trainkit.strategies.parallelize import FSDPSettings, block_classes, clip_to, grad_norm, local, parallelize, whole
 from trainkit.strategies.stages import (
     Weighed,
@@ -62,15 +62,14 @@ from trainkit.strategies.tp_plan import plan_problems, tp_layers
 STAGES_PER_PROCESS = {"gpipe": 1, "1f1b": 1, "interleaved": 2}
 
 
-class PipelineEngine(Engine):
+class PipelineEngine(OnMesh):
     """This process's stages on the mesh, torch's schedule over them, the tied weights' sum between stages."""
 
     def __init__(self, strategy: Pipeline) -> None:
         super().__init__(strategy)
-        self.dims, self.settings, self.sharded = strategy.dims, strategy.settings, strategy.sharded
         self.stages, self.total_stages, self.label = strategy.stages, strategy.total_stages, strategy.label
-        # made by build_accelerator and prepare: the DeviceMesh, the pp group, torch's schedule; this rank's place
-        self.mesh = self.pp_group = self.schedule = None
+        # made by prepare: the pp group, torch's schedule; this rank's place
+        self.pp_group = self.schedule = None
         self.pp_rank = self.tp_rank = 0
         self.first = self.last = False  # whether this process runs the first / the last stage
         self.names: dict[str, list[str]] = {}  # each name in the stages' state dict -> its names in the whole model
@@ -78,19 +77,6 @@ class PipelineEngine(Engine):
         self._shared: list[tuple[torch.nn.Parameter, Any, bool]] = []  # tied weights across stages
         self.busy, self.stage_bytes = [0.0], None  # seconds computed in the current step; each stage's bytes held
         self.idle_sums, self.steps_timed = [0.0] * self.stages, 0
-
-    @property
-    def data_parallel_rank(self) -> int:
-        return data_parallel_rank(self.mesh, self.dims)
-
-    def build_accelerator(self, output_dir, report_to):
-        if self.sharded:
-            without_accelerate_fsdp()
-        accelerator = super().build_accelerator(output_dir, report_to)
-        self.mesh = self.dims.build(accelerator.device.type)
-        return accelerator
-
-    accelerate_wraps_model = False
 
     def batch_norm_group(self) -> Any:
         """The ranks that hold this rank's stages: the same layers, other samples (every rank holds other layers)."""
