@@ -241,3 +241,15 @@ def test_a_small_held_out_split_gives_one_process_eval_loss(run_dir):
         if samples == "50":
             assert "note: in micro-batches of 10, the largest that divides the 50 samples evaluated" in ddp.stderr
         assert abs(ddp.metrics[-1]["eval_loss"] - one.metrics[-1]["eval_loss"]) <= 1e-6 * one.metrics[-1]["eval_loss"]
+
+
+def test_the_cache_key_changes_with_the_code_that_fills_it_and_the_corpus(monkeypatch):
+    """A tokenizer cached by older code (another CACHE_VERSION) or from another Python's pydoc topics is not read as
+    this one's: each gets a folder of its own."""
+    from trainkit import text
+
+    key = text.data_key("pydoc", "", "text", 1024)
+    monkeypatch.setattr(text, "CACHE_VERSION", text.CACHE_VERSION + 1)
+    newer = text.data_key("pydoc", "", "text", 1024)
+    monkeypatch.setattr(text, "corpus_digest", lambda: "another-python")
+    assert len({key, newer, text.data_key("pydoc", "", "text", 1024)}) == 3

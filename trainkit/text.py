@@ -27,10 +27,11 @@ LOCAL_FORMATS = {".txt": "text", ".text": "text", ".jsonl": "json", ".json": "js
 
 
 def default_corpus(cache_dir: Path) -> Path:
-    """CPython's pydoc topics as JSON lines, one topic per document, written once into the cache."""
+    """CPython's pydoc topics as JSON lines, one topic per document, written once into the cache under a name that
+    holds their digest: another Python's topics (a cache shared between interpreters) are another file."""
     import pydoc_data.topics
 
-    path = cache_dir / "pydoc_topics.jsonl"
+    path = cache_dir / f"pydoc_topics-{corpus_digest()}.jsonl"
     if not path.exists():
         cache_dir.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")
@@ -401,10 +402,26 @@ def unigram_entropy(blocks) -> float:
     return float(-(p * np.log(p)).sum())
 
 
+# The layout of what a cache folder holds (the tokenizer's training, the blocks): a change to either makes this
+# number grow, so that a cache written by older code is never read as this code's (a tokenizer trained otherwise
+# gives other blocks and another loss, silently).
+CACHE_VERSION = 2
+
+
+def corpus_digest() -> str:
+    """The built-in corpus's digest: the pydoc topics of the Python that runs."""
+    import pydoc_data.topics
+
+    topics = pydoc_data.topics.topics
+    return hashlib.sha1("".join(f"{k}\0{topics[k]}\0" for k in sorted(topics)).encode()).hexdigest()[:12]
+
+
 def data_key(data: str, data_config: str, text_field: str, vocab_size: int) -> str:
-    """A cache folder name for one corpus + tokenizer choice; a local file that changes gets a new one."""
+    """A cache folder name for one corpus + tokenizer choice, and this code's CACHE_VERSION; a local file that
+    changes gets a new one, and so does the built-in corpus of another Python."""
     files = [Path(f) for source in sources.parse_data(data, text_field) for f in source.files] \
         if sources.is_mixture(data) else local_files(data) or []
     stamps = [f"{p}:{os.stat(p).st_size}:{os.stat(p).st_mtime_ns}" for p in files if p.is_file()]
-    parts = [data, data_config, text_field, str(vocab_size), *stamps]
+    parts = [data, data_config, text_field, str(vocab_size), f"v{CACHE_VERSION}", *stamps,
+             *([corpus_digest()] if data == "pydoc" else [])]
     return hashlib.sha1("|".join(parts).encode()).hexdigest()[:12]
