@@ -172,8 +172,8 @@ class EvalLayout:
         weighs nothing)."""
         a, n, real = self.layout.grad_accum, self.micro_batch, self.samples // self.micro_batch
         for r in range(self.rounds):
-            for j in range((r * self.layout.world_size + self.layout.rank) * a, (r * self.layout.world_size +
-                                                                                 self.layout.rank + 1) * a):
+            first = (r * self.layout.world_size + self.layout.rank) * a  # micro-batch j holds samples j*n ... j*n+n-1
+            for j in range(first, first + a):
                 yield (list(range(j * n, (j + 1) * n)), True) if j < real else (list(range(n)), False)
 
     def note(self, held_out: int) -> str | None:
