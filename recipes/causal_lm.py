@@ -308,9 +308,9 @@ def _encoded(cfg: Config, layout: str, records, data: str):
 def _rows(cfg: Config, examples):
     """Encoded examples as the rows of seq_len tokens the model reads: one padded example each, or packed."""
     pad = sft.pad_id(tokenizer_of(cfg))
-    rows_ = sft.packed(examples, cfg.seq_len, pad) if cfg.packing else \
+    made = sft.packed(examples, cfg.seq_len, pad) if cfg.packing else \
         examples.map(lambda row: sft.padded(row, cfg.seq_len, pad))
-    return rows_.with_format("torch")
+    return made.with_format("torch")
 
 
 def preview(cfg: Config, cache_dir: Path) -> str | None:
