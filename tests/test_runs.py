@@ -289,3 +289,19 @@ def test_a_launch_that_does_not_end_is_killed_with_its_children(tmp_path):
     assert run.returncode != 0 and "killed after 3 s: the launch had not ended" in run.stderr, run.stderr
     child = int(run.stdout.split()[0])
     assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
+
+
+@pytest.mark.parametrize("name", ["metrics.jsonl", "generations.jsonl"])
+def test_a_resume_keeps_every_earlier_line_on_disk_from_the_moment_it_opens_the_file(tmp_path, name):
+    """A resume from step 5 cuts the redone steps' lines (and a line that a kill cut short) off in place: read from
+    the disk before anything else is written (a SIGKILL then flushes nothing), steps 1-5 are all there. Rewriting the
+    file kept them in memory until the first new step: a launch killed in that window lost them for good."""
+    from trainkit.metrics import _continued
+
+    path = tmp_path / name
+    path.write_text("".join(json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in range(1, 11)) + '{"step": 1')
+    file = _continued(path, 5)
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3, 4, 5]
+    file.write(json.dumps({"step": 6, "loss": 0.0}) + "\n")
+    file.close()
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3, 4, 5, 6]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import resource
 import sys
 import time
@@ -187,13 +188,23 @@ class MetricsLog:
 
 
 def _continued(path: Path, initial_step: int):
-    """path opened for writing: after a resume (initial_step > 0) with its lines up to that step kept, those of the
-    steps that are redone dropped."""
-    kept = [line for line in path.read_text().splitlines(keepends=True)
-            if json.loads(line)["step"] <= initial_step] if initial_step and path.exists() else []
-    file = open(path, "w")
-    file.writelines(kept)
-    return file
+    """path opened for writing: after a resume (initial_step > 0) to append to its lines up to that step, those of
+    the steps that are redone (and a line a kill cut short) cut off in place. Truncating never takes a kept line off
+    the disk: the file rewritten instead held them only in memory until the first new step was flushed, and a launch
+    killed before then lost them all."""
+    if not (initial_step and path.exists()):
+        return open(path, "w")
+    keep = 0
+    with open(path, "rb") as lines:  # written in step order: the kept lines come first
+        for line in lines:
+            try:
+                if not line.endswith(b"\n") or json.loads(line)["step"] > initial_step:
+                    break
+            except (json.JSONDecodeError, KeyError):
+                break
+            keep += len(line)
+    os.truncate(path, keep)
+    return open(path, "a")
 
 
 def _write(file, records: list[dict[str, Any]]) -> None:
