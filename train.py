@@ -224,7 +224,8 @@ def finish(plan: Plan, run: Run, stopped_by: str | None) -> int:
     accelerator.end_training()
     if accelerator.is_main_process:
         extra = plan.recipe.summary(plan.cfg, plan.options.cache_dir)
-        print(summary_line(run.record, run.steps_trained, run.seconds, extra, final))
+        print(summary_line(run.record, run.steps_trained, run.seconds, extra, final, run.layout.global_batch,
+                           plan.recipe.tokens_per_sample(plan.cfg)))
         if report := run.engine.report():
             print(report)
     return 0

@@ -225,8 +225,10 @@ def close_progress_bars() -> None:
         bar.close()
 
 
-def summary_line(last: dict[str, Any], steps_run: int, seconds: float, extra: dict[str, float], final: Path) -> str:
-    """The one line printed at the end: what was trained, how well, how fast, and where the outputs are."""
+def summary_line(last: dict[str, Any], steps_run: int, seconds: float, extra: dict[str, float], final: Path,
+                 samples_per_step: int, tokens_per_sample: int | None) -> str:
+    """The one line printed at the end: what was trained, how well, how fast (the launch's average over its loop,
+    evaluations and saves included: the last step's own rate says little of a run), and where the outputs are."""
     if not last:
         return f"done: nothing left to train (already at max_steps); weights in {final}"
     parts = [f"done: {steps_run} steps (to step {last['step']}) in {seconds:.1f}s", f"train loss {last['loss']:.4f}"]
@@ -235,7 +237,8 @@ def summary_line(last: dict[str, Any], steps_run: int, seconds: float, extra: di
         parts += [f"eval {k.removeprefix('eval_')} {v:.4f}" for k, v in last.items()
                   if k.startswith("eval_") and k != "eval_loss"]
     parts += [f"{name} {value:.4f}" for name, value in extra.items()]
-    parts.append(f"{last['tokens_per_s']:.0f} tokens/s" if "tokens_per_s" in last
-                 else f"{last['samples_per_s']:.0f} samples/s")
+    rate = steps_run * samples_per_step / seconds if seconds > 0 else 0.0
+    parts.append(f"{rate * tokens_per_sample:.0f} tokens/s on average" if tokens_per_sample
+                 else f"{rate:.0f} samples/s on average")
     parts.append(f"outputs in {final.parent} (weights: {final})")
     return " | ".join(parts)
