@@ -4,7 +4,9 @@ the image classifier and its accuracy, and fine-tuning a pretrained causal LM un
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -12,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_model
 
-from conftest import PARITY_BOUND, ROOT, assert_refused, launch, max_rel_diff
+from conftest import PARITY_BOUND, ROOT, TEST_ENV, assert_refused, launch, max_rel_diff
 from trainkit.catalog import main as catalog
 from trainkit.errors import ConfigError
 from trainkit.launch import shipped_configs
@@ -43,6 +45,24 @@ def test_catalog_copies_never_over_a_file_and_prints_a_command_that_works(capsys
     assert f"accelerate launch --config_file {tmp_path / 'z3.yaml'} train.py" in capsys.readouterr().out
     assert catalog(["cp", "image_clasifier", str(tmp_path / "x.py")]) == 2
     assert "did you mean image_classifier?" in capsys.readouterr().err
+
+
+def test_catalog_cp_from_elsewhere_prints_where_it_wrote_and_a_command_that_runs_there(capsys, tmp_path, monkeypatch):
+    """From another folder, a relative destination: the absolute path written, and a command that goes to the
+    repository (train.py and the configs' ds_configs/ paths are read from there); a link at the destination is
+    refused, not written through to wherever it points."""
+    monkeypatch.chdir(tmp_path)
+    assert catalog(["cp", "mlp", "mine.py"]) == 0
+    out = capsys.readouterr().out
+    assert f"copied mlp to {tmp_path / 'mine.py'}\n" in out
+    command = out.split("run it: ")[1].split("    #")[0]
+    assert command.startswith(f"cd {ROOT} && python train.py --recipe {tmp_path / 'mine.py'} --dry_run")
+    done = subprocess.run(command, shell=True, capture_output=True, text=True, env={**os.environ, **TEST_ENV})
+    assert done.returncode == 0, done.stderr  # as printed, from where the user stands
+    elsewhere = tmp_path / "elsewhere.py"
+    (tmp_path / "link.py").symlink_to(elsewhere)  # dangling: exists() says no
+    assert catalog(["cp", "mlp", "link.py"]) == 2
+    assert "(a link): refusing to overwrite it" in capsys.readouterr().err and not elsewhere.exists()
 
 
 def walkthrough(tmp_path: Path) -> Path:

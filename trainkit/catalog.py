@@ -14,12 +14,11 @@ from __future__ import annotations
 import argparse
 import ast
 import difflib
-import shutil
 import sys
 from pathlib import Path
 
 from trainkit.launch import CONFIGS_DIR
-from trainkit.recipes import RECIPES_DIR, shipped_recipes
+from trainkit.recipes import RECIPES_DIR, ROOT, shipped_recipes
 
 DS_CONFIGS_DIR = CONFIGS_DIR.parent / "ds_configs"
 
@@ -66,19 +65,23 @@ def copy(name: str, destination: str) -> tuple[Path, str]:
         close = difflib.get_close_matches(name, list(sources), n=3)
         hint = f"did you mean {', '.join(close)}?" if close else "python -m trainkit.catalog ls lists them"
         raise ValueError(f"no shipped recipe or config named {name!r}: {hint}")
-    target = Path(destination)
+    target = Path(destination).absolute()  # absolute, not resolved: a link is refused below, never followed
     if target.suffix != source.suffix:
         target = target.with_name(target.name + source.suffix)
-    if target.exists():
-        raise ValueError(f"{target} already exists: refusing to overwrite it; choose another name")
+    if target.exists() or target.is_symlink():
+        raise ValueError(f"{target} already exists{' (a link)' if target.is_symlink() else ''}: refusing to "
+                         f"overwrite it; choose another name")
     target.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(source, target)
+    with open(target, "xb") as copied:  # exclusive: a link or file made meanwhile is not written through
+        copied.write(source.read_bytes())
+    # train.py and the configs' relative paths (ds_configs/...) are read from the repository's root
+    here = "" if Path.cwd().resolve() == ROOT else f"cd {ROOT} && "
     if source.suffix == ".py":
         recipe = target.stem if target.resolve().parent == RECIPES_DIR else target  # in recipes/: by name
-        run = (f"python train.py --recipe {recipe} --dry_run    # then: accelerate launch --config_file "
+        run = (f"{here}python train.py --recipe {recipe} --dry_run    # then: accelerate launch --config_file "
                f"accelerate_configs/ddp.yaml train.py --recipe {recipe}")
     elif source.suffix == ".yaml":
-        run = f"accelerate launch --config_file {target} train.py --recipe mlp"
+        run = f"{here}accelerate launch --config_file {target} train.py --recipe mlp"
         if "deepspeed_config_file" in source.read_text():
             run += ("    # it names its DeepSpeed JSON in ds_configs/; to change that too: python -m trainkit.catalog "
                     "cp <the json> mine.json, then point deepspeed_config_file at it")
