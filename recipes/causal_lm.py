@@ -40,6 +40,7 @@ from trainkit import decoder_stages, lora, pretrained, rows, sft, sources, text
 from trainkit.ask import TURN_ENDS
 from trainkit.config import TrainConfig
 from trainkit.errors import ConfigError, Problem
+from trainkit.sources import BadRecord
 from trainkit.stream import Streamed
 
 
@@ -76,6 +77,9 @@ class Config(TrainConfig):
     data_format: str = "auto"
     train_on: str = "answers"  # answers | all (prompts, system and user turns too)
     chat_template: str = ""  # the tokenizer's own; chatml, or a Jinja file, for one that has none
+    # Roles named otherwise than system/user/assistant/tool, renamed: "bot=assistant,human=user" (an unknown role is
+    # refused: its turns would be rendered and never learned)
+    role_map: str = ""
     # Instruction and chat examples packed into seq_len rows (best fit), each attending only to itself (a
     # block-diagonal causal mask, position_ids restarting per example) instead of one padded example per row.
     packing: bool = False
@@ -151,6 +155,14 @@ class Config(TrainConfig):
         problems += text.check_streaming(self.data, self.text_field, self.streaming, self.bad_lines)
         if self.eval_data:
             problems += text.check_data(self.eval_data, self.text_field if plain else None, flag="--eval_data")
+        roles_wrong = sft.role_map_problems(self.role_map)
+        problems += roles_wrong
+        if not plain and not roles_wrong and self.layout() in sft.FIELDS:  # each record of each file's first MiB
+            roles = sft.parse_role_map(self.role_map)
+            problems += [problem for data, flag in ((self.data, "--data"), (self.eval_data, "--eval_data")) if data
+                         and not text.streams(data, self.streaming) for path in text.local_files(data) or []
+                         if path.suffix in (".jsonl", ".json") and path.is_file() and (problem := sft.check_records(
+                             path, self.layout(), roles, flag, text.CHECKED_BYTES))]
         return problems + text.check_data(self.data, self.text_field if plain else None,
                                           text.streams(self.data, self.streaming))
 
@@ -264,13 +276,25 @@ def _streamed(cfg: Config, layout: str, cache_dir: Path) -> tuple[Streamed, list
                              cfg.eval_fraction, cfg.bad_lines, None if layout == "text" else sft.FIELDS[layout])
     tokenizer, weights = tokenizer_of(cfg), cfg.loss_average == "samples"
     streamed = streamed.with_rows(rows.TextPieces(tokenizer, cfg.seq_len, weights) if layout == "text" else
-                                  rows.Examples(tokenizer, cfg.seq_len, layout, sft.chat_template(
-                                      tokenizer, cfg.chat_template), cfg.train_on == "all", weights, cfg.packing))
+                                  _maker(cfg, layout, cfg.packing))
     return streamed, streamed.held_out()
 
 
+def _maker(cfg: Config, layout: str, packing: bool = False) -> rows.Examples:
+    """What makes instruction and chat records into examples: the tokenizer, its template, what is learned."""
+    tokenizer = tokenizer_of(cfg)
+    return rows.Examples(tokenizer, cfg.seq_len, layout, sft.chat_template(tokenizer, cfg.chat_template),
+                         cfg.train_on == "all", cfg.loss_average == "samples", packing,
+                         tuple(sft.parse_role_map(cfg.role_map).items()))
+
+
 def _records(cfg: Config, layout: str, data: str, cache_dir: Path, split: str = "train"):
-    """Instruction or chat records of `data`, refused when they lack the layout's fields."""
+    """Instruction or chat records of `data`, refused when they lack the layout's fields; local files are checked
+    record by record first, a record that cannot be rendered named by file and line."""
+    for path in text.local_files(data) or []:
+        if path.suffix in (".jsonl", ".json") and (
+                problem := sft.check_records(path, layout, sft.parse_role_map(cfg.role_map), _flag(cfg, data))):
+            raise ConfigError([problem])
     records = text.load_records(data, cfg.data_config, None, cache_dir, split, _flag(cfg, data))
     missing = [f for f in sft.FIELDS[layout] if f not in records.column_names]
     if missing:
@@ -288,13 +312,14 @@ def _flag(cfg: Config, data: str) -> str:
 def _encoded(cfg: Config, layout: str, records, data: str):
     """Instruction or chat records, one example each (cut to seq_len), with labels only on what is learned; examples
     left with nothing to learn (their answers cut away) are dropped, and all of them dropped is refused."""
-    maker = rows.Examples(tokenizer := tokenizer_of(cfg), cfg.seq_len, layout,
-                          sft.chat_template(tokenizer, cfg.chat_template), cfg.train_on == "all",
-                          cfg.loss_average == "samples")
+    maker = _maker(cfg, layout)
 
     def encode(batch):  # the examples with something to learn (the rest give None)
         listed = [dict(zip(batch, values, strict=True)) for values in zip(*batch.values(), strict=True)]
         made = [e for e in maker.examples(listed) if e is not None]
+        if bad := next((e for e in made if isinstance(e, BadRecord)), None):  # a Hub dataset's: no file to check
+            raise ConfigError([Problem(f"a record of {data} {bad.why}", f"{_flag(cfg, data)} {data}",
+                                       "pass --role_map name=role for a role named otherwise, or mend the data")])
         return {key: [e[key] for e in made] for key in ("input_ids", "labels", *(["weight"] if maker.weights else []))}
 
     kept = records.map(encode, batched=True, remove_columns=records.column_names)
@@ -330,9 +355,7 @@ def preview(cfg: Config, cache_dir: Path) -> str | None:
                                        "--preview", f"pass a number from 0 to {len(loaded) - 1}")])
         number, records = cfg.preview, loaded.select(range(cfg.preview, min(len(loaded), cfg.preview + PACK_WINDOW)))
     tokenizer = tokenizer_of(cfg)
-    maker = rows.Examples(tokenizer, cfg.seq_len, layout, sft.chat_template(tokenizer, cfg.chat_template),
-                          cfg.train_on == "all")
-    made = maker.examples([dict(r) for r in records])
+    made = _maker(cfg, layout).examples([dict(r) for r in records])
     if made[0] is None:
         return f"example {number} ({layout}) has no token to learn within --seq_len {cfg.seq_len}: it is dropped"
     shown = (f"example {number} ({layout}, {sft.learned_count(made[0]['labels'])} of {len(made[0]['input_ids'])} "

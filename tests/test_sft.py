@@ -53,9 +53,65 @@ def test_each_layout_learns_exactly_its_answers(tokenizer, layout, record, learn
 
 def test_a_sharegpt_turn_from_an_unknown_speaker_is_named(tokenizer):
     record = {"conversations": [{"from": "human", "value": "Hi"}, {"from": "bot", "value": "Hello"}]}
-    with pytest.raises(ConfigError, match=r"a ShareGPT conversation has turns from bot \(--data_format sharegpt\): "
-                                          r"use human, user, gpt, assistant, system in 'from'"):
+    with pytest.raises(ConfigError, match=r"a record has a turn from bot, a role no chat template knows \(known: "
+                                          r"human, user, gpt, assistant, system\)"):
         sft.render(record, "sharegpt", tokenizer, sft.CHATML)
+    renamed, _ = sft.render(record, "sharegpt", tokenizer, sft.CHATML, {"bot": "assistant"})
+    assert renamed.endswith("<|im_start|>assistant\nHello<|im_end|>\n")
+
+
+def test_content_as_a_list_of_text_parts_reads_as_its_text(tokenizer):
+    """OpenAI's and transformers' multimodal layout: text parts joined, the same text as a plain string."""
+    parts = [{**m, "content": [{"type": "text", "text": m["content"]}]} for m in conversation(0)]
+    assert sft.render({"messages": parts}, "messages", tokenizer, sft.CHATML) == \
+        sft.render({"messages": conversation(0)}, "messages", tokenizer, sft.CHATML)
+
+
+@pytest.mark.parametrize("mistake, said", [
+    ({"messages": [{"role": "user", "content": "Hi"}, {"role": "bot", "content": "Hello"}]},
+     "has a turn from bot, a role no chat template knows (known: system, user, assistant, tool): without a mapping "
+     "its turns would be rendered and never learned (--data {path}): pass --role_map with each of its roles named "
+     "as one of system, user, assistant, tool (--role_map bot=assistant)"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x.png"}}]}]},
+     "has a message with a part of type image_url, which a text model cannot read"),
+    ({"conversation": conversation(1)},
+     "has no field(s) messages of the messages layout (its fields: conversation)"),
+])
+def test_chat_data_mistakes_are_named_at_file_and_line_by_the_dry_run_and_the_run(check_only, chat, tmp_path, mistake,
+                                                                                   said):
+    """A role no template knows (rendered, never learned: a refusal that blamed --seq_len when all were such), a
+    non-text content part and a record without its field, on line 3 of a chat file: the dry run names the file and
+    line (every record of the first MiB), and so does the run's own read of the whole file (past the first MiB
+    too); no TypeError from inside the recipe."""
+    folder, data = chat
+    path = tmp_path / "bad.jsonl"
+    good = [json.dumps({"messages": conversation(i)}) for i in range(40)]
+    path.write_text("\n".join([*good[:2], json.dumps(mistake), *good[2:]]) + "\n")
+    args = ["--recipe", "causal_lm", "--model_name_or_path", str(folder), "--tokenizer", "saved", "--data", str(path),
+            "--data_format", "messages", "--chat_template", "chatml"]
+    assert_refused(check_only(tmp_path / "dry", *args, "--dry_run"), f"{path}:3 {said.format(path=path)}")
+    recipe = load_recipe("causal_lm")
+    late = tmp_path / "late.jsonl"  # past the first MiB that the dry run reads: the run's read names it
+    filler = json.dumps({"messages": conversation(0, 200)})
+    lines = (1 << 20) // len(filler) + 2
+    late.write_text("\n".join([filler] * lines + [json.dumps(mistake)]) + "\n")
+    cfg = recipe.Config(model_name_or_path=str(folder), tokenizer="saved", data=str(late), data_format="messages",
+                        chat_template="chatml", seq_len=64)
+    with pytest.raises(ConfigError) as refused:
+        recipe.make_datasets(cfg, tmp_path)
+    assert str(refused.value).startswith(f"{late}:{lines + 1} {said.split(' (--data')[0]}")
+
+
+def test_the_role_map_fix_applied_as_printed_trains_the_renamed_turns(check_only, chat, tmp_path):
+    folder, _ = chat
+    path = tmp_path / "bots.jsonl"
+    path.write_text("".join(json.dumps({"messages": [{**m, "role": {"assistant": "bot"}.get(m["role"], m["role"])}
+                                                     for m in conversation(i)]}) + "\n" for i in range(40)))
+    run = check_only(tmp_path / "dry", "--recipe", "causal_lm", "--model_name_or_path", str(folder), "--tokenizer",
+                     "saved", "--data", str(path), "--chat_template", "chatml", "--dry_run", "--role_map",
+                     "bot=assistant")
+    assert run.returncode == 0, run.stderr
+    assert "(messages, 23 of 92 tokens learned" in run.stderr  # the bot's turns learned as the assistant's
 
 
 def test_an_answer_cut_by_seq_len_keeps_what_fits(tokenizer):

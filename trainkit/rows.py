@@ -94,16 +94,17 @@ class Examples:
     train_on_all: bool = False
     weights: bool = False  # loss_average samples
     packing: bool = False
+    role_map: tuple[tuple[str, str], ...] = ()  # --role_map's renamings
 
     def examples(self, records: list[dict], source: Source | None = None) -> list:
         made: list = []
+        roles = dict(self.role_map)
         for record in records:
-            if missing := [field for field in sft.FIELDS[self.layout] if field not in record]:
-                made.append(BadRecord(f"no field(s) {', '.join(missing)} of the {self.layout} layout (its fields: "
-                                      f"{', '.join(record)})"))
+            if problem := sft.record_problem(record, self.layout, roles):
+                made.append(BadRecord(problem))
                 continue
-            ids, labels = sft.encode(*sft.render(record, self.layout, self.tokenizer, self.template), self.tokenizer,
-                                     self.seq_len, self.train_on_all)
+            ids, labels = sft.encode(*sft.render(record, self.layout, self.tokenizer, self.template, roles),
+                                     self.tokenizer, self.seq_len, self.train_on_all)
             learned = [0] + [int(label != sft.IGNORE) for label in labels[1:]]
             weight = {"weight": sft.sample_weights(learned)} if self.weights else {}
             made.append({"input_ids": ids, "labels": labels, **weight} if sum(learned) else None)

@@ -58,23 +58,98 @@ def chat_template(tokenizer, choice: str) -> str | None:
     return path.read_text()
 
 
-def to_messages(record: Mapping[str, Any], layout: str) -> list[dict[str, str]]:
-    """A conversation as role/content messages, from any of the chat-like layouts."""
-    if layout == "messages":
-        return [{"role": m["role"], "content": m["content"]} for m in record["messages"]]
+# The roles a conversation may hold (what chat templates know); --role_map renames others to these.
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def parse_role_map(text: str) -> dict[str, str]:
+    """--role_map "bot=assistant,human=user" as a dict (checked by role_map_problems)."""
+    return dict(pair.split("=", 1) for pair in (p.strip() for p in text.split(",")) if "=" in pair)
+
+
+def role_map_problems(text: str) -> list[Problem]:
+    pairs = [p.strip() for p in text.split(",") if p.strip()]
+    bad = [p for p in pairs if "=" not in p or p.split("=", 1)[1] not in ROLES]
+    return [Problem(f"--role_map {text!r}: {', '.join(bad)} is not name=role with a role of {', '.join(ROLES)}",
+                    "--role_map", "write it as bot=assistant,human=user")] if bad else []
+
+
+def record_problem(record: Any, layout: str, role_map: Mapping[str, str]) -> str | None:
+    """What stops one record of a chat-like layout from being rendered (a missing field, a message that is not a
+    role and a content, a role no template knows, content that is not text), or None: said with its file and line by
+    check_records, before anything trains."""
+    if not isinstance(record, dict):
+        return f"is a JSON {type(record).__name__}, not an object with the {layout} layout's fields"
+    if missing := [f for f in FIELDS[layout] if f not in record]:
+        return f"has no field(s) {', '.join(missing)} of the {layout} layout (its fields: {', '.join(record)})"
+    try:
+        to_messages(record, layout, role_map)
+    except RecordError as e:
+        return str(e)
+    return None
+
+
+class RecordError(ValueError):
+    """One record that cannot be rendered; record_problem says it with the record's file and line."""
+
+
+def content_text(content: Any) -> str:
+    """A message's content: a string, or a list of parts whose text parts are joined (the layout of OpenAI's and
+    transformers' multimodal chats); a part that is not text is refused."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) for p in content):
+        if other := sorted({str(p.get("type")) for p in content} - {"text"}):
+            raise RecordError(f"has a message with a part of type {', '.join(other)}, which a text model cannot "
+                              f"read (only {{\"type\": \"text\", \"text\": ...}} parts)")
+        return "".join(str(p.get("text", "")) for p in content)
+    raise RecordError(f"has a message whose content is a {type(content).__name__}, not text or a list of text parts")
+
+
+def to_messages(record: Mapping[str, Any], layout: str,
+                role_map: Mapping[str, str] | None = None) -> list[dict[str, str]]:
+    """A conversation as role/content messages, from any of the chat-like layouts; --role_map renames roles."""
+    role_map = role_map or {}
     if layout == "alpaca":
         prompt = record["instruction"] + (f"\n\n{record['input']}" if record.get("input") else "")
         return [{"role": "user", "content": prompt}, {"role": "assistant", "content": record["output"]}]
-    turns = record["conversations"]
-    unknown = {t["from"] for t in turns} - set(SHAREGPT_ROLES)
-    if unknown:
-        raise ConfigError([Problem(f"a ShareGPT conversation has turns from {', '.join(sorted(unknown))}",
-                                   "--data_format sharegpt", f"use {', '.join(SHAREGPT_ROLES)} in 'from'")])
-    return [{"role": SHAREGPT_ROLES[t["from"]], "content": t["value"]} for t in turns]
+    sharegpt = layout == "sharegpt"
+    turns, role, content = (record["conversations"], "from", "value") if sharegpt else \
+        (record["messages"], "role", "content")
+    if not isinstance(turns, list) or not all(isinstance(t, dict) and role in t and content in t for t in turns):
+        raise RecordError(f"has a {'conversation' if sharegpt else 'messages'} field that is not a list of "
+                          f"{{{role!r}: ..., {content!r}: ...}} objects")
+    known = {**(SHAREGPT_ROLES if sharegpt else dict(zip(ROLES, ROLES, strict=True))), **role_map}
+    if unknown := sorted({str(t[role]) for t in turns} - set(known)):
+        raise RecordError(f"has a turn from {', '.join(unknown)}, a role no chat template knows (known: "
+                          f"{', '.join(known)}): without a mapping its turns would be rendered and never learned")
+    return [{"role": known[t[role]], "content": content_text(t[content])} for t in turns]
 
 
-def render(record: Mapping[str, Any], layout: str, tokenizer,
-           template: str | None) -> tuple[str, list[tuple[int, int]]]:
+def check_records(path: Path, layout: str, role_map: Mapping[str, str], flag: str,
+                  limit: int | None = None) -> Problem | None:
+    """The first record of a local JSON-lines file (its first `limit` bytes; None: all of it) that cannot be
+    rendered in the layout, named by file and line (lines that are not JSON are trainkit/text.py's to name)."""
+    import json
+
+    with open(path, "rb") as f:
+        raw = f.read(limit) if limit else f.read()
+    lines = raw.decode("utf-8", errors="replace").splitlines()
+    for number, line in enumerate(lines[:-1] if limit and len(raw) == limit else lines, start=1):
+        try:
+            record = json.loads(line) if line.strip() else None
+        except json.JSONDecodeError:
+            continue
+        if record is not None and (what := record_problem(record, layout, role_map)):
+            fix = ("pass --role_map with each of its roles named as one of "
+                   f"{', '.join(ROLES)} (--role_map bot=assistant)" if "no chat template knows" in what else
+                   "mend that record, or pass --data_format for the layout the file has")
+            return Problem(f"{path}:{number} {what}", f"{flag} {path}", fix)
+    return None
+
+
+def render(record: Mapping[str, Any], layout: str, tokenizer, template: str | None,
+           role_map: Mapping[str, str] | None = None) -> tuple[str, list[tuple[int, int]]]:
     """The text the model reads and the character spans it learns (every answer), for every layout but text (the
     recipe cuts plain text into blocks instead)."""
     if layout == "prompt_completion":
@@ -84,7 +159,12 @@ def render(record: Mapping[str, Any], layout: str, tokenizer,
         raise ConfigError([Problem(f"the tokenizer has no chat template to render {layout} data with",
                                    "--chat_template", f"pass --chat_template {' or '.join(TEMPLATES)} or a Jinja "
                                    "file (the template the model will be asked with later)")])
-    messages = to_messages(record, layout)
+    try:
+        messages = to_messages(record, layout, role_map)
+    except RecordError as e:  # a record no file check saw (a Hub dataset's)
+        raise ConfigError([Problem(f"a record {e}", f"--data_format {layout}",
+                                   "pass --role_map name=role for a role that is named otherwise, or mend the data")]
+                          ) from None
 
     def text_of(turns: list, prompt: bool) -> str:
         return tokenizer.apply_chat_template(turns, chat_template=template, tokenize=False,
