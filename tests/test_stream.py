@@ -317,3 +317,32 @@ def test_a_mixture_cannot_be_prepared_first(check_only, corpus, tmp_path):
     run = check_only(tmp_path / "out", "--recipe", "tiny_transformer", "--data", mixture(corpus), "--streaming",
                      "false", "--dry_run")
     assert_refused(run, "is a mixture, which is read as a stream (--streaming false)")
+
+
+@pytest.mark.parametrize("data", ["books/*.txt:abc,web.jsonl:0.3", "books/*.txt,web.jsonl:0.3"])
+def test_a_mixture_weight_mistake_is_named_and_its_fix_applied_as_printed_reads(data):
+    """A weight that is not a number is said as such (it was called "without a weight", and the fix printed,
+    books/*.txt:abc:1, was refused again); the fix as printed parses as the mixture meant."""
+    from trainkit.sources import _comma_entries
+
+    _, (problem,) = _comma_entries(data, "text", "")
+    assert problem.what == ("books/*.txt:abc (its weight 'abc' is not a number)" if ":abc" in data else
+                            "books/*.txt in a mixture without a weight")
+    fixed = problem.fix.removeprefix("give every source a weight: ")
+    assert fixed == "books/*.txt:1,web.jsonl:0.3"
+    entries, problems = _comma_entries(fixed, "text", "")
+    assert not problems and [(spec, weight) for spec, weight, *_ in entries] == [("books/*.txt", 1.0),
+                                                                               ("web.jsonl", 0.3)]
+
+
+def test_a_mixture_is_never_advised_to_train_without_streaming(tmp_path):
+    """A mixture is streamed whatever --streaming says: the one-piece refusal offers only what works for it."""
+    from trainkit.stream import Streamed
+
+    (tmp_path / "a.jsonl.gz").write_bytes(gzip.compress(b'{"text": "one piece"}\n' * 20))
+    (tmp_path / "b.jsonl.gz").write_bytes(gzip.compress(b'{"text": "another"}\n' * 20))
+    for data, advice in ((f"{tmp_path}/a.jsonl.gz:0.5,{tmp_path}/b.jsonl.gz:0.5", False), (f"{tmp_path}/a.jsonl.gz",
+                                                                                         True)):
+        with pytest.raises(ConfigError) as refused:
+            Streamed.open(data, "text", "", 0.05, "stop")
+        assert ("train without --streaming" in str(refused.value)) == advice, str(refused.value)

@@ -47,7 +47,8 @@ def lost_contact(error: BaseException) -> TrainingError | None:
     return TrainingError(f"rank {os.environ.get('RANK', '0')} lost contact with the other processes ({reason})"
                          f"{silent}",
                          "a machine or process died, froze or lost its network. Check the other machines' logs, then "
-                         "continue with --resume latest (the last complete checkpoint is intact)")
+                         "run the same command with --resume auto (it continues from the last complete checkpoint, "
+                         "which is intact, or starts anew where none was written yet)")
 
 
 def answer_roll_call() -> None:

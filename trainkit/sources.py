@@ -92,8 +92,12 @@ def _comma_entries(data: str, text_field: str, config: str) -> tuple[list[tuple]
         return [(",".join(items), 1.0, text_field, config)], []
     bare = [spec for spec, w in weighed if w is None]
     if bare:
-        return [], [Problem(f"{', '.join(bare)} in a mixture without a weight", f"--data {data}",
-                            f"give every source a weight: {','.join(f'{s}:1' for s, _ in weighed)}")]
+        # a source written with a weight that is not a number (books/*.txt:abc) is that source, weighed 1 in the fix
+        spec_of = {spec: spec.rpartition(":")[0] if ":" in spec else spec for spec in bare}
+        unread = [f"{spec} (its weight {spec.rpartition(':')[2]!r} is not a number)" for spec in bare if ":" in spec]
+        said = ", ".join(unread) if unread else f"{', '.join(bare)} in a mixture without a weight"
+        return [], [Problem(said, f"--data {data}", "give every source a weight: " + ",".join(
+            f"{spec_of.get(s, s)}:{1 if w is None else f'{w:g}'}" for s, w in weighed))]
     return [(spec, w, text_field, config) for spec, w in weighed], []
 
 
@@ -334,5 +338,6 @@ def check_first_records(sources: list[Source], fields: tuple[str, ...] | None = 
 
 def reading_error(where: str, bad: BadRecord) -> TrainingError:
     return TrainingError(f"cannot read {where}: {bad.why}",
-                         "fix or remove that line and continue with --resume latest, or pass --bad_lines skip to "
-                         "count and skip such lines")
+                         "fix or remove that line and run the same command with --resume auto (from the last "
+                         "checkpoint, or anew where none was written yet), or pass --bad_lines skip to count and "
+                         "skip such lines")

@@ -51,6 +51,7 @@ class Streamed:
     held: tuple[tuple[src.Piece, ...], ...]  # each source's held-out pieces
     bad_lines: str = "stop"  # stop | skip
     rows: Any = None
+    mixture: bool = False  # weighed sources (or a mixture YAML): streamed whatever --streaming says
 
     @classmethod
     def open(cls, data: str, text_field: str, data_config: str, eval_fraction: float, bad_lines: str,
@@ -65,12 +66,12 @@ class Streamed:
             if cut < 1:
                 problems.append(Problem(f"{source.spec} is one piece: nothing is left to train on once the held-out "
                                         f"split is taken", f"--data {source.spec}", "stream more data (a .gz file "
-                                        "or a dataset shard is one piece), or train without --streaming"))
+                                        "or a dataset shard is one piece)" + unstreamed(src.is_mixture(data))))
             train.append(tuple(pieces[:cut]))
             held.append(tuple(pieces[cut:]))
         if problems:
             raise ConfigError(problems)
-        return cls(tuple(sources), tuple(train), tuple(held), bad_lines)
+        return cls(tuple(sources), tuple(train), tuple(held), bad_lines, mixture=src.is_mixture(data))
 
     def with_rows(self, rows: Any) -> Streamed:
         return dataclasses.replace(self, rows=rows)
@@ -133,6 +134,11 @@ class Streamed:
             raise src.reading_error(where, bad)
         skipped[0] += 1
         print(f"warning: skipped {where}: {bad.why} (--bad_lines skip)", file=sys.stderr, flush=True)
+
+
+def unstreamed(mixture: bool) -> str:
+    """The other way out, where there is one: a mixture is always streamed (its weights are the stream's)."""
+    return "" if mixture else ", or train without --streaming"
 
 
 def lane_pieces(pieces: tuple[src.Piece, ...], s: int, lane: int, lanes: int, seed: int,
@@ -249,8 +255,8 @@ class StreamedTrain:
                if len(pieces) < layout.global_batch]
         if few:  # lanes j and j + pieces start on the same piece (in two epochs' orders): rows can repeat
             self.note += (f"; {', '.join(few)}: fewer pieces to train on than the {layout.global_batch} rows of a "
-                          f"global batch, so a global batch can hold a row twice (stream more data, or train "
-                          f"without --streaming)")
+                          f"global batch, so a global batch can hold a row twice (stream more data"
+                          f"{unstreamed(streamed.mixture)})")
 
     @property
     def position(self) -> tuple[int, int]:
