@@ -9,6 +9,7 @@ name; with no network a hub name fails with a message that says so.
 
 from __future__ import annotations
 
+import functools
 import glob
 import hashlib
 import json
@@ -408,8 +409,10 @@ def unigram_entropy(blocks) -> float:
 CACHE_VERSION = 2
 
 
+@functools.cache
 def corpus_digest() -> str:
-    """The built-in corpus's digest: the pydoc topics of the Python that runs."""
+    """The built-in corpus's digest: the pydoc topics of the Python that runs (once per process: every load of the
+    corpus and every cache key asks for it)."""
     import pydoc_data.topics
 
     topics = pydoc_data.topics.topics
