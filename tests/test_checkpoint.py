@@ -7,13 +7,16 @@ import errno
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 import torch
+import xxhash
 from safetensors.torch import load_file
 
 from conftest import (
@@ -302,32 +305,64 @@ def test_project_loads_pickles_only_with_weights_only():
 
 
 def test_a_damaged_checkpoint_is_named_with_the_newest_intact_one(check_only, run_dir):
-    """Every save records the size of each file it wrote; a truncated file is found before anything is loaded."""
+    """Every save records the size and checksum of each file it wrote; a truncated file, or one whose bytes changed
+    and size did not, is found before anything is loaded, and --resume auto passes over it."""
     out = run_dir("out")
     launch(out, "--recipe", "mlp", "--max_steps", "6", "--save_every", "2").check()
     damaged = max((out / "checkpoints" / "step_6" / "state").iterdir(), key=lambda p: p.stat().st_size)
-    size = damaged.stat().st_size
-    damaged.write_bytes(damaged.read_bytes()[: size // 2])
-    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
-    run = check_only(out, "--recipe", "mlp", "--max_steps", "8", "--resume", "latest")
-    assert_refused(run, f"checkpoint {out / 'checkpoints' / 'step_6'} is damaged: {damaged} has {size // 2} bytes, "
-                        f"{size} when it was written")
-    assert f"resume from the newest intact one: --resume {out / 'checkpoints' / 'step_4'}" in run.stderr
-    auto = check_only(out, "--recipe", "mlp", "--max_steps", "8", "--resume", "auto", "--dry_run")
-    assert auto.returncode == 0 and json.loads(auto.stdout)["max_steps"] == 8, auto.stderr
-    assert f"note: --resume auto: continuing from {out / 'checkpoints' / 'step_4'} (the newer step_6 damaged)" \
-        in auto.stderr
-    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    size, whole = damaged.stat().st_size, damaged.read_bytes()
+    for damage, named in [(whole[: size // 2], f"{damaged} has {size // 2} bytes, {size} when it was written"),
+                          (flipped(whole), f"{damaged} holds other bytes than were written")]:
+        damaged.write_bytes(damage)
+        before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+        run = check_only(out, "--recipe", "mlp", "--max_steps", "8", "--resume", "latest")
+        assert_refused(run, f"checkpoint {out / 'checkpoints' / 'step_6'} is damaged: {named}")
+        assert f"resume from the newest intact one: --resume {out / 'checkpoints' / 'step_4'}" in run.stderr
+        auto = check_only(out, "--recipe", "mlp", "--max_steps", "8", "--resume", "auto", "--dry_run")
+        assert auto.returncode == 0 and json.loads(auto.stdout)["max_steps"] == 8, auto.stderr
+        assert f"note: --resume auto: continuing from {out / 'checkpoints' / 'step_4'} (the newer step_6 damaged)" \
+            in auto.stderr
+        assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
+def flipped(data: bytes, at: float = 0.5) -> bytes:
+    """data with 12 bytes inverted at a fraction of its length: the same size, other bytes (measured before
+    checksums: such a flip in a DCP shard resumed with exit 0 and ended 3.41 off the uninterrupted curve)."""
+    i = int(len(data) * at)
+    return data[:i] + bytes(b ^ 0xFF for b in data[i:i + 12]) + data[i + 12:]
+
+
+@pytest.mark.parametrize("config, files", [
+    ("ddp", ["state/__0_0.distcp", "state/__1_0.distcp", "state/.metadata", "rng/rank_1.pt"]),
+    ("deepspeed_zero2", ["deepspeed/deepspeed/mp_rank_00_model_states.pt",
+                         "deepspeed/deepspeed/zero_pp_rank_1_mp_rank_00_optim_states.pt"]),
+])
+def test_flipped_bytes_in_any_checkpoint_file_are_named(check_only, lm_runs, tmp_path, config, files):
+    """Each format's model and optimizer files (a DCP shard holds both: flipped near its start and its end), its
+    metadata and a rank's RNG state: the checkpoint is refused before anything loads, naming the file and step."""
+    run = lm_runs(config)
+    for name, at in [(file, at) for file in files for at in ([0.1, 0.9] if file.endswith(".distcp") else [0.5])]:
+        out = tmp_path / f"{Path(name).name}-{at}"
+        shutil.copytree(run.output_dir, out)
+        step = out / "checkpoints" / "step_5"
+        (step / name).write_bytes(flipped((step / name).read_bytes(), at))
+        refused = check_only(out, "--recipe", "tiny_transformer", "--resume", "latest")
+        assert_refused(refused, f"checkpoint {step} is damaged: {step / name} holds other bytes than were written")
+        assert "no intact checkpoint is left: start again (--overwrite)" in refused.stderr
 
 
 def test_a_checkpoint_that_does_not_load_says_which_and_what_to_do(run_dir):
-    """Damage the sizes cannot show (the same size, other bytes): the load fails with the checkpoint named."""
+    """What the checks cannot see (a checkpoint written before checksums were recorded, with the same size and other
+    bytes): the load fails with the checkpoint named and the library's words."""
     out = run_dir("out")
     launch(out, "--recipe", "mlp", "--max_steps", "6", "--save_every", "2").check()
-    metadata = out / "checkpoints" / "step_6" / "state" / ".metadata"
-    metadata.write_bytes(b"\0" * metadata.stat().st_size)
+    step = out / "checkpoints" / "step_6"
+    state = json.loads((step / "trainer_state.json").read_text())
+    state["files"] = {name: entry["bytes"] for name, entry in state["files"].items()}  # sizes only, as before
+    (step / "trainer_state.json").write_text(json.dumps(state))
+    (step / "state" / ".metadata").write_bytes(b"\0" * (step / "state" / ".metadata").stat().st_size)
     run = launch(out, "--recipe", "mlp", "--max_steps", "8", "--resume", "latest")
-    assert_refused(run, f"could not load checkpoint {out / 'checkpoints' / 'step_6'}: ", code=1)
+    assert_refused(run, f"could not load checkpoint {step}: ", code=1)
     assert f"resume from an older one (--resume {out / 'checkpoints' / 'step_4'})" in run.stderr
 
 
@@ -397,6 +432,12 @@ def test_a_resumed_launch_keeps_saving_as_the_run_was_started_to(run_dir):
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step_15", "step_20"]
     assert resumed.resolved["save_every"] == 5 and resumed.resolved["sources"]["keep_last"].startswith("checkpoint ")
     assert resumed.resolved["async_save"] is True
+    for step in ("step_15", "step_20"):  # an asynchronous save records every file's checksum too, hashed beside it
+        folder = out / "checkpoints" / step
+        files = json.loads((folder / "trainer_state.json").read_text())["files"]
+        assert {name: entry["xxh3_64"] for name, entry in files.items()} == {
+            str(f.relative_to(folder)): xxhash.xxh3_64(f.read_bytes()).hexdigest() for f in folder.rglob("*")
+            if f.is_file() and f.name != "trainer_state.json"}
     again = launch(out, "--recipe", "mlp", "--resume", "latest", "--max_steps", "30", "--save_every", "0",
                    config="ddp").check()
     assert "--save_every" not in again.stderr.split("run options from the checkpoint:")[-1].splitlines()[0]
