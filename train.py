@@ -25,7 +25,7 @@ from accelerate.utils import set_seed
 from trainkit.checkpoint import Checkpointer, data_states, export_final
 from trainkit.command_line import parse_command_line
 from trainkit.data import BatchLayout, EvalLayout, TrainStream, eval_batches, split_layouts
-from trainkit.errors import ConfigError, TrainingError, failure_in_user_code, out_of_memory
+from trainkit.errors import ConfigError, TrainingError, failure_in_user_code, out_of_memory, writing
 from trainkit.guards import FiniteCheck, StopSignal
 from trainkit.hardware import Compute
 from trainkit.hosts import exposed_secrets
@@ -33,20 +33,24 @@ from trainkit.metrics import (
     MetricsLog,
     Throughput,
     close_progress_bars,
+    end_trackers,
     peak_memory_bytes,
     process_seconds,
+    start_trackers,
     state_bytes,
     summary_line,
 )
 from trainkit.optim import build_optimizer, build_scheduler
 from trainkit.plan import Plan, estimate_report, make_plan
 from trainkit.process import (
+    LostContact,
     answer_roll_call,
     end_process,
     end_with_launcher,
     keep_until_exit,
     lost_contact,
     outlive_its_terminal,
+    publish_failure,
 )
 from trainkit.quiet import silence_library_noise
 from trainkit.run_folder import STOP_RECORD, check_folder_shared, clear_outputs, record_stop
@@ -90,7 +94,10 @@ def main(argv: list[str] | None = None) -> int:
 def refuse(error: ConfigError | TrainingError) -> int:
     """Print the error lines once per launch. The ranks of a launch mostly refuse alike; rank 0 prints at once, the
     others only after a pause, by which time the launcher has ended them if rank 0 refused too (it stops every rank
-    when one fails). A rank that alone saw the problem still prints it: never a silent failure."""
+    when one fails). A rank that alone saw the problem still prints it: never a silent failure. A cause is published
+    first, for the ranks that lose contact with this one to name it (trainkit/process.py)."""
+    if not isinstance(error, LostContact):  # the cause: the ranks that lose contact with this one name it
+        publish_failure(error.lines()[0])
     if int(os.environ.get("RANK", "0")) > 0:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the launcher's stop ends this pause, and the process
         time.sleep(5)
@@ -135,9 +142,10 @@ def build(plan: Plan) -> Run:
             clear_outputs(options.output_dir)
         options.output_dir.mkdir(parents=True, exist_ok=True)
         (options.output_dir / STOP_RECORD).unlink(missing_ok=True)  # this launch's end writes its own, if it stops
-        (options.output_dir / "resolved_config.json").write_text(json.dumps(resolved, indent=2) + "\n")
+        with writing(options.output_dir / "resolved_config.json"):
+            (options.output_dir / "resolved_config.json").write_text(json.dumps(resolved, indent=2) + "\n")
     check_folder_shared(options.output_dir)  # a folder local to each machine would fail only at the first save
-    accelerator.init_trackers("train", config={k: v for k, v in resolved.items() if isinstance(v, (int, float, str))})
+    start_trackers(accelerator, options.output_dir, resolved)
     with accelerator.local_main_process_first():  # one process per machine builds the data caches
         train_set, eval_set = recipe.make_datasets(cfg, options.cache_dir)
     layout = BatchLayout(cfg.batch_size, cfg.grad_accum, engine.data_parallel_rank, engine.data_parallel_size)
@@ -213,7 +221,7 @@ def finish(plan: Plan, run: Run, stopped_by: str | None) -> int:
     """final/ and the summary line; after a stop, only where to continue from."""
     accelerator = run.engine.accelerator
     if stopped_by:
-        accelerator.end_training()
+        end_trackers(accelerator, plan.options.output_dir)
         if accelerator.is_main_process:
             checkpoint = run.checkpointer.root / f"step_{run.step}"
             record_stop(plan.options.output_dir, run.step, stopped_by, plan.cfg.max_steps, checkpoint)
@@ -221,7 +229,7 @@ def finish(plan: Plan, run: Run, stopped_by: str | None) -> int:
                   f"--resume latest")
         return 0
     final = export_final(run.engine, plan.recipe, plan.cfg, plan.options.cache_dir, plan.options.output_dir)
-    accelerator.end_training()
+    end_trackers(accelerator, plan.options.output_dir)
     if accelerator.is_main_process:
         extra = plan.recipe.summary(plan.cfg, plan.options.cache_dir)
         print(summary_line(run.record, run.steps_trained, run.seconds, extra, final, run.layout.global_batch,

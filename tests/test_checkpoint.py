@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import time
+from contextlib import suppress
 from pathlib import Path
 
 import pytest
@@ -385,6 +386,57 @@ def test_a_full_disk_stops_the_run_with_the_intact_checkpoint_named(small_disk, 
     assert f"could not write checkpoint {out / 'checkpoints'}/step_" in run.stderr
     assert f"{out / 'checkpoints' / latest} is intact; free space and continue with --resume latest" in run.stderr
     assert not list((out / "checkpoints").glob("*.tmp")) and "Traceback" not in run.stderr
+
+
+def filled(mount: Path) -> Path:
+    """mount with no byte left free: a file written until the disk refuses more."""
+    with suppress(OSError), open(mount / "filler", "wb") as filler:
+        while True:
+            filler.write(b"\0" * 4096)
+            filler.flush()
+    return mount
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("writer", ["metrics", "tensorboard", "final", "output folder", "data cache"])
+def test_a_full_disk_under_any_writer_is_named(tmp_path, writer):
+    """Measured before: a disk that filled while TensorBoard wrote gave two raw OSError tracebacks from its writer's
+    thread, and the only error line said rank 0 "did not answer"; the lock file and the final export (safetensors'
+    own error type) ended in tracebacks. Now every writer ends alike: the path named, the disk said to be full, how to
+    go on; no raw OSError, no rank blamed for another's error, what was written before kept, no half-written
+    final/. Two processes: rank 0 writes, rank 1 waits for it."""
+    args = ["--recipe", "mlp", "--eval_every", "0"]
+    with tmpfs(tmp_path / "small", "size=1m" if writer == "final" else "size=64k") as small:
+        out, code = (tmp_path / "out", 1) if writer in ("tensorboard", "data cache") else (small / "out", 1)
+        if writer == "metrics":
+            run = launch(out, *args, "--max_steps", "3000", "--report_to", "none", config="ddp")
+        elif writer == "tensorboard":  # its folder alone on the full disk
+            out.mkdir()
+            (out / "train").symlink_to(filled(small), target_is_directory=True)
+            run = launch(out, *args, "--max_steps", "20", "--report_to", "tensorboard", config="ddp")
+        elif writer == "final":  # everything fits but the weights (4.3 MB)
+            run = launch(out, *args, "--max_steps", "3", "--hidden", "1024", config="ddp")
+        elif writer == "data cache":  # the corpus, the tokenizer and the token blocks of the transformer
+            run = launch(out, "--recipe", "tiny_transformer", "--max_steps", "1", "--cache_dir", str(filled(small)),
+                         config="ddp")
+        else:
+            out.mkdir()
+            filled(small)
+            run, code = launch(out, *args, "--max_steps", "3", config="ddp"), 2
+        named = {"metrics": out / "metrics.jsonl", "tensorboard": out / "train", "final": out / "final",
+                 "data cache": f"{small}/pydoc_topics-"}
+        if writer == "output folder":
+            assert_refused(run, f"cannot write in {out}: the disk is full", code=2)
+        else:
+            assert_refused(run, f"could not write {named[writer]}", code=code)
+            assert "the disk is full" in run.stderr and "then run the same command with --resume auto" in run.stderr
+        assert "OSError" not in run.stderr and "SafetensorError" not in run.stderr, run.stderr
+        assert "did not answer" not in run.stderr and "lost contact" not in run.stderr, run.stderr
+        assert "because rank 0 on " in run.stderr or run.stderr.count("error: ") == 1, run.stderr
+        if writer in ("metrics", "final"):  # every line written is whole, one per step from the first
+            steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+            assert steps == list(range(1, len(steps) + 1)) and steps, steps
+        assert not (out / "final.tmp").exists() and not (out / "final").exists()
 
 
 @pytest.mark.parametrize("code, fix", [

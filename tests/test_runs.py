@@ -308,6 +308,6 @@ def test_a_resume_keeps_every_earlier_line_on_disk_from_the_moment_it_opens_the_
     path.write_text("".join(json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in range(1, 11)) + '{"step": 1')
     file = _continued(path, 5)
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3, 4, 5]
-    file.write(json.dumps({"step": 6, "loss": 0.0}) + "\n")
+    file.write((json.dumps({"step": 6, "loss": 0.0}) + "\n").encode())
     file.close()
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3, 4, 5, 6]

@@ -36,7 +36,7 @@ import torch
 import xxhash
 
 from trainkit.config import TrainConfig, config_dict
-from trainkit.errors import ConfigError, Problem, TrainingError, said, write_failure
+from trainkit.errors import ConfigError, Problem, TrainingError, said, write_failure, writing
 from trainkit.process import lost_peer
 from trainkit.recipes import Recipe
 from trainkit.strategies import Engine, for_format
@@ -428,11 +428,15 @@ def export_final(engine: Engine, recipe: Recipe, cfg: TrainConfig, cache_dir: Pa
     final = output_dir / "final"
     if accelerator.is_main_process:
         tmp = output_dir / "final.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        with engine.building_alone():
-            recipe.export(engine.unwrapped_model, state_dict, cfg, cache_dir, tmp)
-        shutil.rmtree(final, ignore_errors=True)
-        tmp.rename(final)
+        try:
+            with writing(final):
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir()
+                with engine.building_alone():
+                    recipe.export(engine.unwrapped_model, state_dict, cfg, cache_dir, tmp)
+                shutil.rmtree(final, ignore_errors=True)
+                tmp.rename(final)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)  # a failed export leaves no half-written folder
     accelerator.wait_for_everyone()
     return final

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import shutil
 import sys
 import sysconfig
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,13 +63,45 @@ class TrainingError(Exception):
         return [str(self)]
 
 
+# How a run that ended goes on, once its cause is removed: the advice of every error that ends a run mid-way
+CONTINUE = ("run the same command with --resume auto (it continues from the last complete checkpoint, which is "
+            "intact, or starts anew where none was written yet)")
+
+
+@contextmanager
+def writing(path: Path) -> Iterator[None]:
+    """A write to `path` (a file, or the folder a writer fills) that fails ends the run naming the path and the cause
+    (a full disk said as such, trainkit/errors.py's write_failure) and how to go on: every writer of a run ends alike
+    (metrics, trackers, the final export, the resolved config; checkpoints name their intact predecessor)."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except (OSError, SafetensorError) as e:
+        raise write_error(e, path) from None
+
+
+def write_error(error: BaseException, path: Path) -> TrainingError:
+    """The error of a failed write under `path` (the very file named where the error knows it)."""
+    where = Path(error.filename) if isinstance(error, OSError) and error.filename else path
+    what, fix = write_failure(error, where)
+    return TrainingError(f"could not write {where}: {what}", f"{fix}, then {CONTINUE}")
+
+
+def disk_full(error: BaseException) -> bool:
+    """Whether the error is a write that the disk (or a quota) refused: said as such wherever it surfaces, even in a
+    library that takes every error for bad input."""
+    return getattr(error, "errno", None) in (errno.ENOSPC, errno.EDQUOT)
+
+
 def write_failure(error: BaseException, where: Path) -> tuple[str, str]:
     """What went wrong when writing under `where`, in words, and what to do first. A full disk is said as such
     (torch.save's own message for it is "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598");
     freeing space would not help a folder that cannot be written."""
     existing = next(p for p in (where, *where.absolute().parents) if p.exists())
     free = shutil.disk_usage(existing).free
-    code = getattr(error, "errno", None)
+    # safetensors' SafetensorError is no OSError: its message carries the code ("I/O error: ... (os error 28)")
+    code = getattr(error, "errno", None) or next((int(n) for n in re.findall(r"\(os error (\d+)\)", str(error))), None)
     if code == errno.ENOSPC or free < 64 * 1024 ** 2:
         return f"the disk is full ({free / 1024 ** 2:.1f} MiB free on {existing})", "free space"
     if code in (errno.EACCES, errno.EPERM, errno.EROFS):

@@ -233,11 +233,15 @@ def _read_cache(path: Path) -> dict:
 
 
 def _write_cache(path: Path, data: dict) -> None:
-    """Under a temporary name, then renamed: a reader never sees half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Under a temporary name, then renamed: a reader never sees half a file. A cache that cannot be written (a full
+    disk) is not written: the next run measures again, and the run's own writers name the disk if it matters."""
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    tmp.replace(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(data, indent=2) + "\n")
+        tmp.replace(path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
 
 
 def remember_cpu_info(cache_dir: Path) -> None:

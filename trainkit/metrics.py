@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -17,7 +18,7 @@ import psutil
 import torch
 from tqdm.auto import tqdm
 
-from trainkit.errors import Problem, TrainingError, write_failure
+from trainkit.errors import Problem, writing
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +140,22 @@ class Throughput:
         return rate
 
 
+TRACKED_RUN = "train"  # the trackers' run name: TensorBoard writes under <output_dir>/train
+
+
+def start_trackers(accelerator, output_dir: Path, resolved: dict[str, Any]) -> None:
+    """The trackers (--report_to), given the run's settings; a failed write named (trainkit/errors.py's writing)."""
+    with writing(output_dir / TRACKED_RUN):
+        accelerator.init_trackers(TRACKED_RUN, config={k: v for k, v in resolved.items()
+                                                       if isinstance(v, (int, float, str))})
+
+
+def end_trackers(accelerator, output_dir: Path) -> None:
+    """accelerator.end_training: the trackers write what they still hold; a failed write named."""
+    with writing(output_dir / TRACKED_RUN):
+        accelerator.end_training()
+
+
 class MetricsLog:
     """metrics.jsonl (a line per optimizer step, eval_loss on evaluation steps), trackers and a tqdm bar.
 
@@ -150,6 +167,7 @@ class MetricsLog:
         self.accelerator = accelerator
         self.is_main = accelerator.is_main_process
         self.file = _continued(output_dir / "metrics.jsonl", initial_step) if self.is_main else None
+        self.tracker_dir = output_dir / TRACKED_RUN
         # the recipe's generated answers at each evaluation (Recipe.generate), opened at the first
         self.generations_path, self.initial_step = output_dir / "generations.jsonl", initial_step
         self.generations = None
@@ -161,8 +179,9 @@ class MetricsLog:
             # A step that fp16's loss scaler skipped has an infinite gradient norm; JSON has no Infinity, so null.
             _write(self.file, [{k: None if isinstance(v, float) and not math.isfinite(v) else v
                                 for k, v in record.items()}])
-        self.accelerator.log({k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"},
-                             step=record["step"])
+        with writing(self.tracker_dir):  # TensorBoard's writer raises its thread's failure here (trainkit/quiet.py)
+            self.accelerator.log({k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"},
+                                 step=record["step"])
         # the postfix first: update() draws the bar, which then shows this step's loss and lr, not the step before's
         self.bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}", refresh=False)
         self.bar.update(1)
@@ -187,13 +206,13 @@ class MetricsLog:
                 file.close()
 
 
-def _continued(path: Path, initial_step: int):
+def _continued(path: Path, initial_step: int) -> io.FileIO:
     """path opened for writing: after a resume (initial_step > 0) to append to its lines up to that step, those of
     the steps that are redone (and a line a kill cut short) cut off in place. Truncating never takes a kept line off
     the disk: the file rewritten instead held them only in memory until the first new step was flushed, and a launch
     killed before then lost them all."""
     if not (initial_step and path.exists()):
-        return open(path, "w")
+        return open(path, "wb", buffering=0)
     keep = 0
     with open(path, "rb") as lines:  # written in step order: the kept lines come first
         for line in lines:
@@ -204,18 +223,21 @@ def _continued(path: Path, initial_step: int):
                 break
             keep += len(line)
     os.truncate(path, keep)
-    return open(path, "a")
+    return open(path, "ab", buffering=0)
 
 
-def _write(file, records: list[dict[str, Any]]) -> None:
-    try:
-        file.writelines(json.dumps(record, allow_nan=False) + "\n" for record in records)
-        file.flush()
-    except OSError as e:
-        what, fix = write_failure(e, Path(file.name))
-        raise TrainingError(f"could not write {file.name}: {what}",
-                            f"{fix} and continue with --resume latest (the checkpoints written so far are "
-                            "whole), or start again (--overwrite) if there is none") from None
+def _write(file: io.FileIO, records: list[dict[str, Any]]) -> None:
+    """Whole lines, or nothing: the part of a line a full disk took is cut off again before the run ends (unbuffered,
+    so that no write is left pending to end the file with half a line at close)."""
+    data = memoryview("".join(json.dumps(record, allow_nan=False) + "\n" for record in records).encode())
+    whole = file.seek(0, os.SEEK_END)
+    with writing(Path(file.name)):
+        try:
+            while data:
+                data = data[file.write(data):]
+        except OSError:
+            file.truncate(whole)
+            raise
 
 
 def close_progress_bars() -> None:

@@ -12,7 +12,7 @@ from typing import Any, NoReturn, TextIO
 
 import torch
 
-from trainkit.errors import TrainingError
+from trainkit.errors import CONTINUE, TrainingError
 
 # What a collective raises when another rank is gone: gloo (a plain RuntimeError) and NCCL / the store (DistError).
 _LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out waiting",
@@ -31,7 +31,11 @@ def _first_line(error: BaseException) -> str:
     return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
 
 
-def lost_contact(error: BaseException) -> TrainingError | None:
+class LostContact(TrainingError):
+    """This rank stopped because another did (lost_contact): an effect, never published as a cause."""
+
+
+def lost_contact(error: BaseException) -> LostContact | None:
     """The error to report when a collective failed because another rank died, froze or lost its network, else None;
     it names the ranks that did not answer the roll call (_unanswered).
 
@@ -40,15 +44,16 @@ def lost_contact(error: BaseException) -> TrainingError | None:
     """
     if not lost_peer(error):
         return None
+    rank = os.environ.get("RANK", "0")
+    if failed := _failures():  # a rank that ended on an error of its own is not silent: its error is the cause
+        return LostContact(f"rank {rank} stopped because {failed[0]} ended the run", failed[1])
     reason = re.sub(r"^\[[^\]]*\]\s*", "", _first_line(error)).split(". This is typically")[0]
     missing = _unanswered()
     silent = f"; {', '.join(missing)} did not answer within {_ROLL_CALL_S:g} s (dead, frozen or cut off)" \
         if missing else ""
-    return TrainingError(f"rank {os.environ.get('RANK', '0')} lost contact with the other processes ({reason})"
-                         f"{silent}",
-                         "a machine or process died, froze or lost its network. Check the other machines' logs, then "
-                         "run the same command with --resume auto (it continues from the last complete checkpoint, "
-                         "which is intact, or starts anew where none was written yet)")
+    return LostContact(f"rank {rank} lost contact with the other processes ({reason}){silent}",
+                         f"a machine or process died, froze or lost its network. Check the other machines' logs, then "
+                         f"{CONTINUE}")
 
 
 def answer_roll_call() -> None:
@@ -61,6 +66,38 @@ def answer_roll_call() -> None:
     if dist.is_initialized():
         where = f"on {socket.gethostname()} (machine {os.environ.get('GROUP_RANK', '0')}), pid {os.getpid()}"
         _store().set(f"{_ROLL}/where/{dist.get_rank()}", where)
+
+
+def publish_failure(line: str) -> None:
+    """Before a rank ends on an error: the error's line, into the launch's store, for the ranks that then lose contact
+    with it to say what ended the run instead of naming it as gone silent (lost_contact). The store is torchrun's
+    agent's, so it outlives this rank."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        try:
+            _store().set(f"{_ROLL}/failed/{dist.get_rank()}", line)
+        except Exception:  # noqa: BLE001 - a store out of reach: the other ranks fall back to the roll call
+            pass
+
+
+def _failures() -> tuple[str, str] | None:
+    """The first rank (by number) that published its error, with where it ran, and the error; None if none did or the
+    store cannot be read."""
+    import datetime
+
+    import torch.distributed as dist
+
+    try:
+        store = _store()
+        store.set_timeout(datetime.timedelta(seconds=_ROLL_CALL_S))
+        for r in range(dist.get_world_size()):
+            if store.check([f"{_ROLL}/failed/{r}"]):
+                where = store.get(f"{_ROLL}/where/{r}").decode() if store.check([f"{_ROLL}/where/{r}"]) else ""
+                return f"rank {r} {where}".strip(), store.get(f"{_ROLL}/failed/{r}").decode()
+    except Exception:  # noqa: BLE001 - a store that fails too leaves the roll call to say what it can
+        return None
+    return None
 
 
 def _store():

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import threading
 import warnings
 
 import torch
@@ -33,13 +34,24 @@ SILENCED_LOGS = [
 ]
 
 
+def _thread_failed(args: threading.ExceptHookArgs) -> None:
+    """TensorBoard's writer thread (tensorboard's _AsyncWriterThread) keeps the error that ended it and raises it in
+    the training thread at the next record, where the run names it (trainkit/metrics.py): its own traceback, printed
+    as the thread ends, says the same twice in raw form (a full disk gave two). Every other thread's as before."""
+    if type(args.thread).__name__ == "_AsyncWriterThread" and isinstance(args.exc_value, OSError):
+        return
+    threading.__excepthook__(args)
+
+
 def silence_library_noise() -> None:
-    """Apply SILENCED and SILENCED_LOGS; and on a machine without GPUs tell DeepSpeed its accelerator is the CPU,
-    which is what its detection concludes anyway, after a "Setting accelerator to CPU" warning in every process."""
+    """Apply SILENCED, SILENCED_LOGS and _thread_failed; and on a machine without GPUs tell DeepSpeed its accelerator
+    is the CPU, which is what its detection concludes anyway, after a "Setting accelerator to CPU" warning in every
+    process."""
     for category, message, _ in SILENCED:
         warnings.filterwarnings("ignore", message=message, category=category)
     for name, message, _ in SILENCED_LOGS:
         logging.getLogger(name).addFilter(lambda record, match=re.compile(message).search:
                                           not match(record.getMessage()))
+    threading.excepthook = _thread_failed
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")

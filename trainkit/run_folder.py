@@ -8,11 +8,12 @@ import json
 import os
 import shutil
 import socket
+from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
 from trainkit.checkpoint import has_latest, write_atomically
-from trainkit.errors import ConfigError, Problem
+from trainkit.errors import ConfigError, Problem, write_failure
 
 
 def check_output_dir(output_dir: Path, resume: str | None, overwrite: bool) -> list[Problem]:
@@ -58,8 +59,11 @@ def lock_output_dir(output_dir: Path, hold: bool) -> list[Problem]:
     path = output_dir / LOCK_FILE
     if not (hold or path.exists()):
         return []
-    output_dir.mkdir(parents=True, exist_ok=True)
-    file = open(path, "a+")  # held open past this function: the lock lives as long as the file
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        file = open(path, "a+")  # held open past this function: the lock lives as long as the file
+    except OSError as e:
+        return [_unwritable(output_dir, e)]
     try:
         fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -71,11 +75,21 @@ def lock_output_dir(output_dir: Path, hold: bool) -> list[Problem]:
     if not hold:
         file.close()  # closing releases it
         return []
-    file.truncate(0)
-    file.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
-    file.flush()
+    try:
+        file.truncate(0)
+        file.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+        file.flush()
+    except OSError as e:
+        with suppress(OSError):  # closing flushes, and fails alike
+            file.close()
+        return [_unwritable(output_dir, e)]
     _HELD.append(file)
     return []
+
+
+def _unwritable(output_dir: Path, error: OSError) -> Problem:
+    what, fix = write_failure(error, output_dir)
+    return Problem(f"cannot write in {output_dir}: {what}", "--output_dir", f"{fix}, or pass another --output_dir")
 
 
 def check_folder_shared(output_dir: Path) -> None:

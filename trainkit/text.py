@@ -14,12 +14,13 @@ import glob
 import hashlib
 import json
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
 
 from trainkit import sources
-from trainkit.errors import ConfigError, Problem, said
+from trainkit.errors import ConfigError, Problem, disk_full, said, write_error, writing
 from trainkit.hardware import cpu_cores
 
 EOS = "<|endoftext|>"
@@ -36,10 +37,13 @@ def default_corpus(cache_dir: Path) -> Path:
     if not path.exists():
         cache_dir.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")
-        with open(tmp, "w") as f:
-            for name in sorted(pydoc_data.topics.topics):
-                f.write(json.dumps({"text": pydoc_data.topics.topics[name]}) + "\n")
-        tmp.replace(path)  # atomic: concurrent builders never see half a file
+        try:
+            with writing(path), open(tmp, "w") as f:
+                for name in sorted(pydoc_data.topics.topics):
+                    f.write(json.dumps({"text": pydoc_data.topics.topics[name]}) + "\n")
+            tmp.replace(path)  # atomic: concurrent builders never see half a file
+        finally:
+            tmp.unlink(missing_ok=True)
     return path
 
 
@@ -265,8 +269,10 @@ def load_records(data: str, data_config: str, text_field: str | None, cache_dir:
             ds = datasets.load_dataset(builder, data_files=[str(p) for p in files], split="train",
                                        cache_dir=hf_cache, **kwargs)
         except Exception as e:  # a mistake past what check_data read: find it in the whole files
-            found = [problem for path in files if (problem := file_problem(path, text_field, flag=flag))]
             cause = e.__cause__ or e.__context__ or e
+            if disk_full(cause):  # datasets' cache, not the data
+                raise write_error(cause, Path(hf_cache)) from None
+            found = [problem for path in files if (problem := file_problem(path, text_field, flag=flag))]
             raise ConfigError(found[:1] or [Problem(f"cannot read {data}: {said(cause)}", where,
                                                     "check the files' format")]) from None
         finally:
@@ -327,8 +333,12 @@ def train_tokenizer(docs, vocab_size: int, out_dir: Path):
     tokenizer.train_from_iterator((row["text"] for row in docs), trainer=trainer, length=len(docs))
     wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS, bos_token=EOS, pad_token=EOS)
     tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
-    wrapped.save_pretrained(str(tmp))
-    tmp.rename(out_dir)
+    try:
+        with writing(out_dir):
+            wrapped.save_pretrained(str(tmp))
+        tmp.rename(out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return wrapped
 
 
@@ -381,12 +391,14 @@ def token_blocks(docs, tokenizer, seq_len: int, num_proc: int | None = None):
 
     num_proc = num_proc or default_num_proc(docs)
     rows = rows_per_slice(len(docs), docs.data.nbytes, TEXT_BYTES_PER_SLICE)
-    # num_proc=1 would still start a pool of one worker (datasets 5.2): None keeps the work in this process.
-    tokens = docs.map(tokenize, batched=True, batch_size=rows, writer_batch_size=rows, remove_columns=["text"],
-                      num_proc=num_proc if num_proc > 1 else None)
-    total = sum(len(chunk.flatten()) for chunk in tokens.data.column("input_ids").chunks)
-    rows = rows_per_slice(len(tokens), total, TOKENS_PER_SLICE)
-    return tokens.with_format("arrow").map(pack, batched=True, batch_size=rows).with_format(None)
+    cache = Path(docs.cache_files[0]["filename"]).parent if docs.cache_files else Path.cwd()  # where map writes
+    with writing(cache):
+        # num_proc=1 would still start a pool of one worker (datasets 5.2): None keeps the work in this process.
+        tokens = docs.map(tokenize, batched=True, batch_size=rows, writer_batch_size=rows, remove_columns=["text"],
+                          num_proc=num_proc if num_proc > 1 else None)
+        total = sum(len(chunk.flatten()) for chunk in tokens.data.column("input_ids").chunks)
+        rows = rows_per_slice(len(tokens), total, TOKENS_PER_SLICE)
+        return tokens.with_format("arrow").map(pack, batched=True, batch_size=rows).with_format(None)
 
 
 def unigram_entropy(blocks) -> float:
