@@ -12,17 +12,23 @@ one runs.
 
 from __future__ import annotations
 
+from trainkit.restarts import end_if_refused_before
+
+# Before the imports below (seconds of torch): a later attempt of a launch that was refused ends at once.
+end_if_refused_before()
+
 import json
 import os
 import signal
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from accelerate.utils import set_seed
 
-from trainkit.checkpoint import Checkpointer, data_states, export_final
+from trainkit.checkpoint import Checkpointer, continue_from, data_states, export_final
 from trainkit.command_line import parse_command_line
 from trainkit.data import BatchLayout, EvalLayout, TrainStream, eval_batches, split_layouts
 from trainkit.errors import ConfigError, TrainingError, failure_in_user_code, out_of_memory, writing
@@ -53,6 +59,7 @@ from trainkit.process import (
     publish_failure,
 )
 from trainkit.quiet import silence_library_noise
+from trainkit.restarts import last_attempt_note, record_error
 from trainkit.run_folder import STOP_RECORD, check_folder_shared, clear_outputs, record_stop
 from trainkit.step import train_step
 from trainkit.strategies import Engine
@@ -63,8 +70,10 @@ def main(argv: list[str] | None = None) -> int:
     end_with_launcher()  # a rank never outlives the launcher that started it (trainkit/process.py)
     outlive_its_terminal()  # but it outlives its closed ssh session, to end a stop it was asked for
     silence_library_noise()
+    options = None
     try:
-        plan = make_plan(*parse_command_line(argv))
+        options, overrides = parse_command_line(argv)
+        plan = make_plan(options, overrides)
         if plan.options.estimate:
             print(estimate_report(plan))
             return 0
@@ -78,7 +87,11 @@ def main(argv: list[str] | None = None) -> int:
         run = build(plan)
         return finish(plan, run, loop(plan, run))
     except (ConfigError, TrainingError) as e:
-        return refuse(e)
+        return refuse(e, options.output_dir if options else None)
+    except SystemExit as e:  # argparse's refusal of the command line, printed above it
+        if e.code == 2:
+            record_error(["the command line was refused (its usage is printed above)"], refusal=True)
+        raise
     except KeyboardInterrupt:  # Ctrl-C while planning or building (from the first step on, StopSignal takes it):
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # every process of the machine got it; its first one says so
             print("error: interrupted (Ctrl-C) before the first step of this launch: nothing was trained and no "
@@ -88,21 +101,25 @@ def main(argv: list[str] | None = None) -> int:
         error = lost_contact(e) or out_of_memory(e) or failure_in_user_code(e)
         if error is None or os.environ.get("TRAINKIT_TRACEBACK"):
             raise
-        return refuse(error)
+        return refuse(error, options.output_dir if options else None)
 
 
-def refuse(error: ConfigError | TrainingError) -> int:
+def refuse(error: ConfigError | TrainingError, output_dir: Path | None) -> int:
     """Print the error lines once per launch. The ranks of a launch mostly refuse alike; rank 0 prints at once, the
     others only after a pause, by which time the launcher has ended them if rank 0 refused too (it stops every rank
     when one fails). A rank that alone saw the problem still prints it: never a silent failure. A cause is published
     first, for the ranks that lose contact with this one to name it (trainkit/process.py)."""
+    lines = error.lines()
     if not isinstance(error, LostContact):  # the cause: the ranks that lose contact with this one name it
-        publish_failure(error.lines()[0])
+        publish_failure(lines[0])
+    if note := last_attempt_note(continue_from(output_dir)):  # --max_restarts used up
+        lines.append(note)
+    record_error(lines, refusal=isinstance(error, ConfigError))  # for torchrun's report and its next attempt
     if int(os.environ.get("RANK", "0")) > 0:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the launcher's stop ends this pause, and the process
         time.sleep(5)
     close_progress_bars()
-    for line in error.lines():
+    for line in lines:
         print(f"error: {line}", file=sys.stderr, flush=True)
     return error.exit_status
 

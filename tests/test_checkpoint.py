@@ -32,6 +32,7 @@ from conftest import (
     max_rel_diff,
     tmpfs,
 )
+from trainkit.compare import run_config
 from trainkit.errors import write_failure
 
 MLP = ["--recipe", "mlp", "--max_steps", "12", "--eval_every", "0", "--batch_size", "8"]
@@ -74,6 +75,42 @@ def test_resume_auto_is_one_command_for_the_first_start_and_every_restart(run_di
     assert [m["loss"] for m in second.metrics] == [m["loss"] for m in whole.metrics]
     again = launch(out, *args).check()  # a restart after the end: nothing left to do, final/ kept
     assert "nothing left to train" in again.stdout and (out / "final" / "model.safetensors").is_file()
+
+
+def test_a_refusal_is_not_restarted(run_dir):
+    """`accelerate launch --max_restarts 3` and a flag that is refused (exit 2): torchrun restarts any failure, and
+    each attempt used to redo the imports and checks to be refused alike (1.2 s per attempt measured on 2 cores).
+    Now each later attempt finds the refusal in the attempt before's reply file and ends at once, saying so; torchrun's
+    report at the end names the refusal instead of "To enable traceback see ..."."""
+    run = run_config("ddp", run_dir("out"), ["--recipe", "mlp", "--max_stepz", "3"],
+                     launch_args=("--max_restarts", "3"), env=TEST_ENV)
+    assert run.returncode != 0
+    assert run.stderr.count("error: unknown config field 'max_stepz' (--max_stepz): did you mean max_steps?") >= 4
+    for attempt in (2, 3, 4):
+        assert f"error: attempt {attempt} of 4 ended at once: the attempt before was refused the same command" \
+            in run.stderr, run.stderr[-3000:]
+    report = run.stderr[run.stderr.index("Root Cause"):]
+    assert "traceback : error: unknown config field 'max_stepz'" in report, report
+    assert "note: " not in run.stderr.split("attempt 2 of 4")[-1]  # later attempts never got as far as the plan
+
+
+@pytest.mark.slow
+def test_restarts_that_run_out_say_so(run_dir):
+    """A failure that every attempt meets (a loss that diverges at step 2, after the checkpoint of step 1): torchrun restarts it until
+    --max_restarts is used up. The last attempt says so: how many attempts ran, that the error above is the cause,
+    and the checkpoint to continue from; torchrun's report, the launch's last lines, says the same."""
+    out = run_dir("out")
+    args = ["--recipe", "mlp", "--max_steps", "20", "--save_every", "1", "--resume", "auto", "--eval_every", "0",
+            "--warmup_steps", "0", "--max_grad_norm", "0", "--lr", "1e30"]
+    run = run_config("ddp", out, args, launch_args=("--max_restarts", "1"), env=TEST_ENV)
+    assert run.returncode != 0
+    assert "note: --resume auto: continuing from" in run.stderr, run.stderr[-3000:]  # the second attempt resumed
+    newest = max((out / "checkpoints").glob("step_*"), key=lambda p: int(p.name.removeprefix("step_")))
+    note = ("the launch ends: attempt 2 of 2 failed (--max_restarts 1 used up); the cause is the error above; once it "
+            f"is removed, run the same command with --resume auto: it continues from {newest}")
+    assert f"error: {note}" in run.stderr, run.stderr[-3000:]
+    report = run.stderr[run.stderr.index("Root Cause"):]
+    assert "non-finite" in report and note in report, report
 
 
 @pytest.mark.slow

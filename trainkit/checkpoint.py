@@ -233,7 +233,7 @@ class Checkpointer:
             except (Exception, _dcp_error()) as e:  # what the checks could not see (an old checkpoint): its words
                 if isinstance(e, RuntimeError) and lost_peer(e):
                     raise
-                older = _newest_intact(found.path.parent, among=lambda p: _step(p) < _step(found.path))
+                older = newest_intact(found.path.parent, among=lambda p: _step(p) < _step(found.path))
                 raise TrainingError(f"could not load checkpoint {found.path}: {said(e)}",
                                     f"resume from an older one (--resume {older})" if older else
                                     "start again (--overwrite)") from None
@@ -267,7 +267,7 @@ def _checkpoints(root: Path) -> list[Path]:
     return sorted(steps, key=_step, reverse=True)
 
 
-def _newest_intact(root: Path, among: Callable[[Path], bool] = lambda path: True) -> Path | None:
+def newest_intact(root: Path, among: Callable[[Path], bool] = lambda path: True) -> Path | None:
     """The newest complete checkpoint under root (of those `among` takes) whose files are as they were written
     (_damage); each is read whole to be checked, so the search stops at the first."""
     return next((p for p in _checkpoints(root) if among(p) and not _damage(p, _state(p))), None)
@@ -349,7 +349,7 @@ def auto_resume(output_dir: Path) -> tuple[str | None, bool, str]:
     whose run died before its first checkpoint (nothing there can be continued: its metrics.jsonl, a killed save's
     step_<N>.tmp), starts fresh. A folder holding only damaged checkpoints, or a finished run's final/ without one,
     is left to the checks of a fresh start, which refuse it naming the fix: nothing there is deleted unasked."""
-    complete, intact = _checkpoints(output_dir / "checkpoints"), _newest_intact(output_dir / "checkpoints")
+    complete, intact = _checkpoints(output_dir / "checkpoints"), newest_intact(output_dir / "checkpoints")
     if intact:
         skipped = f" (the newer {', '.join(p.name for p in complete[:complete.index(intact)])} damaged)" \
             if intact != complete[0] else ""
@@ -359,6 +359,13 @@ def auto_resume(output_dir: Path) -> tuple[str | None, bool, str]:
         return None, False, f"--resume auto: no checkpoint in {output_dir}: a fresh start"
     return None, True, (f"--resume auto: the run in {output_dir} stopped before its first checkpoint; a fresh start "
                         f"replaces what it left ({', '.join(left)})")
+
+
+def continue_from(output_dir: Path | None) -> str:
+    """Where a run that ended goes on from, in words: its newest intact checkpoint, or a fresh start."""
+    newest = newest_intact(output_dir / "checkpoints") if output_dir else None
+    return (f"once it is removed, run the same command with --resume auto: it continues from {newest}" if newest else
+            "no checkpoint was written: once the cause is removed, the same command with --resume auto starts anew")
 
 
 def find_checkpoint(output_dir: Path, resume: str) -> Found:
@@ -387,7 +394,7 @@ def find_checkpoint(output_dir: Path, resume: str) -> Found:
     state = _state(path)
     damage = _damage(path, state)
     if damage:
-        intact = _newest_intact(path.parent, among=lambda p: p != path)
+        intact = newest_intact(path.parent, among=lambda p: p != path)
         raise ConfigError([Problem(f"checkpoint {path} is damaged: {damage}", where,
                                    f"resume from the newest intact one: --resume {intact}" if intact else
                                    "no intact checkpoint is left: start again (--overwrite)")])
