@@ -141,10 +141,6 @@ class Config(TrainConfig):
             problems.append(Problem(f"train_on must be answers or all, got {self.train_on!r}",
                                     "config field train_on", "use --train_on answers"))
         plain = self.data_format == "text" or self.data_format == "auto" and self.layout() == "text"
-        if self.packing and plain:
-            problems.append(Problem("--packing packs instruction and chat examples; plain text is cut into full "
-                                    "seq_len blocks already (only each document's last piece is padded)",
-                                    "config field packing", "drop --packing, or pass chat or instruction data"))
         if self.pipeline_stages > 1 and (self.packing or self.loss_average == "samples"):
             what = "--packing (each row's examples need their own mask)" if self.packing else \
                 "--loss_average samples (each token's weight)"
@@ -260,14 +256,16 @@ def _samples(cfg: Config, layout: str, data: str, cache_dir: Path, split: str = 
         return _rows(cfg, _encoded(cfg, layout, _records(cfg, layout, data, cache_dir, split), data))
     docs = text.load_documents(data, cfg.data_config, cfg.text_field, cache_dir, split, _flag(cfg, data))
     tokenizer = tokenizer_of(cfg)
-    pieces = rows.TextPieces(tokenizer, cfg.seq_len, cfg.loss_average == "samples")
+    pieces = rows.TextPieces(tokenizer, cfg.seq_len, cfg.loss_average == "samples", cfg.packing)
+    columns = ["input_ids", *(["labels"] if cfg.packing else ["attention_mask"]), *(["weight"] * pieces.weights)]
 
-    def cut(batch):
+    def cut(batch):  # documents to their pieces: padded rows, or with --packing the pieces to pack
         made = [row for ids in tokenizer(batch["text"], add_special_tokens=False)["input_ids"]
-                for row, _ in pieces.cut([*ids, tokenizer.eos_token_id])]
-        return {key: [row[key] for row in made] for key in made[0]} if made else {"input_ids": [], "attention_mask": []}
+                for row, _ in (pieces.pieces if cfg.packing else pieces.cut)([*ids, tokenizer.eos_token_id])]
+        return {key: [row[key] for row in made] for key in columns}
 
-    return docs.map(cut, batched=True, remove_columns=docs.column_names).with_format("torch")
+    made = docs.map(cut, batched=True, remove_columns=docs.column_names)
+    return (sft.packed(made, cfg.seq_len, sft.pad_id(tokenizer)) if cfg.packing else made).with_format("torch")
 
 
 def _streamed(cfg: Config, layout: str, cache_dir: Path) -> tuple[Streamed, list]:
@@ -275,7 +273,7 @@ def _streamed(cfg: Config, layout: str, cache_dir: Path) -> tuple[Streamed, list
     streamed = Streamed.open(text.streamed_data(cfg.data, cache_dir), cfg.text_field, cfg.data_config,
                              cfg.eval_fraction, cfg.bad_lines, None if layout == "text" else sft.FIELDS[layout])
     tokenizer, weights = tokenizer_of(cfg), cfg.loss_average == "samples"
-    streamed = streamed.with_rows(rows.TextPieces(tokenizer, cfg.seq_len, weights) if layout == "text" else
+    streamed = streamed.with_rows(rows.TextPieces(tokenizer, cfg.seq_len, weights, cfg.packing) if layout == "text" else
                                   _maker(cfg, layout, cfg.packing))
     return streamed, streamed.held_out()
 

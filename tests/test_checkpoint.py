@@ -96,9 +96,9 @@ def test_a_refusal_is_not_restarted(run_dir):
 
 @pytest.mark.slow
 def test_restarts_that_run_out_say_so(run_dir):
-    """A failure that every attempt meets (a loss that diverges at step 2, after the checkpoint of step 1): torchrun restarts it until
-    --max_restarts is used up. The last attempt says so: how many attempts ran, that the error above is the cause,
-    and the checkpoint to continue from; torchrun's report, the launch's last lines, says the same."""
+    """A failure that every attempt meets (a loss that diverges at step 2, after the checkpoint of step 1): torchrun
+    restarts it until --max_restarts is used up. The last attempt says so: how many attempts ran, that the error above
+    is the cause, and the checkpoint to continue from; torchrun's report, the launch's last lines, says the same."""
     out = run_dir("out")
     args = ["--recipe", "mlp", "--max_steps", "20", "--save_every", "1", "--resume", "auto", "--eval_every", "0",
             "--warmup_steps", "0", "--max_grad_norm", "0", "--lr", "1e30"]

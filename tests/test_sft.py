@@ -388,3 +388,47 @@ def test_the_dry_run_refuses_the_tokenizer_that_the_run_refuses(check_only, chat
                    f"is not the one saved there")
     assert check_only(tmp_path / "b", *args, "--dry_run", "--tokenizer", "saved").returncode == 0
     assert check_only(tmp_path / "c", *args, "--estimate").returncode == 0
+
+
+def test_plain_text_documents_pack_and_learn_the_same_tokens(chat, test_env, tmp_path):
+    """A .txt whose lines are documents of uneven length: each padded to a row of its own, most of the rows' positions
+    were padding (--packing was refused: "plain text is cut into full blocks already"). Packed, the documents' pieces
+    share rows, each isolated as packed examples are, and the model's losses over the learned tokens are those of the
+    padded rows: the same tokens learned (sum and count of the token losses to 1e-5). Streamed rows (packed in the
+    order the documents come) learn as many tokens."""
+    import torch
+
+    from trainkit.rows import TextPieces
+
+    folder, _ = chat
+    docs = tmp_path / "docs.txt"
+    docs.write_text("".join(" ".join(f"{a} plus {i % 5} is {a + i % 5}." for a in range(i % 9 + 1)) + "\n"
+                            for i in range(40)))
+    recipe = load_recipe("causal_lm")
+    module = sys.modules["recipe_causal_lm"]
+    settings = {"model_name_or_path": str(folder), "tokenizer": "saved", "data": str(docs), "seq_len": 96,
+                "eval_fraction": 0.25}
+    padded = [row for split in recipe.make_datasets(recipe.Config(**settings), tmp_path) for row in split]
+    packed = [row for split in recipe.make_datasets(recipe.Config(**settings, packing=True), tmp_path) for row in split]
+    share = {name: 1 - sum(int((r["attention_mask"]).sum()) for r in rows) / (96 * len(rows))
+             for name, rows in (("padded", padded), ("packed", packed))}
+    assert share["padded"] > 0.4 and share["packed"] < share["padded"] / 3, share
+    model = recipe.build_model(recipe.Config(**settings)).eval()
+    totals = {}
+    with torch.no_grad():
+        for name, rows in (("padded", padded), ("packed", packed)):
+            batch = {key: torch.stack([r[key] for r in rows]) for key in rows[0]}
+            losses, learned, _ = module._token_losses(model, batch)
+            totals[name] = (float((losses * learned).sum()), int(learned.sum()))
+    assert totals["packed"][1] == totals["padded"][1], totals
+    assert totals["packed"][0] == pytest.approx(totals["padded"][0], rel=1e-5), totals
+    tokenizer = module.tokenizer_of(recipe.Config(**settings))
+    pieces = TextPieces(tokenizer, 96, packing=True)
+    ids = [[*tokenizer(line, add_special_tokens=False)["input_ids"], tokenizer.eos_token_id]
+           for line in docs.read_text().splitlines()]
+    streamed = list(pieces.pack(((doc, i) for i, doc in enumerate(ids)), 0))
+    assert len(streamed) > 5 and all(row["input_ids"].shape == (96,) for row, _ in streamed)
+    upto, start = streamed[-1][1]  # where the row after the last one starts: every piece before it is in a row
+    before = [p for i, doc in enumerate(ids[:upto + 1]) for p, end in pieces.pieces(doc) if i < upto or end <= start]
+    assert sum(int((row["labels"][1:] != sft.IGNORE).sum()) for row, _ in streamed) == \
+        sum(len(p["input_ids"]) - 1 for p in before)

@@ -56,28 +56,48 @@ class TextBlocks:
 
 @dataclass(frozen=True, slots=True)
 class TextPieces:
-    """Each document cut into pieces of seq_len tokens, its last piece padded (recipes/causal_lm.py's plain text):
-    a piece needs two real tokens, one to predict. `weights`: loss_average samples' per-token weights."""
+    """Each document cut into pieces of seq_len tokens (recipes/causal_lm.py's plain text; a piece needs two real
+    tokens, one to predict): its last piece padded, or with `packing` the pieces of documents that follow each other
+    put together in a row, each isolated from the others as packed examples are (sft.packed_row: its own positions
+    and mask), so that the same tokens are learned as when each piece had a row of its own. `weights`: loss_average
+    samples' per-token weights."""
 
     tokenizer: Any
     seq_len: int
     weights: bool = False
+    packing: bool = False
 
     def examples(self, records: list[dict], source: Source) -> list:
         return _token_ids(self.tokenizer, records, source, add_special_tokens=False)
 
-    def cut(self, ids: list[int], start: int = 0) -> Iterator[tuple[dict[str, list], int]]:
-        """A document's pieces from token `start` on, each with the token the next one starts at."""
-        pad = sft.pad_id(self.tokenizer)
+    def pieces(self, ids: list[int], start: int = 0) -> Iterator[tuple[dict[str, list], int]]:
+        """A document's pieces from token `start` on, unpadded, every token a label (packed_row drops each piece's
+        first, which nothing before it in the piece predicts), each with the token the next one starts at."""
         for begin in range(start, len(ids) - 1, self.seq_len):
             piece = ids[begin:begin + self.seq_len]
             weight = {"weight": sft.sample_weights([0] + [1] * (len(piece) - 1))} if self.weights else {}
-            yield sft.padded({"input_ids": piece, **weight}, self.seq_len, pad), begin + self.seq_len
+            yield {"input_ids": piece, "labels": piece, **weight}, begin + self.seq_len
+
+    def cut(self, ids: list[int], start: int = 0) -> Iterator[tuple[dict[str, list], int]]:
+        """The pieces, each padded to a row of its own (the real tokens learned: its attention_mask)."""
+        pad = sft.pad_id(self.tokenizer)
+        for piece, end in self.pieces(ids, start):
+            del piece["labels"]
+            yield sft.padded(piece, self.seq_len, pad), end
 
     def pack(self, examples: Iterator[Located], used: int) -> Iterator[tuple[dict, tuple]]:
+        """`used`: the token of the first document that its next piece starts at. Packed, a row ends where the next
+        piece does not fit, and the next row starts with it."""
+        pad, row = sft.pad_id(self.tokenizer), []
         for ids, at in examples:
-            for row, end in self.cut(ids, used):
-                yield _tensors(row), (at, end)
+            for piece, end in (self.pieces if self.packing else self.cut)(ids, used):
+                if not self.packing:
+                    yield _tensors(piece), (at, end)
+                    continue
+                if row and sum(len(p["input_ids"]) for p in row) + len(piece["input_ids"]) > self.seq_len:
+                    yield _tensors(sft.packed_row(row, self.seq_len, pad)), (at, end - self.seq_len)
+                    row = []
+                row.append(piece)
             used = 0
 
 
