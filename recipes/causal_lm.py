@@ -422,9 +422,9 @@ def loss_weight(cfg: Config, batch: dict) -> float:
     return float(_weights(batch).sum())
 
 
-# Pipeline parallelism (--pipeline_stages): the Llama family (Llama, Mistral, Qwen2, Qwen3), GPT-NeoX and GPT-2 are
-# cut into stages by trainkit/decoder_stages.py, which refuses another architecture naming it. The runner weighs
-# each micro-batch's mean by its learned tokens (loss_weight) as it does without stages.
+# Pipeline parallelism (--pipeline_stages): any transformers decoder of the standard layout (embeddings, a ModuleList
+# of layers, a final norm, a head) is cut into stages by trainkit/decoder_stages.py, which refuses another model
+# naming it. The runner weighs each micro-batch's mean by its learned tokens (loss_weight) as it does without stages.
 pipeline_layers = decoder_stages.layers
 pipeline_stage = decoder_stages.stage
 pipeline_loss = decoder_stages.loss

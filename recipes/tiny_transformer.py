@@ -127,8 +127,8 @@ def build_model(cfg: Config) -> torch.nn.Module:
     return model
 
 
-# Pipeline parallelism (--pipeline_stages): where the model can be cut, and each stage's part of it, for any Llama-
-# family, GPT-NeoX or GPT-2 model (trainkit/decoder_stages.py).
+# Pipeline parallelism (--pipeline_stages): where the model can be cut, and each stage's part of it, for either
+# architecture (trainkit/decoder_stages.py, which cuts any transformers decoder of the standard layout).
 pipeline_layers = decoder_stages.layers
 pipeline_stage = decoder_stages.stage
 pipeline_loss = decoder_stages.loss

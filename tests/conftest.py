@@ -247,7 +247,31 @@ def architecture(name: str, attention: str = "sdpa", layers: int = 2):
     """A small untrained model of each architecture the fine-tuning and pipeline tests use, on the chat fixture's
     400-token vocabulary: Qwen2 (untied; sliding-window layers from half its depth), Llama with tied embeddings,
     Mistral (a sliding window of 6 tokens), Qwen3 (sliding layers too), GPT-NeoX (rotary on a part of each head,
-    parallel residual, one fused query-key-value layer), GPT-2 (tied, its linear layers transformers' Conv1D)."""
+    parallel residual, one fused query-key-value layer), GPT-2 (tied, its linear layers transformers' Conv1D); and
+    the layouts no stage class was written for: Phi-3 (fused query-key-value and gate-up projections), Gemma (scaled
+    embeddings, tied), OLMo (norms without weights), Granite (embedding, residual and attention multipliers, logits
+    divided), StarCoder2 (biases, LayerNorm, a sliding window) and OPT (learned positions, a projection in and out;
+    its dropout off, as the others have it, for runs on different process counts to compare)."""
+    import transformers
+
+    sizes = {"vocab_size": 400, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": layers,
+             "num_attention_heads": 4, "attn_implementation": attention}
+    kv = {"num_key_value_heads": 2}
+    other = {
+        "phi3": lambda: transformers.Phi3ForCausalLM(transformers.Phi3Config(**sizes, **kv, pad_token_id=0)),
+        "gemma": lambda: transformers.GemmaForCausalLM(transformers.GemmaConfig(**sizes, **kv, head_dim=8)),
+        "olmo": lambda: transformers.OlmoForCausalLM(transformers.OlmoConfig(**sizes, pad_token_id=0)),
+        "granite": lambda: transformers.GraniteForCausalLM(transformers.GraniteConfig(
+            **sizes, **kv, embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.3,
+            logits_scaling=3.0)),
+        "starcoder2": lambda: transformers.Starcoder2ForCausalLM(transformers.Starcoder2Config(
+            **sizes, **kv, sliding_window=6)),
+        "opt": lambda: transformers.OPTForCausalLM(transformers.OPTConfig(
+            vocab_size=400, hidden_size=32, ffn_dim=64, num_hidden_layers=layers, num_attention_heads=4,
+            word_embed_proj_dim=16, max_position_embeddings=512, dropout=0.0, attn_implementation=attention)),
+    }
+    if name in other:
+        return other[name]()
     from transformers import (
         GPT2Config,
         GPT2LMHeadModel,
@@ -263,8 +287,6 @@ def architecture(name: str, attention: str = "sdpa", layers: int = 2):
         Qwen3ForCausalLM,
     )
 
-    sizes = {"vocab_size": 400, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": layers,
-             "num_attention_heads": 4, "attn_implementation": attention}
     sliding = {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": layers // 2}
     if name == "qwen2":
         return Qwen2ForCausalLM(Qwen2Config(**sizes, num_key_value_heads=2, **(sliding if layers > 2 else {})))

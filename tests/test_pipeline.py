@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from conftest import FLAG_STRATEGIES, LM, PARITY_BOUND, ROOT, architecture, entry, launch, max_rel_diff, processes
+from trainkit.errors import ConfigError
 from trainkit.strategies.dims import ParallelDims
 from trainkit.strategies.stages import balanced_cuts
 
@@ -203,7 +204,8 @@ def test_stages_are_balanced_by_parameter_count():
 # --- any transformers decoder into stages (trainkit/decoder_stages.py) ---------------------------------------------
 
 @pytest.mark.parametrize("stages", [2, 4])
-@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "qwen3", "gpt_neox", "gpt2"])
+@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "qwen3", "gpt_neox", "gpt2", "phi3", "gemma", "olmo",
+                                  "granite", "starcoder2", "opt"])
 def test_a_transformers_decoder_cut_into_stages_computes_the_whole_model(name, stages):
     """The stages chained (each stage's output the next one's input, as the schedules send them) give the model's
     own logits and loss, whatever the cut; the stages hold the model's own modules, so each parameter keeps its
@@ -229,32 +231,43 @@ def test_a_transformers_decoder_cut_into_stages_computes_the_whole_model(name, s
         assert set(map(id, parts[0].parameters())) & set(map(id, parts[-1].parameters()))
 
 
-def test_an_architecture_the_runner_cannot_cut_is_refused_naming_it(check_only, tmp_path):
-    """OPT's decoder is not a layout decoder_stages knows: refused before anything is built, naming the class and
-    what a recipe declares instead."""
-    from transformers import OPTConfig, OPTForCausalLM, PreTrainedTokenizerFast
+def test_a_model_without_the_layout_is_refused_naming_it():
+    """A model whose layers are not a ModuleList its forward loops over (here an nn.Sequential): refused before
+    anything is built, naming the class, what it lacks and what a recipe declares instead."""
+    from trainkit import decoder_stages
 
-    folder = tmp_path / "opt"
-    OPTForCausalLM(OPTConfig(vocab_size=96, hidden_size=32, ffn_dim=64, num_hidden_layers=2,
-                             num_attention_heads=4, word_embed_proj_dim=32)).save_pretrained(folder)
-    from tokenizers import Tokenizer, models
+    class Blocks(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed, self.blocks, self.head = (torch.nn.Embedding(10, 4), torch.nn.Sequential(torch.nn.Linear(4, 4)),
+                                                  torch.nn.Linear(4, 10))
 
-    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"a": 0, "<unk>": 1}, unk_token="<unk>")),
-                            eos_token="a").save_pretrained(folder)
-    run = check_only(tmp_path / "out", "--recipe", "causal_lm", "--model_name_or_path", str(folder), "--tokenizer",
-                     "saved", "--grad_accum", "2", "--pipeline_stages", "2", "--dry_run", "--accelerate_config", DDP)
-    assert run.returncode == 2, run.stderr
-    assert "OPTForCausalLM is not a decoder layout the runner can cut into pipeline stages" in run.stderr
-    assert "declare pipeline_layers, pipeline_stage and pipeline_loss in a recipe of your own" in run.stderr
+        def get_input_embeddings(self) -> torch.nn.Module:
+            return self.embed
+
+        def get_output_embeddings(self) -> torch.nn.Module:
+            return self.head
+
+    with pytest.raises(ConfigError) as refused:
+        decoder_stages.layers(Blocks())
+    assert "Blocks is not a decoder layout the runner can cut into pipeline stages (no ModuleList of decoder " \
+           "layers)" in str(refused.value.problems[0])
+    assert "declare pipeline_layers, pipeline_stage and pipeline_loss in a recipe of your own" in \
+           str(refused.value.problems[0])
+    with pytest.raises(ConfigError, match="Sequential is not a decoder layout .* no input embeddings and output head"):
+        decoder_stages.layers(torch.nn.Sequential(torch.nn.Linear(4, 4)))
 
 
-# Launched: the causal-LM recipe on three architectures it was not written for (Qwen2 and Llama with tied embeddings
-# on chats, GPT-NeoX on text), each cut into 2 and 4 stages under each schedule, and Llama's stages sharded by FSDP2,
+# Launched: the causal-LM recipe on architectures it was not written for (Qwen2 and Llama with tied embeddings on
+# chats, GPT-NeoX on text), each cut into 2 and 4 stages under each schedule, and Llama's stages sharded by FSDP2,
 # against one process at the same global batch (8). 8 layers: a layer per stage for interleaved 1F1B on 4 processes.
-ARCHITECTURES = {"qwen2": "chat", "gpt_neox": "text", "llama": "chat"}
+# Phi-3, Granite and OPT (whose learned positions a later stage stands in for, its weights released there) in 2
+# stages under 1F1B.
+ARCHITECTURES = {"qwen2": "chat", "gpt_neox": "text", "llama": "chat", "phi3": "chat", "granite": "chat", "opt": "text"}
 FINE_TUNES = {f"{name}-{stages}-stages-{schedule}": (name, "ddp", stages, ["--pipeline_stages", str(stages),
                                                                            "--pipeline_schedule", schedule])
-              for name in ARCHITECTURES for stages in (2, 4) for schedule in ("gpipe", "1f1b", "interleaved")}
+              for name in ARCHITECTURES for stages in (2, 4) for schedule in ("gpipe", "1f1b", "interleaved")
+              if name in ("qwen2", "gpt_neox", "llama") or (stages, schedule) == (2, "1f1b")}
 FINE_TUNES["llama-gpipe-x-fsdp"] = ("llama", "fsdp", 4, ["--pipeline_stages", "2", "--pipeline_schedule", "gpipe"])
 
 

@@ -432,3 +432,31 @@ def test_plain_text_documents_pack_and_learn_the_same_tokens(chat, test_env, tmp
     before = [p for i, doc in enumerate(ids[:upto + 1]) for p, end in pieces.pieces(doc) if i < upto or end <= start]
     assert sum(int((row["labels"][1:] != sft.IGNORE).sum()) for row, _ in streamed) == \
         sum(len(p["input_ids"]) - 1 for p in before)
+
+
+def test_dropout_trains_from_the_first_step_whatever_the_evaluations(chat, tmp_path):
+    """from_pretrained returns a model in eval mode, and the runner never set train mode: a GPT-2 (dropout 0.1)
+    fine-tuned without dropout (measured: model.training False at every step), and a pipeline's stages, which its
+    evaluation put in train mode, with dropout from the first evaluation on (OPT cut into stages left one process's
+    curve after the evaluation at step 3). Now dropout acts from step 1 (the loss differs from the same weights'
+    without dropout), and the steps after an evaluation are those of a run that evaluates only at its end."""
+    import torch
+    from transformers import PreTrainedTokenizerFast
+
+    folder, data = chat
+    losses = {}
+    for dropout in (0.1, 0.0):
+        model = tmp_path / f"gpt2-{dropout}"
+        torch.manual_seed(0)  # the same weights: only the dropout differs
+        gpt2 = architecture("gpt2")
+        gpt2.config.resid_pdrop = gpt2.config.embd_pdrop = gpt2.config.attn_pdrop = dropout
+        gpt2.save_pretrained(model)
+        PreTrainedTokenizerFast.from_pretrained(folder).save_pretrained(model)
+        common = ["--recipe", "causal_lm", "--model_name_or_path", str(model), "--tokenizer", "saved", "--data",
+                  str(data), "--chat_template", "chatml", "--seq_len", "96", "--max_steps", "4", "--batch_size", "4",
+                  "--save_every", "0"]
+        for every in ((2, 0) if dropout else (0,)):
+            losses[dropout, every] = launch(tmp_path / f"out-{dropout}-{every}", *common, "--eval_every",
+                                            str(every)).check().losses
+    assert losses[0.1, 2] == losses[0.1, 0], losses
+    assert losses[0.1, 0][0] != losses[0.0, 0][0], losses

@@ -112,6 +112,9 @@ class Engine:
         for what this rank trains, the hand-over to Accelerate. An engine changes a step, never the sequence, so
         that no step is skipped under one strategy (the BatchNorm policy was, under FSDP2, TP and the pipeline,
         when they replaced the whole of prepare)."""
+        # from_pretrained returns a model in eval mode: its dropout would stay off until the first evaluation's
+        # model.train() turned it on, so a run's curve changed with --eval_every
+        model.train()
         model = self.sync_batch_norm(model)
         trained = self.apply(model)
         optimizer = self.make_optimizer(trained, build_optimizer)
