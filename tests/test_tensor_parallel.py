@@ -16,7 +16,7 @@ import json
 import pytest
 import torch
 
-from conftest import LM, PARITY_BOUND, ROOT, assert_refused, entry, launch, max_rel_diff, write_yaml
+from conftest import LM, PARITY_BOUND, ROOT, architecture, assert_refused, entry, launch, max_rel_diff, write_yaml
 from trainkit.launch import Launch, shipped_configs
 from trainkit.recipes import load_recipe
 from trainkit.strategies import for_launch
@@ -163,6 +163,35 @@ def test_a_recipes_own_plan_trains_like_one_process(mlp_with_a_plan, tmp_path):
     assert max_rel_diff(cut.losses, one.losses) <= PARITY_BOUND
     estimated, held = cut.resolved["estimated_state_bytes"], cut.metrics[-1]["state_bytes"]
     assert abs(estimated - held) <= 0.1 * held and held < 0.6 * one.metrics[-1]["state_bytes"], (estimated, held)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["phi3", "gemma", "granite"])
+def test_the_plan_transformers_declares_cuts_other_architectures_like_one_process(chat, tmp_path, name):
+    """The causal-LM recipe full fine-tunes Phi-3 (its fused query-key-value layer kept whole, as its plan says),
+    Gemma (tied, scaled embeddings) and Granite (multipliers): tp.yaml cuts each by the plan transformers declares for
+    it, with the curve, eval loss and final/ of one process."""
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    torch.manual_seed(0)
+    folder = tmp_path / name
+    architecture(name).save_pretrained(folder)
+    PreTrainedTokenizerFast.from_pretrained(chat[0]).save_pretrained(folder)
+    args = ["--recipe", "causal_lm", "--model_name_or_path", str(folder), "--tokenizer", "saved", "--data",
+            str(chat[1]), "--chat_template", "chatml", "--seq_len", "96", "--max_steps", "4", "--eval_every", "0",
+            "--warmup_steps", "1", "--batch_size", "8", "--save_every", "0", "--eval_batches", "1"]
+    one = launch(tmp_path / "one", *args).check()
+    cut = launch(tmp_path / "tp", *args, config="tp").check()
+    assert cut.resolved["strategy"] == "tp" and cut.resolved["tp"] == 2
+    assert max_rel_diff(cut.losses, one.losses) <= PARITY_BOUND, (cut.losses, one.losses)
+    assert cut.metrics[-1]["eval_loss"] == pytest.approx(one.metrics[-1]["eval_loss"], rel=PARITY_BOUND)
+    held, estimated = cut.metrics[-1]["state_bytes"], cut.resolved["estimated_state_bytes"]
+    assert held < 0.9 * one.metrics[-1]["state_bytes"]  # the cut layers' halves
+    assert abs(estimated - held) <= 0.1 * held, (estimated, held)  # the estimate cuts what the run cuts
+    exported = AutoModelForCausalLM.from_pretrained(cut.output_dir / "final").state_dict()
+    reference = AutoModelForCausalLM.from_pretrained(one.output_dir / "final").state_dict()
+    assert exported.keys() == reference.keys()
+    assert all(torch.allclose(exported[key], reference[key], atol=1e-5) for key in exported)
 
 
 @pytest.mark.parametrize("changes, message", [

@@ -30,6 +30,7 @@ import torch
 
 from trainkit.config import TrainConfig
 from trainkit.recipes import Recipe
+from trainkit.strategies.tp_plan import cut_plan
 
 # Optimizer state bytes per parameter in fp32: AdamW keeps exp_avg and exp_avg_sq; plain SGD keeps nothing.
 OPTIMIZER_BYTES = {"adamw": 8, "sgd": 0}
@@ -99,7 +100,7 @@ def model_shape(recipe: Recipe, cfg: TrainConfig, model: torch.nn.Module | None 
         sum(isinstance(m, torch.nn.Linear) for m in model.modules())
     frozen = [p.element_size() for p in params if not p.requires_grad and p.is_floating_point()]
     return ModelShape(tuple(p.numel() for p in params), hidden_size(model), layers, tuple(names),
-                      tuple((getattr(model, "_tp_plan", None) or {}).items()), decoder_shape(model),
+                      tuple(cut_plan(model).items()), decoder_shape(model),
                       tuple(not p.requires_grad for p in params), max(frozen, default=4))
 
 

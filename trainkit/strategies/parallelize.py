@@ -119,13 +119,17 @@ def blocks(model: torch.nn.Module, settings: FSDPSettings, classes: set[str] | N
 def parallelize(model: torch.nn.Module, dims: ParallelDims, mesh: Any, settings: FSDPSettings, *,
                 mixed_precision: str, compile: bool, tp_layers: dict[str, str], classes: set[str]) -> list[str]:
     """Apply tensor parallelism, activation checkpointing, compile and FSDP2 to `model`, in that order; returns what
-    was done, for the run's notes. `tp_layers` names the modules the plan cuts (module name -> colwise or rowwise;
-    empty where tp is 1), `classes` the block class names (block_classes of the whole model)."""
+    was done, for the run's notes. `tp_layers` names the modules the plan cuts (module name -> a style of
+    tp_plan.py's SPLIT_STYLES; empty where tp is 1), `classes` the block class names (block_classes of the whole
+    model)."""
     notes = []
     if tp_layers:
+        from torch.distributed.tensor import Replicate
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-        styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+        styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel,  # tp_plan.py's SPLIT_STYLES
+                  "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+                  "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate())}
         parallelize_module(model, mesh["tp"], {name: styles[style]() for name, style in tp_layers.items()})
     units = blocks(model, settings, classes)
     if settings.activation_checkpointing:

@@ -19,9 +19,12 @@ from trainkit.launch import PARALLELISM_KEY
 # The plan's styles this runner cuts (torch's ColwiseParallel / RowwiseParallel on nn.Linear), and those it keeps whole
 # by choice: transformers marks the input embeddings and the output head for vocabulary-parallel styles, but a tied
 # input/output matrix (the tiny transformer's default) is one parameter that cannot be cut both ways, and a cut head
-# would need a loss that knows it. Whole, they cost the vocabulary x hidden matrix on every rank of the group.
-SPLIT_STYLES = ("colwise", "rowwise")
-WHOLE_STYLES = ("embedding_rowwise", "embedding_colwise", "colwise_gather_output", "colwise_rep", "replicate")
+# would need a loss that knows it. Whole, they cost the vocabulary x hidden matrix on every rank of the group, whatever
+# style the plan gives them. The gathered styles cut a layer whose neighbours need its whole output or give it a whole
+# input (Phi-3's fused query-key-value and gate-up projections, whose columns do not fall on head boundaries):
+# colwise with the output gathered, rowwise with the input split first.
+SPLIT_STYLES = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input")
+WHOLE_STYLES = ("embedding_rowwise", "embedding_colwise", "colwise_rep", "replicate")
 NO_PLAN_FIX = ("declare one in build_model: model._tp_plan = {'layers.*.fc1': 'colwise', 'layers.*.fc2': 'rowwise'} "
                "(recipes/README.md); transformers models whose config has a base_model_tp_plan (Llama, Mistral, "
                "Qwen2, ...) bring their own; or train under fsdp.yaml or hsdp.yaml, which cut no layer")
@@ -32,10 +35,20 @@ def _pattern(entry: str) -> re.Pattern:
     return re.compile(re.escape(entry).replace(r"\*", r"[^.]+"))
 
 
+def cut_plan(model: torch.nn.Module) -> dict[str, str]:
+    """The entries of the model's plan that this runner cuts by: those of SPLIT_STYLES, less the input embeddings and
+    the output head (kept whole)."""
+    plan = dict(getattr(model, "_tp_plan", None) or {})
+    whole = {name for name, module in model.named_modules() if module is not None and any(
+        module is getter() for getter in (getattr(model, "get_input_embeddings", lambda: None),
+                                          getattr(model, "get_output_embeddings", lambda: None)))}
+    return {entry: style for entry, style in plan.items()
+            if style in SPLIT_STYLES and not any(_pattern(entry).fullmatch(name) for name in whole)}
+
+
 def tp_layers(model: torch.nn.Module) -> dict[str, str]:
-    """The layers the model's plan cuts: module name -> colwise | rowwise."""
-    plan = [(_pattern(entry), style) for entry, style in (getattr(model, "_tp_plan", None) or {}).items()
-            if style in SPLIT_STYLES]
+    """The layers the model's plan cuts: module name -> one of SPLIT_STYLES."""
+    plan = [(_pattern(entry), style) for entry, style in cut_plan(model).items()]
     return {name: style for name, _ in model.named_modules() for pattern, style in plan if pattern.fullmatch(name)}
 
 
@@ -46,7 +59,8 @@ def split_parameters(names: Iterable[str], plan: Iterable[tuple[str, str]]) -> s
     cut = set()
     for name in names:
         module, _, leaf = name.rpartition(".")
-        if any(pattern.fullmatch(module) and (style == "colwise" or leaf == "weight") for pattern, style in patterns):
+        if any(pattern.fullmatch(module) and (style.startswith("colwise") or leaf == "weight")
+               for pattern, style in patterns):
             cut.add(name)
     return cut
 
@@ -60,7 +74,7 @@ def plan_problems(model: torch.nn.Module, tp: int, where: str, sizes_where: str)
                         "parallelism cuts and do not take cut (DTensor) weights", where,
                         "train LoRA under ddp.yaml, fsdp.yaml, hsdp.yaml or a deepspeed_*.yaml (the adapters are "
                         "small: sharding the frozen base is what saves memory)")]
-    if not any(style in SPLIT_STYLES for style in plan.values()):
+    if not cut_plan(model):
         return [Problem(f"{kind} declares no tensor-parallel plan (which Linear layers to cut)", where, NO_PLAN_FIX)]
     modules = dict(model.named_modules())
     problems = []
@@ -80,7 +94,7 @@ def plan_problems(model: torch.nn.Module, tp: int, where: str, sizes_where: str)
                                 "cut by columns), or train under fsdp.yaml"))
     uneven = [f"{name} ({features} {side} features)" for name, style in layers.items()
               if isinstance(modules[name], torch.nn.Linear)
-              for side, features in [("output", modules[name].out_features) if style == "colwise" else
+              for side, features in [("output", modules[name].out_features) if style.startswith("colwise") else
                                      ("input", modules[name].in_features)] if features % tp]
     if uneven:
         problems.append(Problem(f"{PARALLELISM_KEY.format('tp')} {tp} does not divide {', '.join(uneven[:3])}",
