@@ -36,38 +36,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainkit import decoder_stages, lora, pretrained, rows, sft, sources, text
+from trainkit import decoder_stages, finetune, rows, sft, sources, text
 from trainkit.ask import TURN_ENDS
-from trainkit.config import TrainConfig
 from trainkit.errors import ConfigError, Problem
+from trainkit.finetune import FineTuneConfig, tokenizer_of
 from trainkit.sources import BadRecord
 from trainkit.stream import Streamed
 
 
 @dataclass(kw_only=True, slots=True)
-class Config(TrainConfig):
-    # Model
-    model_name_or_path: str = ""  # a local folder (from_pretrained's layout) or a Hub id
-    trust_remote_code: bool = False  # run code shipped with the model (a Hub model's own modelling files)
-    allow_pickle: bool = False  # accept pytorch_model.bin weights (unpickled) when there are no safetensors
-    trainable: str = ""  # comma-separated parameter-name prefixes to train, the rest frozen; empty: all
-    # What the pretrained weights load as (from_pretrained's dtype; auto: the dtype saved with them). It is what a
-    # frozen base holds under LoRA (an 8B base: 15 GiB in bf16, 30 in fp32); every weight that trains (LoRA's
-    # adapters, a full or --trainable fine-tune) is kept in fp32 with its optimizer state, as is --trainable's rest.
-    model_dtype: str = "auto"
-    # Which tokenizer: "" (AutoTokenizer's, refused when it encodes text otherwise than the folder's tokenizer.json),
-    # "saved" (that tokenizer.json as it is) or "auto" (AutoTokenizer's, unchecked). transformers picks some model
-    # types' own class whatever tokenizer_config.json says (a Qwen2 folder loads as Qwen2Tokenizer).
-    tokenizer: str = ""
-    gradient_checkpointing: bool = False
-    # LoRA (peft): the base model frozen, low-rank adapters trained beside its linear layers; lora_r 0 trains the
-    # model itself. The adapters add lora_alpha / lora_r times their product to each layer's output.
-    lora_r: int = 0
-    lora_alpha: float = 16.0
-    lora_dropout: float = 0.0
-    # peft's "all-linear" (every linear layer but the output head), or comma-separated module names (q_proj,v_proj)
-    lora_target_modules: str = "all-linear"
-    load_in_4bit: bool = False  # QLoRA: the frozen base quantised to 4 bits (NF4) by bitsandbytes; CUDA GPUs only
+class Config(FineTuneConfig):  # the model's settings: trainkit/finetune.py
     # Data
     data: str = "pydoc"
     data_config: str = ""
@@ -76,7 +54,6 @@ class Config(TrainConfig):
     # messages, alpaca or sharegpt. Every layout but text learns only the answers unless train_on is "all".
     data_format: str = "auto"
     train_on: str = "answers"  # answers | all (prompts, system and user turns too)
-    chat_template: str = ""  # the tokenizer's own; chatml, or a Jinja file, for one that has none
     # Roles named otherwise than system/user/assistant/tool, renamed: "bot=assistant,human=user" (an unknown role is
     # refused: its turns would be rendered and never learned)
     role_map: str = ""
@@ -87,50 +64,20 @@ class Config(TrainConfig):
     # tokens as it learns); "samples", the mean over its examples of each one's own mean (a short answer weighs as
     # much as a long one), another objective. Either way every split of the global batch gives the same loss.
     loss_average: str = "tokens"
-    seq_len: int = 128
-    # The held-out data: eval_data's files (or a Hub dataset's eval_split) in --data's layout; without it,
-    # eval_fraction of --data (instruction and chat data: examples drawn from the seed, before packing)
-    eval_data: str = ""
-    eval_split: str = "test"
-    eval_fraction: float = 0.05
     # auto | true | false: read the data as it trains (trainkit/stream.py); auto streams mixtures (`a.jsonl:0.7,
     # b.jsonl:0.3`) and local files past 1 GiB. bad_lines: a streamed record that cannot be read stops the run, or skip
     streaming: str = "auto"
     bad_lines: str = "stop"
-    # Training (overrides of TrainConfig's defaults: fine-tuning takes small steps)
-    batch_size: int = 8
-    lr: float = 1e-4
-    warmup_steps: int = 10
-    max_steps: int = 100
-    eval_every: int = 50
-    eval_batches: int = 0  # the whole held-out split; N: its first N global batches
     # At each evaluation, the model's greedy answers to the prompts of the first eval_answers held-out examples (the
     # text before their first learned token; plain text: a sample's first quarter), into generations.jsonl
     eval_answers: int = 2
     max_new_tokens: int = 32
     preview: int = 0  # which example --dry_run shows as the model reads it (from 0)
 
-    may_change_on_resume = TrainConfig.may_change_on_resume | {"gradient_checkpointing", "preview"}
+    may_change_on_resume = FineTuneConfig.may_change_on_resume | {"preview"}
 
     def check(self) -> list[Problem]:
-        problems = []
-        if not self.model_name_or_path:
-            problems.append(Problem("no model to fine-tune", "config field model_name_or_path",
-                                    "pass --model_name_or_path with a folder from_pretrained reads (such as "
-                                    "runs/tiny_transformer/final) or a Hub id"))
-        if self.model_dtype not in MODEL_DTYPES:
-            problems.append(Problem(f"model_dtype must be one of {', '.join(MODEL_DTYPES)}, got {self.model_dtype!r}",
-                                    "config field model_dtype", "use --model_dtype auto"))
-        if self.tokenizer not in ("", "saved", "auto"):
-            problems.append(Problem(f"tokenizer must be saved or auto (or empty), got {self.tokenizer!r}",
-                                    "config field tokenizer", "use --tokenizer saved"))
-        if self.seq_len < 2:
-            problems.append(Problem(f"seq_len must be >= 2, got {self.seq_len}", "config field seq_len",
-                                    "use --seq_len 128"))
-        if not 0 < self.eval_fraction < 1:
-            problems.append(Problem(f"eval_fraction must be in (0, 1), got {self.eval_fraction}",
-                                    "config field eval_fraction", "use --eval_fraction 0.05"))
-        problems += pretrained.weights_problems(self.model_name_or_path, self.allow_pickle) + lora.problems(self)
+        problems = FineTuneConfig.check(self)
         if self.data_format not in ("auto", *sft.FORMATS):
             problems.append(Problem(f"unknown data_format {self.data_format!r}", "config field data_format",
                                     f"use auto or one of {', '.join(sft.FORMATS)}"))
@@ -171,61 +118,10 @@ class Config(TrainConfig):
         return "text" if fields is None else sft.detect(fields, self.text_field)
 
 
-# --model_dtype's names -> from_pretrained's dtype
-MODEL_DTYPES = {"auto": "auto", "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
 def build_model(cfg: Config) -> nn.Module:
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    config = pretrained.load("model's config", cfg, AutoConfig.from_pretrained)
-    if torch.get_default_device().type == "meta":  # --estimate and --dry_run: the shapes, no weights
-        if not pretrained.sizes_only.get():  # the tokenizer the run trains with, checked as the run checks it
-            tokenizer_of(cfg)
-        dtype = MODEL_DTYPES[cfg.model_dtype]
-        model = AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.trust_remote_code,
-                                                 dtype=getattr(config, "dtype", None) if dtype == "auto" else dtype)
-        return _trained_in_fp32(lora.with_lora(model, cfg) if cfg.lora_r else model)
-    model = pretrained.load("model", cfg, lambda path, **kw: AutoModelForCausalLM.from_pretrained(
-        path, dtype=MODEL_DTYPES[cfg.model_dtype], use_safetensors=None if cfg.allow_pickle else True,
-        **lora.quantised(cfg.load_in_4bit), **kw))
-    if cfg.load_in_4bit:
-        from peft import prepare_model_for_kbit_training
-
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=cfg.gradient_checkpointing)
-    prefixes = [p.strip() for p in cfg.trainable.split(",") if p.strip()]
-    if prefixes:
-        chosen = {name for name, _ in model.named_parameters() if name.startswith(tuple(prefixes))}
-        if not chosen:
-            raise ConfigError([Problem(f"no parameter name starts with {', '.join(prefixes)}", "--trainable",
-                                       f"names look like {next(iter(dict(model.named_parameters())))}")])
-        for name, param in model.named_parameters():
-            param.requires_grad_(name in chosen)
-    if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return _trained_in_fp32(lora.with_lora(model, cfg) if cfg.lora_r else model)
-
-
-def _trained_in_fp32(model: nn.Module) -> nn.Module:
-    """--model_dtype is the frozen base's: a model that trains more than adapters (peft keeps those in fp32 itself)
-    is made fp32 whole, since layers of two dtypes in one forward fail without autocast; a QLoRA base stays 4-bit."""
-    is_peft = hasattr(model, "peft_config")
-    if not is_peft and any(p.is_floating_point() and p.dtype != torch.float32 for p in model.parameters()):
-        model.float()
-    return model
-
-
-def tokenizer_of(cfg: Config):
-    """The model's tokenizer (--tokenizer): by default AutoTokenizer's, checked to be the one saved in its folder
-    (pretrained.tokenizer_mismatch)."""
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
-    load = PreTrainedTokenizerFast.from_pretrained if cfg.tokenizer == "saved" else AutoTokenizer.from_pretrained
-    tokenizer = pretrained.load("tokenizer", cfg, load)
-    folder = Path(cfg.model_name_or_path)
-    if not cfg.tokenizer and folder.is_dir() and (problem := pretrained.tokenizer_mismatch(tokenizer, folder)):
-        raise ConfigError([problem])
-    return tokenizer
+    return finetune.build(cfg, AutoModelForCausalLM)
 
 
 def build_datasets(cfg: Config, cache_dir: Path):
@@ -486,22 +382,7 @@ def tokens_per_sample(cfg: Config) -> int:
 
 
 def export(model, state_dict: dict, cfg: Config, cache_dir: Path, out_dir: Path) -> None:
-    """final/: the model as from_pretrained loads it, with its tokenizer (and the run's --chat_template); under LoRA
-    that model has the adapters merged into its weights, and final/adapter/ holds them alone in peft's layout
-    (PeftModel.from_pretrained(base, "final/adapter") over the base model it was trained on)."""
-    from peft import PeftModel
+    """final/ as from_pretrained loads it (under LoRA: merged, and the adapters alone in final/adapter/)."""
     from transformers import AutoModelForCausalLM
 
-    tokenizer = tokenizer_of(cfg)
-    if cfg.chat_template:  # the template the run rendered its conversations with goes along (trainkit/ask.py)
-        tokenizer.chat_template = sft.chat_template(tokenizer, cfg.chat_template)
-    if cfg.lora_r:
-        model.save_pretrained(str(out_dir / "adapter"), state_dict=state_dict)  # peft keeps only the adapters' keys
-        tokenizer.save_pretrained(str(out_dir / "adapter"))
-        # QLoRA's base is 4-bit in training: the adapters merge into the full-precision base it was quantised from
-        model = lora.merged(model, state_dict) if not cfg.load_in_4bit else pretrained.load(
-            "model", cfg, lambda path, **kw: PeftModel.from_pretrained(
-                AutoModelForCausalLM.from_pretrained(path, **kw), str(out_dir / "adapter")).merge_and_unload())
-        state_dict = None
-    model.save_pretrained(str(out_dir), state_dict=state_dict)
-    tokenizer.save_pretrained(str(out_dir))
+    finetune.export(model, state_dict, cfg, out_dir, AutoModelForCausalLM)
