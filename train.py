@@ -42,6 +42,7 @@ from trainkit.metrics import (
     end_trackers,
     peak_memory_bytes,
     process_seconds,
+    reported_means,
     start_trackers,
     state_bytes,
     summary_line,
@@ -213,13 +214,15 @@ def loop(plan: Plan, run: Run) -> str | None:
                       # that split the model rather than the data)
                       "mfu": samples_per_s * plan.flops.per_sample / (peak * processes) if peak else None,
                       "state_bytes": held, "peak_mem_bytes": peak_memory_bytes(device),
-                      "skipped_steps": run.skipped_steps, "elapsed_s": process_seconds(), **result.extra}
+                      "skipped_steps": run.skipped_steps, "elapsed_s": process_seconds(), **result.extra,
+                      **reported_means(engine.accelerator, plan.recipe.take_reported(),
+                                       engine.loss_holders == processes)}
         if tokens:
             run.record["tokens_per_s"] = samples_per_s * tokens
         run.record.update(run.stream.metrics(engine.accelerator, processes // engine.data_parallel_size))
         if step == cfg.max_steps or (cfg.eval_every and step % cfg.eval_every == 0):
             batches = eval_batches(run.eval_set, run.eval_layout)
-            run.record.update(engine.evaluate(batches, plan.recipe.compute_loss, plan.recipe.eval_metrics))
+            run.record.update(engine.evaluate(batches, plan.recipe.compute_loss, plan.recipe.evaluation_metrics))
             log.answers(step, engine.generate(plan.recipe.generate, run.eval_set))
         log.step(run.record)
         if result.stop or step == options.stop_at:

@@ -19,6 +19,7 @@ import torch
 from tqdm.auto import tqdm
 
 from trainkit.errors import Problem, writing
+from trainkit.recipes import SAMPLES
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +139,19 @@ class Throughput:
         rate = samples / max(now - self.start, 1e-9)
         self.start = now
         return rate
+
+
+def reported_means(accelerator, reported: dict[str, torch.Tensor], every_rank_reports: bool) -> dict[str, float]:
+    """The means over the step's global batch of what the recipe's loss reported beside itself
+    (Recipe.take_reported: sums, and the samples they are over), with one all-reduce. Where only some ranks compute
+    the loss (a pipeline's last stage) nothing is reported: the ranks would not meet in the collective."""
+    if not reported or not every_rank_reports:
+        return {}
+    names = sorted(reported)
+    totals = accelerator.reduce(torch.stack([reported[name].to(accelerator.device) for name in names]), "sum")
+    by_name = dict(zip(names, totals.tolist(), strict=True))
+    samples = by_name.pop(SAMPLES)
+    return {name: total / samples for name, total in by_name.items()}
 
 
 TRACKED_RUN = "train"  # the trackers' run name: TensorBoard writes under <output_dir>/train

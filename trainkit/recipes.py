@@ -8,7 +8,11 @@ A recipe is one Python file. It defines:
                                     for --estimate and --dry_run: build from the config, load no weights there
     build_datasets(cfg, cache_dir)  -> (train, eval) map-style datasets of equal-shaped samples; the train split may
                                     be a trainkit.stream.Streamed instead (data read as it trains)
-    loss(model, batch)              -> scalar tensor: the mean loss over the micro-batch
+    loss(model, batch)              -> scalar tensor: the mean loss over the micro-batch; or (that loss, {name: the
+                                    sum over the micro-batch's samples of a per-sample value}): each reported in
+                                    metrics.jsonl as the mean over the step's global batch, and at evaluation as
+                                    eval_<name> over the held-out set (without a second forward; recipes/dpo.py's
+                                    rewards)
 
 and optionally (the defaults are `Recipe`'s):
 
@@ -120,6 +124,9 @@ class Recipe:
     pipeline_layers: Callable[[torch.nn.Module], Any] | None = None
     pipeline_stage: Callable[[torch.nn.Module, range, bool, bool], torch.nn.Module] | None = None
     pipeline_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    # What the loss reported beside itself since it was last taken (take_reported): each name's sum over the samples
+    # of the micro-batches, and under SAMPLES how many samples that is. Not a hook.
+    reported: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
 
     # The protocol's functions called with their results checked: a recipe mistake is an error naming the file, the
     # function and what was expected, not a traceback from deep inside a library.
@@ -155,6 +162,10 @@ class Recipe:
 
     def compute_loss(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:
         value = self.loss(model, batch)
+        if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], dict):
+            value, sums = value
+            for name, total in {**sums, SAMPLES: torch.tensor(float(_samples(batch)))}.items():
+                self.reported[name] = self.reported.get(name, 0.0) + total.detach().float().sum()
         if not (torch.is_tensor(value) and value.numel() == 1 and value.is_floating_point()):
             got = f"a tensor of shape {tuple(value.shape)} and dtype {value.dtype}" if torch.is_tensor(value) \
                 else type(value).__name__
@@ -168,8 +179,34 @@ class Recipe:
         return value
 
 
+    def take_reported(self) -> dict[str, torch.Tensor]:
+        """What the loss reported since the last call (sums, and SAMPLES), emptied; {} for a loss that reports
+        nothing."""
+        taken = dict(self.reported)
+        self.reported.clear()
+        return taken
+
+    def evaluation_metrics(self, model: torch.nn.Module, batch: Any) -> dict[str, torch.Tensor]:
+        """eval_metrics' sums for the held-out micro-batch the loss was just computed on: the recipe's own, or what
+        its loss reported on it."""
+        reported = self.take_reported()
+        reported.pop(SAMPLES, None)
+        return {**reported, **self.eval_metrics(model, batch)}
+
+
+SAMPLES = "samples"  # Recipe.reported's count of the samples its sums are over
+
+
+def _samples(batch: Any) -> int:
+    """A micro-batch's samples: the first dimension of its first tensor."""
+    first = batch
+    while not torch.is_tensor(first):
+        first = next(iter(first.values())) if isinstance(first, dict) else first[0]
+    return first.shape[0]
+
+
 REQUIRED = ("Config", "build_model", "build_datasets", "loss")
-OPTIONAL = tuple(f.name for f in dataclasses.fields(Recipe) if f.name not in REQUIRED and f.name != "path")
+OPTIONAL = tuple(f.name for f in dataclasses.fields(Recipe) if f.name not in (*REQUIRED, "path", "reported"))
 
 
 def shipped_recipes() -> list[str]:

@@ -1,0 +1,171 @@
+"""Preference-tune a causal language model (any AutoModelForCausalLM) with DPO or its family, the step after SFT.
+
+Trains: the model that --model_name_or_path names (a causal_lm run's final/, or a Hub id) on pairs of answers to one
+prompt, the chosen one preferred to the rejected one, in TRL's layouts (prompt/chosen/rejected as strings, or as
+lists of chat messages; trainkit/preference.py). --loss_type picks the objective: sigmoid (DPO), ipo, hinge, simpo
+or orpo (the last two need no reference model); --beta its strength. Reports TRL's metrics: rewards/chosen,
+rewards/rejected, rewards/accuracies, rewards/margins, logps/chosen, logps/rejected (eval_ prefixed on the held-out
+pairs; eval_loss is the objective's).
+Output: final/ loads with AutoModelForCausalLM.from_pretrained, as the causal_lm recipe exports it (under LoRA the
+adapters merged, and alone in final/adapter/).
+
+The reference model is the policy as it starts. Under LoRA it is the same weights with the adapters switched off (no
+second copy); in a full fine-tune a frozen copy inside the model this recipe builds, so that every strategy holds it
+as it holds the policy (ZeRO-3 partitions it, FSDP2 shards it, offload offloads it; --estimate and state_bytes count
+it). The policy starts as the reference, so the first step's loss is ln 2 for DPO whatever the data.
+
+    python train.py --recipe dpo --model_name_or_path runs/sft/final --data pairs.jsonl --lora_r 16
+    accelerate launch --config_file accelerate_configs/deepspeed_zero3.yaml train.py --recipe dpo \\
+        --model_name_or_path runs/sft/final --data pairs.jsonl --beta 0.1
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from trainkit import finetune, preference, sft, text
+from trainkit.errors import ConfigError, Problem
+from trainkit.finetune import FineTuneConfig, tokenizer_of
+
+
+@dataclass(kw_only=True, slots=True)
+class Config(FineTuneConfig):  # the model's settings: trainkit/finetune.py
+    # Data: pairs in TRL's layouts (trainkit/preference.py), local .jsonl/.json files (comma-separated) or a Hub
+    # dataset; the held-out pairs are --eval_data's, or eval_fraction of these drawn from the seed
+    data: str = ""
+    data_config: str = ""
+    # The objective (trainkit/preference.py has each formula and its paper): sigmoid (DPO), ipo, hinge; simpo and
+    # orpo without a reference model. beta: how far from the reference the policy may go (ORPO: the weight of its
+    # odds-ratio term); label_smoothing: cDPO's share of pairs taken to be mislabelled (sigmoid only);
+    # simpo_gamma: SimPO's target margin.
+    loss_type: str = "sigmoid"
+    beta: float = 0.1
+    label_smoothing: float = 0.0
+    simpo_gamma: float = 0.5
+    seq_len: int = 256  # prompt + completion
+    lr: float = 5e-6
+    eval_every: int = 20
+
+    def check(self) -> list[Problem]:
+        problems = FineTuneConfig.check(self) + preference.problems(self.loss_type, self.beta, self.label_smoothing)
+        if not self.data:
+            problems.append(Problem("no preference pairs to train on", "config field data",
+                                    "pass --data with .jsonl files of prompt/chosen/rejected records"))
+            return problems
+        problems += [problem for data, flag in ((self.data, "--data"), (self.eval_data, "--eval_data")) if data
+                     for path in text.local_files(data) or [] if path.suffix in (".jsonl", ".json")
+                     and path.is_file() and (problem := preference.check_records(path, flag, text.CHECKED_BYTES))]
+        return problems + text.check_data(self.data, None)
+
+
+class Preference(nn.Module):
+    """The model this recipe trains: the policy, its reference (a frozen copy, or the policy with its LoRA adapters
+    off, or none), and the objective. Its forward takes a micro-batch of pairs and returns the loss and the metrics'
+    sums, so that the strategy's wrapper runs the whole objective (DDP's gradient hooks, FSDP2's and ZeRO-3's
+    gathers) and holds the reference as it holds the policy."""
+
+    def __init__(self, policy: nn.Module, reference: nn.Module | None, cfg: Config) -> None:
+        super().__init__()
+        self.policy, self.reference = policy, reference
+        self.loss_type, self.beta = cfg.loss_type, cfg.beta
+        self.label_smoothing, self.gamma = cfg.label_smoothing, cfg.simpo_gamma
+        self.config = policy.config  # what the runner reads of a transformers model (sizes, FLOPs)
+        self._no_split_modules = getattr(policy, "_no_split_modules", None)  # FSDP2's blocks: the decoder layers
+
+    def train(self, mode: bool = True) -> Preference:
+        super().train(mode)
+        if self.reference is not None:  # the reference never trains: no dropout in its pass
+            self.reference.eval()
+        return self
+
+    def forward(self, chosen_ids: torch.Tensor, rejected_ids: torch.Tensor, chosen_attention: torch.Tensor,
+                rejected_attention: torch.Tensor, chosen_mask: torch.Tensor,
+                rejected_mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        # chosen and rejected in one forward: [chosen; rejected] along the batch
+        ids, attention = torch.cat([chosen_ids, rejected_ids]), torch.cat([chosen_attention, rejected_attention])
+        mask = torch.cat([chosen_mask, rejected_mask])
+        policy = self._scores(self.policy, ids, attention, mask)
+        reference = None
+        if self.loss_type not in preference.REFERENCE_FREE:
+            lora_off = self.policy.disable_adapter() if self.reference is None else nullcontext()
+            with torch.no_grad(), lora_off:
+                reference = self._scores(self.reference or self.policy, ids, attention, mask)
+        losses, metrics = preference.pair_losses(self.loss_type, self.beta, policy, reference, self.label_smoothing,
+                                                 self.gamma)
+        return losses.mean(), {name: values.sum() for name, values in metrics.items()}
+
+    @staticmethod
+    def _scores(model: nn.Module, ids: torch.Tensor, attention: torch.Tensor,
+                mask: torch.Tensor) -> preference.Sequences:
+        logits = model(input_ids=ids, attention_mask=attention, use_cache=False).logits
+        logps, tokens = preference.sequence_logps(logits, ids, mask)
+        chosen, rejected = logps.chunk(2)
+        chosen_tokens, rejected_tokens = tokens.chunk(2)
+        return preference.Sequences(chosen, rejected, chosen_tokens, rejected_tokens)
+
+
+def build_model(cfg: Config) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    policy = finetune.build(cfg, AutoModelForCausalLM)
+    if cfg.lora_r or cfg.loss_type in preference.REFERENCE_FREE:
+        return Preference(policy, None, cfg)
+    reference = finetune.build(cfg, AutoModelForCausalLM).requires_grad_(False)
+    return Preference(policy, reference, cfg)
+
+
+def build_datasets(cfg: Config, cache_dir: Path):
+    """(train, held-out) pairs as tensors: --eval_data's pairs held out, or eval_fraction of --data's drawn from the
+    seed."""
+    if cfg.eval_data:
+        return _pairs(cfg, cfg.data, cache_dir), _pairs(cfg, cfg.eval_data, cache_dir, cfg.eval_split)
+    train, held_out = text.drawn_held_out(_pairs(cfg, cfg.data, cache_dir), cfg.eval_fraction, cfg.seed, cfg.data,
+                                          "pairs with a completion within --seq_len")
+    return train, held_out
+
+
+def _pairs(cfg: Config, data: str, cache_dir: Path, split: str = "train"):
+    flag = "--eval_data" if data == cfg.eval_data and data != cfg.data else "--data"
+    records = text.load_records(data, cfg.data_config, None, cache_dir, split, flag)
+    tokenizer = tokenizer_of(cfg)
+    template, pad = sft.chat_template(tokenizer, cfg.chat_template), sft.pad_id(tokenizer)
+
+    def encode(batch):
+        listed = [dict(zip(batch, values, strict=True)) for values in zip(*batch.values(), strict=True)]
+        if bad := next((why for record in listed if (why := preference.record_problem(record))), None):
+            raise ConfigError([Problem(f"a record of {data} {bad}", f"{flag} {data}", "mend the data")])
+        if template is None and any(preference.layout(record) != "standard" for record in listed):
+            raise ConfigError([Problem("the tokenizer has no chat template to render conversational pairs with",
+                                       "--chat_template", f"pass --chat_template {' or '.join(sft.TEMPLATES)}")])
+        made = [pair for record in listed
+                if (pair := preference.encode_pair(record, tokenizer, template, cfg.seq_len, pad)) is not None]
+        return {key: [pair[key] for pair in made] for key in preference.PAIR_COLUMNS}
+
+    pairs = records.map(encode, batched=True, remove_columns=records.column_names)
+    if len(pairs) == 0:
+        raise ConfigError([Problem(f"every prompt of {data} fills --seq_len {cfg.seq_len}: no completion token is "
+                                   "left to compare", "--seq_len", "pass a larger --seq_len")])
+    return pairs.with_format("torch")
+
+
+def loss(model: nn.Module, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The mean over the micro-batch's pairs, and the metrics' sums over them (reported by the runner as means over
+    the step's global batch, and eval_<name> on the held-out pairs)."""
+    return model(**batch)
+
+
+def tokens_per_sample(cfg: Config) -> int:
+    return 2 * cfg.seq_len  # a pair: its chosen and rejected rows
+
+
+def export(model: Preference, state_dict: dict, cfg: Config, cache_dir: Path, out_dir: Path) -> None:
+    """final/: the policy as causal_lm exports it (trainkit/finetune.py), without the reference."""
+    from transformers import AutoModelForCausalLM
+
+    policy = {key.removeprefix("policy."): value for key, value in state_dict.items() if key.startswith("policy.")}
+    finetune.export(model.policy, policy, cfg, out_dir, AutoModelForCausalLM)
