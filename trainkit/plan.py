@@ -160,8 +160,8 @@ def resolved_config(recipe: Recipe, cfg: TrainConfig, sources: dict[str, str], l
         **config_dict(cfg), **run_options,
     }
     seq_len = recipe.tokens_per_sample(cfg)
-    if seq_len is not None:
-        resolved["seq_len"] = seq_len
+    if seq_len is not None and "seq_len" not in resolved:  # a recipe's own seq_len field is what it says (a pair of
+        resolved["seq_len"] = seq_len  # dpo.py's has two rows of it)
     resolved.update(flops.resolved())
     sources = dict(sources)
     sources.update({name: launch.source for name in (*strategy.resolved_fields(), "world_size", "num_machines",

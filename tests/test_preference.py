@@ -1,0 +1,234 @@
+"""Preference tuning (recipes/dpo.py, trainkit/preference.py): each loss against its formula computed by hand, pairs
+in TRL's layouts as the model reads them, the first step's exact loss, TRL's metric names, the eval loss of the
+exported model against its base, mistakes named; launched (slow): the one-process curve under the shipped configs,
+LoRA and full fine-tuning, on architectures the recipe was not written for, and an exact resume."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+import pytest
+import torch
+
+from conftest import PARITY_BOUND, architecture, assert_refused, launch, max_rel_diff
+from trainkit import preference
+from trainkit.recipes import load_recipe
+
+
+def logsig(x: float) -> float:
+    return -math.log1p(math.exp(-x))
+
+
+@pytest.mark.parametrize("loss_type, beta, smoothing, gamma", [
+    ("sigmoid", 0.1, 0.0, 0.0), ("sigmoid", 0.5, 0.2, 0.0), ("ipo", 0.1, 0.0, 0.0), ("hinge", 0.1, 0.0, 0.0),
+    ("simpo", 2.0, 0.0, 0.5), ("orpo", 0.1, 0.0, 0.0)])
+def test_each_loss_is_its_papers_formula(loss_type, beta, smoothing, gamma):
+    """Two pairs of made-up log-probs: each loss and reward computed here by hand with math, from the formulas of
+    trainkit/preference.py's docstring (DPO eq. 7 with cDPO, IPO eq. 17 on token averages, SLiC's hinge, SimPO eq. 6,
+    ORPO eqs. 4-7)."""
+    pc, pr, rc, rr = [-12.0, -30.0], [-15.0, -28.0], [-13.0, -29.0], [-14.0, -27.5]
+    nc, nr = [4.0, 10.0], [5.0, 8.0]
+
+    def seq(c: list[float], r: list[float]) -> preference.Sequences:
+        return preference.Sequences(torch.tensor(c), torch.tensor(r), torch.tensor(nc), torch.tensor(nr))
+
+    losses, metrics = preference.pair_losses(loss_type, beta, seq(pc, pr), seq(rc, rr), smoothing, gamma)
+    for i in range(2):
+        d = (pc[i] - rc[i]) - (pr[i] - rr[i])
+        ac, ar = pc[i] / nc[i], pr[i] / nr[i]
+        expected = {
+            "sigmoid": -(1 - smoothing) * logsig(beta * d) - smoothing * logsig(-beta * d),
+            "ipo": ((pc[i] - rc[i]) / nc[i] - (pr[i] - rr[i]) / nr[i] - 1 / (2 * beta)) ** 2,
+            "hinge": max(0.0, 1 - beta * d),
+            "simpo": -logsig(beta * (ac - ar) - gamma),
+            "orpo": -ac - beta * logsig((ac - ar) - (math.log(1 - math.exp(ac)) - math.log(1 - math.exp(ar)))),
+        }[loss_type]
+        assert losses[i].item() == pytest.approx(expected, rel=1e-6)
+        free = loss_type in preference.REFERENCE_FREE
+        reward_c, reward_r = (beta * ac, beta * ar) if free else (beta * (pc[i] - rc[i]), beta * (pr[i] - rr[i]))
+        assert metrics["rewards/chosen"][i].item() == pytest.approx(reward_c, rel=1e-6)
+        assert metrics["rewards/margins"][i].item() == pytest.approx(reward_c - reward_r, rel=1e-6)
+        assert metrics["rewards/accuracies"][i].item() == float(reward_c > reward_r)
+        assert metrics["logps/rejected"][i].item() == pr[i]
+    assert tuple(metrics) == preference.METRICS
+
+
+def test_pairs_in_trls_layouts_are_what_the_model_reads(chat):
+    """Standard pairs: prompt then completion, the completion ending with EOS; conversational pairs: the completion
+    exactly what the chat template adds for the assistant turn, nothing appended; a conversational pair without a
+    prompt (implicit) is the same pair; the completion mask covers the completion only; a prompt that fills seq_len
+    drops the pair."""
+    from transformers import PreTrainedTokenizerFast
+
+    from trainkit import sft
+
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(chat[0])
+    template, pad = sft.TEMPLATES["chatml"], sft.pad_id(tokenizer)
+    standard = preference.encode_pair({"prompt": "What is 2 plus 3? ", "chosen": "5.", "rejected": "6."},
+                                      tokenizer, template, 32, pad)
+    real = sum(standard["chosen_attention"])
+    chosen = [t for t, m in zip(standard["chosen_ids"], standard["chosen_mask"], strict=True) if m]
+    # the prompt's last space merges with the answer into one token (" 5"): the completion starts there, TRL's rule
+    assert tokenizer.decode(chosen) == " 5." + tokenizer.eos_token
+    assert tokenizer.decode(standard["chosen_ids"][:real]) == "What is 2 plus 3? 5." + tokenizer.eos_token
+    assert standard["chosen_ids"][real:] == [pad] * (32 - real) and len(standard["rejected_ids"]) == 32
+    prompt = [{"role": "system", "content": "You add numbers."}, {"role": "user", "content": "What is 2 plus 3?"}]
+    answer = {"chosen": [{"role": "assistant", "content": "5."}], "rejected": [{"role": "assistant", "content": "6."}]}
+    conversational = preference.encode_pair({"prompt": prompt, **answer}, tokenizer, template, 64, pad)
+    completion = [t for t, m in zip(conversational["chosen_ids"], conversational["chosen_mask"], strict=True) if m]
+    opened = tokenizer.apply_chat_template(prompt, chat_template=template, tokenize=False, add_generation_prompt=True)
+    whole = tokenizer.apply_chat_template(prompt + answer["chosen"], chat_template=template, tokenize=False)
+    assert tokenizer.decode(completion) == whole[len(opened):] == "5.<|im_end|>\n"
+    implicit = preference.encode_pair({"chosen": prompt + answer["chosen"], "rejected": prompt + answer["rejected"]},
+                                      tokenizer, template, 64, pad)
+    assert implicit == conversational
+    assert preference.encode_pair({"prompt": prompt, **answer}, tokenizer, template, 8, pad) is None
+
+
+@pytest.fixture(scope="module")
+def pairs(chat, tmp_path_factory):
+    """pairs.jsonl: the calculator chats, each with the right sum chosen and a wrong one rejected (conversational);
+    held.jsonl: 16 more of them, the held-out file."""
+    root = tmp_path_factory.mktemp("pairs")
+
+    def pair(i: int) -> dict:
+        a, b = i % 7 + 2, i % 5 + 3
+        return {"prompt": [{"role": "system", "content": "You add numbers."},
+                           {"role": "user", "content": f"What is {a} plus {b}?"}],
+                "chosen": [{"role": "assistant", "content": f"{a} plus {b} is {a + b}."}],
+                "rejected": [{"role": "assistant", "content": f"{a} plus {b} is {a + b + 1 + i % 3}."}]}
+
+    (root / "pairs.jsonl").write_text("".join(json.dumps(pair(i)) + "\n" for i in range(96)))
+    (root / "held.jsonl").write_text("".join(json.dumps(pair(i)) + "\n" for i in range(100, 116)))
+    return root
+
+
+def dpo_args(chat, pairs, *extra: str) -> list[str]:
+    return ["--recipe", "dpo", "--model_name_or_path", str(chat[0]), "--tokenizer", "saved", "--chat_template",
+            "chatml", "--data", str(pairs / "pairs.jsonl"), "--eval_data", str(pairs / "held.jsonl"), "--seq_len",
+            "64", "--warmup_steps", "1", "--save_every", "0", *extra]
+
+
+@pytest.mark.parametrize("loss_type, lora, first", [
+    ("sigmoid", False, math.log(2)), ("sigmoid", True, math.log(2)), ("ipo", False, (1 / (2 * 0.1)) ** 2),
+    ("hinge", True, 1.0)])
+def test_the_first_step_is_exact_when_the_policy_starts_as_the_reference(check_only, chat, pairs, tmp_path,
+                                                                          loss_type, lora, first):
+    """Every d = 0 at the first step (its loss is computed before any update), whatever the data: ln 2 for DPO,
+    (1 / (2 beta))^2 for IPO, 1 for the hinge; TRL's eval loss there was 0.693132 (its two passes differ by 1.5e-5).
+    The metrics carry TRL's names."""
+    run = check_only(tmp_path / "out", *dpo_args(chat, pairs, "--loss_type", loss_type, "--max_steps", "1",
+                                                  *(["--lora_r", "8"] if lora else [])))
+    assert run.returncode == 0, run.stderr
+    record = json.loads((tmp_path / "out" / "metrics.jsonl").read_text().splitlines()[0])
+    assert record["loss"] == pytest.approx(first, rel=1e-7)
+    assert record["rewards/chosen"] == record["rewards/margins"] == 0.0
+    assert {*preference.METRICS, *(f"eval_{name}" for name in preference.METRICS)} <= set(record)
+
+
+def test_the_eval_loss_is_the_exported_models_against_its_base(check_only, chat, pairs, tmp_path):
+    """The run's last eval loss is the DPO loss of final/ (loaded as any user would) against the base model, on the
+    held-out file, computed here with the models' own forward passes."""
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "out"
+    run = check_only(out, *dpo_args(chat, pairs, "--max_steps", "4", "--lr", "1e-2", "--lora_r", "8",
+                                    "--eval_every", "0"))
+    assert run.returncode == 0, run.stderr
+    eval_loss = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["eval_loss"]
+    recipe = load_recipe("dpo")
+    cfg = recipe.Config(model_name_or_path=str(chat[0]), tokenizer="saved", chat_template="chatml",
+                        data=str(pairs / "pairs.jsonl"), eval_data=str(pairs / "held.jsonl"), seq_len=64)
+    _, held = recipe.make_datasets(cfg, tmp_path / "cache")
+    batch = {key: torch.stack([pair[key] for pair in held]) for key in preference.PAIR_COLUMNS}
+    scores = sys.modules["recipe_dpo"].Preference._scores
+    with torch.no_grad():
+        ids = torch.cat([batch["chosen_ids"], batch["rejected_ids"]])
+        attention = torch.cat([batch["chosen_attention"], batch["rejected_attention"]])
+        mask = torch.cat([batch["chosen_mask"], batch["rejected_mask"]])
+        policy, base = (scores(AutoModelForCausalLM.from_pretrained(path).eval(), ids, attention, mask)
+                        for path in (out / "final", chat[0]))
+        losses, _ = preference.pair_losses("sigmoid", 0.1, policy, base)
+    assert losses.mean().item() == pytest.approx(eval_loss, rel=1e-5)
+    assert abs(eval_loss - math.log(2)) > 1e-4  # it trained
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--loss_type", "kto"], "unknown loss_type 'kto' (config field loss_type): use one of sigmoid, ipo, hinge"),
+    (["--loss_type", "ipo", "--label_smoothing", "0.1"], "label_smoothing is cDPO's, of the sigmoid loss, not of ipo"),
+    (["--beta", "0"], "beta must be > 0, got 0.0"),
+])
+def test_preference_mistakes_are_named_with_the_fix(check_only, chat, pairs, tmp_path, args, message):
+    assert_refused(check_only(tmp_path / "out", *dpo_args(chat, pairs, *args), "--dry_run"), message)
+
+
+def test_a_record_that_is_not_a_pair_is_named_at_its_line(check_only, chat, pairs, tmp_path):
+    broken = tmp_path / "broken.jsonl"
+    lines = (pairs / "pairs.jsonl").read_text().splitlines()
+    record = json.loads(lines[2])
+    del record["rejected"]
+    broken.write_text("\n".join([*lines[:2], json.dumps(record), *lines[3:]]) + "\n")
+    args = dpo_args(chat, pairs, "--dry_run")
+    args[args.index("--data") + 1] = str(broken)
+    assert_refused(check_only(tmp_path / "out", *args), f"{broken}:3 has no rejected field")
+
+
+# Launched: the one-process curve (10 steps) under the shipped configs, full fine-tuning (its reference a frozen copy
+# held as the policy is) and LoRA (its reference the adapters off), on the chat fixture's Qwen2 (untied) and two
+# architectures the recipe was not written for: Llama with tied embeddings and GPT-NeoX.
+PARITY = {"full-ddp": ("qwen2", "ddp", []), "full-zero3": ("qwen2", "deepspeed_zero3", []),
+          "full-fsdp": ("qwen2", "fsdp", []), "lora-zero2": ("qwen2", "deepspeed_zero2", ["--lora_r", "8"]),
+          "lora-zero3-offload": ("qwen2", "deepspeed_zero3_offload", ["--lora_r", "8"]),
+          "lora-fsdp-offload": ("qwen2", "fsdp_offload", ["--lora_r", "8"]),
+          "full-llama-tied-ddp": ("llama", "ddp", []), "lora-gpt-neox-ddp": ("gpt_neox", "ddp", ["--lora_r", "8"])}
+
+
+@pytest.fixture(scope="module")
+def one_process(chat, pairs, tmp_path_factory):
+    """one_process(architecture, flags) -> (its model folder, the one-process run): each run once."""
+    from transformers import PreTrainedTokenizerFast
+
+    done = {}
+
+    def run(name: str, flags: tuple[str, ...]):
+        if (name, flags) not in done:
+            folder = chat[0] if name == "qwen2" else tmp_path_factory.mktemp(name) / "model"
+            if name != "qwen2":
+                torch.manual_seed(0)
+                architecture(name).save_pretrained(folder)
+                PreTrainedTokenizerFast.from_pretrained(chat[0]).save_pretrained(folder)
+            args = [*dpo_args((folder, None), pairs, "--max_steps", "10", "--eval_every", "5", "--lr", "1e-3"),
+                    *flags]
+            done[name, flags] = args, launch(tmp_path_factory.mktemp("one") / "out", *args, "--batch_size", "8").check()
+        return done[name, flags]
+
+    return run
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", PARITY)
+def test_dpo_trains_like_one_process_under_each_config(one_process, tmp_path, case):
+    name, config, flags = PARITY[case]
+    args, one = one_process(name, tuple(flags))
+    cut = launch(tmp_path / "out", *args, "--batch_size", "4", config=config).check()
+    assert cut.resolved["global_batch_size"] == 8
+    assert one.losses[0] == pytest.approx(math.log(2), rel=1e-7)
+    assert max_rel_diff(cut.losses, one.losses) <= PARITY_BOUND, (cut.losses, one.losses)
+    for name in ("eval_loss", "eval_rewards/accuracies", "eval_rewards/margins"):
+        assert cut.metrics[-1][name] == pytest.approx(one.metrics[-1][name], rel=1e-4, abs=1e-6), name
+    assert (cut.output_dir / "final" / "config.json").is_file()
+    assert (cut.output_dir / "final" / "adapter" / "adapter_config.json").is_file() == ("--lora_r" in flags)
+
+
+@pytest.mark.slow
+def test_a_dpo_run_resumes_exactly(one_process, tmp_path):
+    """Stopped at step 5 under DDP and resumed (the reference comes back with the checkpoint, frozen): the steps after
+    it are the one-process run's."""
+    args, one = one_process("qwen2", ())
+    out = tmp_path / "out"
+    launch(out, *args, "--batch_size", "4", "--save_every", "5", "--stop_at", "5", config="ddp").check()
+    resumed = launch(out, *args, "--batch_size", "4", "--resume", "latest", config="ddp").check()
+    assert [m["step"] for m in resumed.metrics] == list(range(1, 11))
+    assert max_rel_diff(resumed.losses, one.losses) <= PARITY_BOUND
