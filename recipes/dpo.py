@@ -28,17 +28,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from trainkit import finetune, preference, sft, text
-from trainkit.errors import ConfigError, Problem
-from trainkit.finetune import FineTuneConfig, tokenizer_of
+from trainkit import finetune, preference
+from trainkit.errors import Problem
+from trainkit.preference import PairsConfig
 
 
 @dataclass(kw_only=True, slots=True)
-class Config(FineTuneConfig):  # the model's settings: trainkit/finetune.py
-    # Data: pairs in TRL's layouts (trainkit/preference.py), local .jsonl/.json files (comma-separated) or a Hub
-    # dataset; the held-out pairs are --eval_data's, or eval_fraction of these drawn from the seed
-    data: str = ""
-    data_config: str = ""
+class Config(PairsConfig):  # the model's settings and the pairs': trainkit/finetune.py, trainkit/preference.py
     # The objective (trainkit/preference.py has each formula and its paper): sigmoid (DPO), ipo, hinge; simpo and
     # orpo without a reference model. beta: how far from the reference the policy may go (ORPO: the weight of its
     # odds-ratio term); label_smoothing: cDPO's share of pairs taken to be mislabelled (sigmoid only);
@@ -47,20 +43,10 @@ class Config(FineTuneConfig):  # the model's settings: trainkit/finetune.py
     beta: float = 0.1
     label_smoothing: float = 0.0
     simpo_gamma: float = 0.5
-    seq_len: int = 256  # prompt + completion
     lr: float = 5e-6
-    eval_every: int = 20
 
     def check(self) -> list[Problem]:
-        problems = FineTuneConfig.check(self) + preference.problems(self.loss_type, self.beta, self.label_smoothing)
-        if not self.data:
-            problems.append(Problem("no preference pairs to train on", "config field data",
-                                    "pass --data with .jsonl files of prompt/chosen/rejected records"))
-            return problems
-        problems += [problem for data, flag in ((self.data, "--data"), (self.eval_data, "--eval_data")) if data
-                     for path in text.local_files(data) or [] if path.suffix in (".jsonl", ".json")
-                     and path.is_file() and (problem := preference.check_records(path, flag, text.CHECKED_BYTES))]
-        return problems + text.check_data(self.data, None)
+        return PairsConfig.check(self) + preference.problems(self.loss_type, self.beta, self.label_smoothing)
 
 
 class Preference(nn.Module):
@@ -120,37 +106,8 @@ def build_model(cfg: Config) -> nn.Module:
 
 
 def build_datasets(cfg: Config, cache_dir: Path):
-    """(train, held-out) pairs as tensors: --eval_data's pairs held out, or eval_fraction of --data's drawn from the
-    seed."""
-    if cfg.eval_data:
-        return _pairs(cfg, cfg.data, cache_dir), _pairs(cfg, cfg.eval_data, cache_dir, cfg.eval_split)
-    train, held_out = text.drawn_held_out(_pairs(cfg, cfg.data, cache_dir), cfg.eval_fraction, cfg.seed, cfg.data,
-                                          "pairs with a completion within --seq_len")
-    return train, held_out
-
-
-def _pairs(cfg: Config, data: str, cache_dir: Path, split: str = "train"):
-    flag = "--eval_data" if data == cfg.eval_data and data != cfg.data else "--data"
-    records = text.load_records(data, cfg.data_config, None, cache_dir, split, flag)
-    tokenizer = tokenizer_of(cfg)
-    template, pad = sft.chat_template(tokenizer, cfg.chat_template), sft.pad_id(tokenizer)
-
-    def encode(batch):
-        listed = [dict(zip(batch, values, strict=True)) for values in zip(*batch.values(), strict=True)]
-        if bad := next((why for record in listed if (why := preference.record_problem(record))), None):
-            raise ConfigError([Problem(f"a record of {data} {bad}", f"{flag} {data}", "mend the data")])
-        if template is None and any(preference.layout(record) != "standard" for record in listed):
-            raise ConfigError([Problem("the tokenizer has no chat template to render conversational pairs with",
-                                       "--chat_template", f"pass --chat_template {' or '.join(sft.TEMPLATES)}")])
-        made = [pair for record in listed
-                if (pair := preference.encode_pair(record, tokenizer, template, cfg.seq_len, pad)) is not None]
-        return {key: [pair[key] for pair in made] for key in preference.PAIR_COLUMNS}
-
-    pairs = records.map(encode, batched=True, remove_columns=records.column_names)
-    if len(pairs) == 0:
-        raise ConfigError([Problem(f"every prompt of {data} fills --seq_len {cfg.seq_len}: no completion token is "
-                                   "left to compare", "--seq_len", "pass a larger --seq_len")])
-    return pairs.with_format("torch")
+    """(train, held-out) pairs: --eval_data's held out, or eval_fraction of --data's drawn from the seed."""
+    return preference.pair_datasets(cfg, cache_dir)
 
 
 def loss(model: nn.Module, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

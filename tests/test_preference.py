@@ -105,8 +105,8 @@ def pairs(chat, tmp_path_factory):
     return root
 
 
-def dpo_args(chat, pairs, *extra: str) -> list[str]:
-    return ["--recipe", "dpo", "--model_name_or_path", str(chat[0]), "--tokenizer", "saved", "--chat_template",
+def dpo_args(chat, pairs, *extra: str, recipe: str = "dpo") -> list[str]:
+    return ["--recipe", recipe, "--model_name_or_path", str(chat[0]), "--tokenizer", "saved", "--chat_template",
             "chatml", "--data", str(pairs / "pairs.jsonl"), "--eval_data", str(pairs / "held.jsonl"), "--seq_len",
             "64", "--warmup_steps", "1", "--save_every", "0", *extra]
 
@@ -155,6 +155,33 @@ def test_the_eval_loss_is_the_exported_models_against_its_base(check_only, chat,
     assert abs(eval_loss - math.log(2)) > 1e-4  # it trained
 
 
+def test_the_reward_model_ranks_and_exports(check_only, chat, pairs, tmp_path):
+    """Bradley-Terry's loss and TRL's RewardTrainer metrics: final/ loads with AutoModelForSequenceClassification,
+    and its scores of the held-out pairs give the run's last eval loss (the mean of -log sigmoid(r_chosen -
+    r_rejected)), accuracy and margin."""
+    from transformers import AutoModelForSequenceClassification
+
+    out = tmp_path / "out"
+    run = check_only(out, *dpo_args(chat, pairs, "--max_steps", "6", "--lr", "3e-3", "--eval_every", "0",
+                                    recipe="reward"))
+    assert run.returncode == 0, run.stderr
+    last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    assert {"accuracy", "margin", "mean_reward", "eval_accuracy", "eval_margin", "eval_mean_reward"} <= set(last)
+    recipe = load_recipe("reward")
+    cfg = recipe.Config(model_name_or_path=str(chat[0]), tokenizer="saved", chat_template="chatml",
+                        data=str(pairs / "pairs.jsonl"), eval_data=str(pairs / "held.jsonl"), seq_len=64)
+    _, held = recipe.make_datasets(cfg, tmp_path / "cache")
+    model = AutoModelForSequenceClassification.from_pretrained(out / "final").eval()
+    with torch.no_grad():
+        chosen, rejected = (model(input_ids=torch.stack([p[f"{side}_ids"] for p in held]),
+                                  attention_mask=torch.stack([p[f"{side}_attention"] for p in held])).logits.squeeze(-1)
+                            for side in ("chosen", "rejected"))
+    margin = chosen - rejected
+    assert (-torch.nn.functional.logsigmoid(margin)).mean().item() == pytest.approx(last["eval_loss"], rel=1e-5)
+    assert (margin > 0).float().mean().item() == pytest.approx(last["eval_accuracy"])
+    assert margin.mean().item() == pytest.approx(last["eval_margin"], rel=1e-4, abs=1e-6)
+
+
 @pytest.mark.parametrize("args, message", [
     (["--loss_type", "kto"], "unknown loss_type 'kto' (config field loss_type): use one of sigmoid, ipo, hinge"),
     (["--loss_type", "ipo", "--label_smoothing", "0.1"], "label_smoothing is cDPO's, of the sigmoid loss, not of ipo"),
@@ -178,11 +205,15 @@ def test_a_record_that_is_not_a_pair_is_named_at_its_line(check_only, chat, pair
 # Launched: the one-process curve (10 steps) under the shipped configs, full fine-tuning (its reference a frozen copy
 # held as the policy is) and LoRA (its reference the adapters off), on the chat fixture's Qwen2 (untied) and two
 # architectures the recipe was not written for: Llama with tied embeddings and GPT-NeoX.
+# The reward recipe: full under ZeRO-3 and FSDP2, LoRA (its new head trained whole) under ZeRO-2.
 PARITY = {"full-ddp": ("qwen2", "ddp", []), "full-zero3": ("qwen2", "deepspeed_zero3", []),
           "full-fsdp": ("qwen2", "fsdp", []), "lora-zero2": ("qwen2", "deepspeed_zero2", ["--lora_r", "8"]),
           "lora-zero3-offload": ("qwen2", "deepspeed_zero3_offload", ["--lora_r", "8"]),
           "lora-fsdp-offload": ("qwen2", "fsdp_offload", ["--lora_r", "8"]),
-          "full-llama-tied-ddp": ("llama", "ddp", []), "lora-gpt-neox-ddp": ("gpt_neox", "ddp", ["--lora_r", "8"])}
+          "full-llama-tied-ddp": ("llama", "ddp", []), "lora-gpt-neox-ddp": ("gpt_neox", "ddp", ["--lora_r", "8"]),
+          "reward-full-zero3": ("qwen2", "deepspeed_zero3", ["--recipe", "reward"]),
+          "reward-full-fsdp": ("qwen2", "fsdp", ["--recipe", "reward"]),
+          "reward-lora-zero2": ("qwen2", "deepspeed_zero2", ["--recipe", "reward", "--lora_r", "8"])}
 
 
 @pytest.fixture(scope="module")
@@ -199,8 +230,9 @@ def one_process(chat, pairs, tmp_path_factory):
                 torch.manual_seed(0)
                 architecture(name).save_pretrained(folder)
                 PreTrainedTokenizerFast.from_pretrained(chat[0]).save_pretrained(folder)
-            args = [*dpo_args((folder, None), pairs, "--max_steps", "10", "--eval_every", "5", "--lr", "1e-3"),
-                    *flags]
+            recipe = flags[flags.index("--recipe") + 1] if "--recipe" in flags else "dpo"
+            args = [*dpo_args((folder, None), pairs, "--max_steps", "10", "--eval_every", "5", "--lr", "1e-3",
+                              recipe=recipe), *(f for f in flags if f not in ("--recipe", recipe))]
             done[name, flags] = args, launch(tmp_path_factory.mktemp("one") / "out", *args, "--batch_size", "8").check()
         return done[name, flags]
 
@@ -214,9 +246,11 @@ def test_dpo_trains_like_one_process_under_each_config(one_process, tmp_path, ca
     args, one = one_process(name, tuple(flags))
     cut = launch(tmp_path / "out", *args, "--batch_size", "4", config=config).check()
     assert cut.resolved["global_batch_size"] == 8
-    assert one.losses[0] == pytest.approx(math.log(2), rel=1e-7)
+    reward = "reward" in flags
+    assert reward or one.losses[0] == pytest.approx(math.log(2), rel=1e-7)
     assert max_rel_diff(cut.losses, one.losses) <= PARITY_BOUND, (cut.losses, one.losses)
-    for name in ("eval_loss", "eval_rewards/accuracies", "eval_rewards/margins"):
+    for name in ("eval_loss", *(("eval_accuracy", "eval_margin") if reward else
+                                ("eval_rewards/accuracies", "eval_rewards/margins"))):
         assert cut.metrics[-1][name] == pytest.approx(one.metrics[-1][name], rel=1e-4, abs=1e-6), name
     assert (cut.output_dir / "final" / "config.json").is_file()
     assert (cut.output_dir / "final" / "adapter" / "adapter_config.json").is_file() == ("--lora_r" in flags)

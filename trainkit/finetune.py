@@ -85,10 +85,10 @@ class FineTuneConfig(TrainConfig):
 MODEL_DTYPES = {"auto": "auto", "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def build(cfg: FineTuneConfig, auto_class: Any, **kwargs: Any) -> nn.Module:
+def build(cfg: FineTuneConfig, auto_class: Any, lora_task: str = "CAUSAL_LM", **kwargs: Any) -> nn.Module:
     """The pretrained model as `auto_class` (AutoModelForCausalLM, AutoModelForSequenceClassification) loads it with
-    `kwargs` (num_labels), as the settings ask: its dtype, what trains, LoRA. On the meta device (--estimate and
-    --dry_run) the shapes only, from the config."""
+    `kwargs` (num_labels), as the settings ask: its dtype, what trains, LoRA (peft's task type `lora_task`). On the
+    meta device (--estimate and --dry_run) the shapes only, from the config."""
     from transformers import AutoConfig
 
     config = pretrained.load("model's config", cfg, AutoConfig.from_pretrained)
@@ -100,7 +100,7 @@ def build(cfg: FineTuneConfig, auto_class: Any, **kwargs: Any) -> nn.Module:
             setattr(config, key, value)
         model = auto_class.from_config(config, trust_remote_code=cfg.trust_remote_code,
                                        dtype=getattr(config, "dtype", None) if dtype == "auto" else dtype)
-        return _trained_in_fp32(lora.with_lora(model, cfg) if cfg.lora_r else model)
+        return _trained_in_fp32(lora.with_lora(model, cfg, lora_task) if cfg.lora_r else model)
     model = pretrained.load("model", cfg, lambda path, **kw: auto_class.from_pretrained(
         path, dtype=MODEL_DTYPES[cfg.model_dtype], use_safetensors=None if cfg.allow_pickle else True,
         **lora.quantised(cfg.load_in_4bit), **kwargs, **kw))
@@ -118,7 +118,7 @@ def build(cfg: FineTuneConfig, auto_class: Any, **kwargs: Any) -> nn.Module:
             param.requires_grad_(name in chosen)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return _trained_in_fp32(lora.with_lora(model, cfg) if cfg.lora_r else model)
+    return _trained_in_fp32(lora.with_lora(model, cfg, lora_task) if cfg.lora_r else model)
 
 
 def _trained_in_fp32(model: nn.Module) -> nn.Module:
@@ -156,7 +156,7 @@ def export(model: nn.Module, state_dict: dict, cfg: FineTuneConfig, out_dir: Pat
         model.save_pretrained(str(out_dir / "adapter"), state_dict=state_dict)  # peft keeps only the adapters' keys
         tokenizer.save_pretrained(str(out_dir / "adapter"))
         # QLoRA's base is 4-bit in training: the adapters merge into the full-precision base it was quantised from
-        model = lora.merged(model, state_dict) if not cfg.load_in_4bit else pretrained.load(
+        model = lora.merged(model, state_dict, auto_class) if not cfg.load_in_4bit else pretrained.load(
             "model", cfg, lambda path, **kw: PeftModel.from_pretrained(
                 auto_class.from_pretrained(path, **kw), str(out_dir / "adapter")).merge_and_unload())
         state_dict = None

@@ -51,22 +51,23 @@ def quantised(load_in_4bit: bool) -> dict:
             "device_map": {"": int(os.environ.get("LOCAL_RANK", "0"))}}
 
 
-def lora_config(cfg: Any):
-    """peft's LoraConfig from the recipe's lora_* fields: all-linear, or comma-separated module names."""
+def lora_config(cfg: Any, task_type: str = "CAUSAL_LM"):
+    """peft's LoraConfig from the recipe's lora_* fields: all-linear, or comma-separated module names. task_type
+    SEQ_CLS (a reward model) trains its new scoring head whole beside the adapters."""
     from peft import LoraConfig
 
     targets = cfg.lora_target_modules
-    return LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout, task_type="CAUSAL_LM",
+    return LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout, task_type=task_type,
                       target_modules=targets if targets == "all-linear" else [t.strip() for t in targets.split(",")])
 
 
-def with_lora(model: nn.Module, cfg: Any) -> nn.Module:
+def with_lora(model: nn.Module, cfg: Any, task_type: str = "CAUSAL_LM") -> nn.Module:
     """peft's PeftModel around the model, or a ConfigError naming the model's linear layers when the target modules
     are not among them."""
     from peft import get_peft_model
 
     try:
-        return get_peft_model(model, lora_config(cfg))
+        return get_peft_model(model, lora_config(cfg, task_type))
     except ValueError as e:
         names = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)})
         raise ConfigError([Problem(f"peft cannot put LoRA on this model: {' '.join(str(e).split())[:300]}",
@@ -74,15 +75,14 @@ def with_lora(model: nn.Module, cfg: Any) -> nn.Module:
                                    f"{', '.join(names)}")]) from None
 
 
-def merged(model: nn.Module, state_dict: dict) -> nn.Module:
+def merged(model: nn.Module, state_dict: dict, auto_class: Any) -> nn.Module:
     """A plain transformers model with the adapters merged in (peft's merge_and_unload), built from the gathered
     state dict: the trained model may be sharded (ZeRO-3, FSDP2), so a copy is made on the meta device and takes
     the state dict's tensors as its own (no second copy of the weights)."""
     from peft import get_peft_model
-    from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        copy = get_peft_model(AutoModelForCausalLM.from_config(model.get_base_model().config),
+        copy = get_peft_model(auto_class.from_config(model.get_base_model().config),
                               model.peft_config["default"])
     copy.load_state_dict(state_dict, strict=True, assign=True)
     plain = copy.merge_and_unload()

@@ -41,7 +41,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from trainkit.errors import Problem
+from trainkit import sft, text
+from trainkit.errors import ConfigError, Problem
+from trainkit.finetune import FineTuneConfig, tokenizer_of
 
 LOSS_TYPES = ("sigmoid", "ipo", "hinge", "simpo", "orpo")
 REFERENCE_FREE = ("simpo", "orpo")  # losses that need no reference model
@@ -50,6 +52,62 @@ REFERENCE_FREE = ("simpo", "orpo")  # losses that need no reference model
 PAIR_COLUMNS = ("chosen_ids", "rejected_ids", "chosen_attention", "rejected_attention", "chosen_mask", "rejected_mask")
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected")
+
+
+@dataclass(kw_only=True, slots=True)
+class PairsConfig(FineTuneConfig):
+    """The settings of a recipe that trains on preference pairs (recipes/dpo.py, recipes/reward.py): the model's
+    (trainkit/finetune.py) and the pairs'."""
+
+    # Pairs in TRL's layouts (above), local .jsonl/.json files (comma-separated) or a Hub dataset; the held-out pairs
+    # are --eval_data's, or eval_fraction of these drawn from the seed
+    data: str = ""
+    data_config: str = ""
+    seq_len: int = 256  # prompt + completion
+    eval_every: int = 20
+
+    def check(self) -> list[Problem]:
+        problems = FineTuneConfig.check(self)
+        if not self.data:
+            return [*problems, Problem("no preference pairs to train on", "config field data",
+                                       "pass --data with .jsonl files of prompt/chosen/rejected records")]
+        problems += [problem for data, flag in ((self.data, "--data"), (self.eval_data, "--eval_data")) if data
+                     for path in text.local_files(data) or [] if path.suffix in (".jsonl", ".json")
+                     and path.is_file() and (problem := check_records(path, flag, text.CHECKED_BYTES))]
+        return problems + text.check_data(self.data, None)
+
+
+def pair_datasets(cfg: PairsConfig, cache_dir: Path):
+    """(train, held-out) pairs as tensors (PAIR_COLUMNS): --eval_data's pairs held out, or eval_fraction of --data's
+    drawn from the seed."""
+    if cfg.eval_data:
+        return _pairs(cfg, cfg.data, cache_dir), _pairs(cfg, cfg.eval_data, cache_dir, cfg.eval_split)
+    return text.drawn_held_out(_pairs(cfg, cfg.data, cache_dir), cfg.eval_fraction, cfg.seed, cfg.data,
+                               "pairs with a completion within --seq_len")
+
+
+def _pairs(cfg: PairsConfig, data: str, cache_dir: Path, split: str = "train"):
+    flag = "--eval_data" if data == cfg.eval_data and data != cfg.data else "--data"
+    records = text.load_records(data, cfg.data_config, None, cache_dir, split, flag)
+    tokenizer = tokenizer_of(cfg)
+    template, pad = sft.chat_template(tokenizer, cfg.chat_template), sft.pad_id(tokenizer)
+
+    def encode(batch):
+        listed = [dict(zip(batch, values, strict=True)) for values in zip(*batch.values(), strict=True)]
+        if bad := next((why for record in listed if (why := record_problem(record))), None):  # a Hub dataset's
+            raise ConfigError([Problem(f"a record of {data} {bad}", f"{flag} {data}", "mend the data")])
+        if template is None and any(layout(record) != "standard" for record in listed):
+            raise ConfigError([Problem("the tokenizer has no chat template to render conversational pairs with",
+                                       "--chat_template", f"pass --chat_template {' or '.join(sft.TEMPLATES)}")])
+        made = [pair for record in listed
+                if (pair := encode_pair(record, tokenizer, template, cfg.seq_len, pad)) is not None]
+        return {key: [pair[key] for pair in made] for key in PAIR_COLUMNS}
+
+    pairs = records.map(encode, batched=True, remove_columns=records.column_names)
+    if len(pairs) == 0:
+        raise ConfigError([Problem(f"every prompt of {data} fills --seq_len {cfg.seq_len}: no completion token is "
+                                   "left to compare", "--seq_len", "pass a larger --seq_len")])
+    return pairs.with_format("torch")
 
 
 def layout(record: Mapping[str, Any]) -> str | None:

@@ -1,0 +1,70 @@
+"""Train a reward model: a pretrained transformer with a scoring head (AutoModelForSequenceClassification, one
+output) that gives the chosen answer of a pair a higher score than the rejected one.
+
+Trains: the model that --model_name_or_path names (its new head initialised by transformers), on the same pairs as
+recipes/dpo.py (TRL's layouts: trainkit/preference.py), each answer scored after its prompt. The loss is the
+Bradley-Terry model's (Bradley and Terry 1952; Ouyang et al. 2022, eq. 1): -log sigmoid(r_chosen - r_rejected), the
+mean over the pairs of the global batch. Reports TRL's RewardTrainer metrics: accuracy (the share of pairs scored the
+right way round), margin (r_chosen - r_rejected) and mean_reward, on the held-out pairs as eval_<name>.
+Output: final/ loads with AutoModelForSequenceClassification.from_pretrained (under LoRA the adapters merged, and
+alone in final/adapter/); docs/recipes.md shows how to score answers with it.
+
+A score is the head's output at the sequence's last token that is not padding (transformers' own pooling, which
+finds it from the pad token: a tokenizer without one pads with its end-of-text token, so an answer that ends with it is
+scored at the token before, in training and in use alike).
+
+    python train.py --recipe reward --model_name_or_path runs/sft/final --data pairs.jsonl --lora_r 16
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+from torch import nn
+
+from trainkit import finetune, preference, sft
+from trainkit.finetune import tokenizer_of
+from trainkit.preference import PairsConfig
+
+
+@dataclass(kw_only=True, slots=True)
+class Config(PairsConfig):  # the model's settings and the pairs': trainkit/finetune.py, trainkit/preference.py
+    lr: float = 1e-5
+
+
+def build_model(cfg: Config) -> nn.Module:
+    from transformers import AutoModelForSequenceClassification
+
+    model = finetune.build(cfg, AutoModelForSequenceClassification, lora_task="SEQ_CLS", num_labels=1)
+    # the pooling finds each sequence's last token from the pad token, which the rows are padded with
+    model.config.pad_token_id = sft.pad_id(tokenizer_of(cfg))
+    return model
+
+
+def build_datasets(cfg: Config, cache_dir: Path):
+    """(train, held-out) pairs, as recipes/dpo.py reads them (the completion masks unused)."""
+    return preference.pair_datasets(cfg, cache_dir)
+
+
+def loss(model: nn.Module, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Bradley-Terry's loss, the mean over the micro-batch's pairs, and the metrics' sums over them."""
+    ids = torch.cat([batch["chosen_ids"], batch["rejected_ids"]])
+    attention = torch.cat([batch["chosen_attention"], batch["rejected_attention"]])
+    chosen, rejected = model(input_ids=ids, attention_mask=attention, use_cache=False).logits.squeeze(-1).chunk(2)
+    margin = chosen - rejected
+    return -F.logsigmoid(margin).mean(), {"accuracy": (margin > 0).float().sum(), "margin": margin.detach().sum(),
+                                          "mean_reward": ((chosen + rejected) / 2).detach().sum()}
+
+
+def tokens_per_sample(cfg: Config) -> int:
+    return 2 * cfg.seq_len  # a pair: its chosen and rejected rows
+
+
+def export(model: nn.Module, state_dict: dict, cfg: Config, cache_dir: Path, out_dir: Path) -> None:
+    """final/ as AutoModelForSequenceClassification.from_pretrained loads it (trainkit/finetune.py)."""
+    from transformers import AutoModelForSequenceClassification
+
+    finetune.export(model, state_dict, cfg, out_dir, AutoModelForSequenceClassification)
