@@ -172,14 +172,19 @@ class DecoderStage(torch.nn.Module):
         before, after, shared = _sides(model)
         self.layers = torch.nn.ModuleList(layers(model)[i] for i in layer_range)
         self.held = torch.nn.ModuleList([*(before if first else []), *(after if last else []), *shared])
-        object.__setattr__(self, "model", model)  # the whole model's forward, not its weights
+        # the whole model's forward, not its weights; where its layers are, and what a later stage stands in for,
+        # found now: a strategy then wraps this stage's modules (FSDP2's classes), and releases the others' weights
+        object.__setattr__(self, "model", model)
+        stood_in = [(parent, child_name) for parent in model.modules() for child_name, child in parent.named_children()
+                    if any(child is module for module in before)]
+        object.__setattr__(self, "found", (*_layout(model), stood_in))
         self.layer_range, self.first, self.last = layer_range, first, last
         self.config = model.config
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         model = object.__getattribute__(self, "model")
         given = {"input_ids": x} if self.first else {"inputs_embeds": x}
-        with self._only_this_stage(model, None if self.first else x):
+        with self._only_this_stage(None if self.first else x):
             try:
                 output = model(**given, use_cache=False)
             except _Handoff as handoff:
@@ -187,21 +192,17 @@ class DecoderStage(torch.nn.Module):
         return output.logits
 
     @contextmanager
-    def _only_this_stage(self, model: torch.nn.Module, received: torch.Tensor | None) -> Iterator[None]:
+    def _only_this_stage(self, received: torch.Tensor | None) -> Iterator[None]:
         """For the forward: the layers outside the range skipped (the received hidden states standing in for those
         before it), and, on a later stage, the first stage's modules stood in for."""
-        holder, name = _layout(model)
+        holder, name, stood_in = object.__getattribute__(self, "found")
         whole = getattr(holder, name)
         a, b = self.layer_range.start, self.layer_range.stop
         standing = [*(_Skipped(whole[i], received, stop=False) for i in range(a)), *(whole[i] for i in range(a, b)),
                     *(_Skipped(whole[i], None, stop=not self.last) for i in range(b, len(whole)))]
         swapped = {(holder, name): torch.nn.ModuleList(standing)}
         if not self.first:
-            before, _, _ = _sides(model)
-            for parent in model.modules():
-                for child_name, child in parent.named_children():
-                    if any(child is module for module in before):
-                        swapped[(parent, child_name)] = _StoodIn()
+            swapped.update({place: _StoodIn() for place in stood_in})
         kept = {key: key[0]._modules[key[1]] for key in swapped}
         try:
             for (parent, child_name), module in swapped.items():
