@@ -31,7 +31,7 @@ from accelerate.utils import set_seed
 from trainkit.checkpoint import Checkpointer, continue_from, data_states, export_final
 from trainkit.command_line import parse_command_line
 from trainkit.data import BatchLayout, EvalLayout, TrainStream, eval_batches, split_layouts
-from trainkit.errors import ConfigError, TrainingError, failure_in_user_code, out_of_memory, writing
+from trainkit.errors import ConfigError, TrainingError, failure_in_user_code, out_of_memory, said, writing
 from trainkit.guards import FiniteCheck, StopSignal
 from trainkit.hardware import Compute
 from trainkit.hosts import exposed_secrets
@@ -101,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:
         error = lost_contact(e) or out_of_memory(e) or failure_in_user_code(e)
         if error is None or os.environ.get("TRAINKIT_TRACEBACK"):
+            if error is None:  # a fault of the runner or a library: the other ranks name it, not this rank's silence
+                publish_failure(f"{said(e)} (its traceback is in that rank's output)")
             raise
         return refuse(error, options.output_dir if options else None)
 

@@ -181,6 +181,11 @@ def forkable(config: str | None) -> bool:
         return False  # what Accelerate makes of it is the test's to see
 
 
+def error_lines(stderr: str) -> list[str]:
+    """The project's error lines (a launch's closing report quotes them again, indented: trainkit/restarts.py)."""
+    return [line for line in stderr.splitlines() if line.startswith("error: ")]
+
+
 def assert_refused(run: Run, message: str, code: int = 2) -> None:
     """A bad input: the given exit status (any non-zero one under a launcher, which reports a failed child with
     its own traceback after ours), our `error:` line, and no traceback from the project's code."""

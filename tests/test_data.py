@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from conftest import assert_refused, launch
+from conftest import assert_refused, error_lines, launch
 from trainkit import text
 from trainkit.data import BatchLayout, GlobalBatchSampler, TrainStream
 
@@ -194,7 +194,7 @@ def test_a_mistake_past_what_the_dry_run_reads_is_named_when_the_run_loads_it(ru
     assert launch(run_dir("dry"), *args, "--dry_run").returncode == 0
     run = launch(run_dir("run"), *args, config=config)
     assert_refused(run, f"{path}:2501 is not valid JSON (Unterminated string starting at, column 10) (--data {path})")
-    assert run.stderr.count("error: ") == 1 and "Failed to load JSON" not in run.stderr
+    assert len(error_lines(run.stderr)) == 1 and "Failed to load JSON" not in run.stderr
 
 
 @pytest.mark.slow
