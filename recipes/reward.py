@@ -1,5 +1,6 @@
-"""Train a reward model: a pretrained transformer with a scoring head (AutoModelForSequenceClassification, one
-output) that gives the chosen answer of a pair a higher score than the rejected one.
+"""Train a reward model: a pretrained transformer that scores the chosen answer of a pair above the rejected one.
+
+The model is AutoModelForSequenceClassification with one output: a scoring head on the pretrained transformer.
 
 Trains: the model that --model_name_or_path names (its new head initialised by transformers), on the same pairs as
 recipes/dpo.py (TRL's layouts: trainkit/preference.py), each answer scored after its prompt. The loss is the
