@@ -242,6 +242,9 @@ def chat(tmp_path_factory):
         vocab_size=400, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False))
     folder = root / "qwen2"
+    import torch
+
+    torch.manual_seed(0)  # the same model in every session: a test's outcome never depends on the draw
     Qwen2ForCausalLM(Qwen2Config(vocab_size=400, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                  num_attention_heads=4, num_key_value_heads=2)).save_pretrained(folder)
     PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>").save_pretrained(folder)
