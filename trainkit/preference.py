@@ -32,7 +32,6 @@ however they are split. The rewards TRL reports: beta (logps - ref_logps) (beta 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -137,16 +136,9 @@ def record_problem(record: Any) -> str | None:
 
 def check_records(path: Path, flag: str, limit: int | None = None) -> Problem | None:
     """The first record of a local JSON-lines file (its first `limit` bytes; None: all of it) that is not a pair,
-    named by file and line (lines that are not JSON are trainkit/text.py's to name)."""
-    with open(path, "rb") as f:
-        raw = f.read(limit) if limit else f.read()
-    lines = raw.decode("utf-8", errors="replace").splitlines()
-    for number, line in enumerate(lines[:-1] if limit and len(raw) == limit else lines, start=1):
-        try:
-            record = json.loads(line) if line.strip() else None
-        except json.JSONDecodeError:
-            continue
-        if record is not None and (what := record_problem(record)):
+    named by file and line."""
+    for number, record in sft.json_records(path, limit):
+        if what := record_problem(record):
             return Problem(f"{path}:{number} {what}", f"{flag} {path}",
                            "mend that record: {\"prompt\": ..., \"chosen\": ..., \"rejected\": ...}, strings or lists "
                            "of chat messages")

@@ -19,7 +19,7 @@ an answer gives the same ids as training on the whole text, whatever the tokeniz
 from __future__ import annotations
 
 import bisect
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -126,10 +126,9 @@ def to_messages(record: Mapping[str, Any], layout: str,
     return [{"role": known[t[role]], "content": content_text(t[content])} for t in turns]
 
 
-def check_records(path: Path, layout: str, role_map: Mapping[str, str], flag: str,
-                  limit: int | None = None) -> Problem | None:
-    """The first record of a local JSON-lines file (its first `limit` bytes; None: all of it) that cannot be
-    rendered in the layout, named by file and line (lines that are not JSON are trainkit/text.py's to name)."""
+def json_records(path: Path, limit: int | None = None) -> Iterator[tuple[int, Any]]:
+    """(line number, record) of each JSON line of a local file's first `limit` bytes (None: all of it); a line cut
+    by the limit, an empty one or one that is not JSON is left out (trainkit/text.py names those)."""
     import json
 
     with open(path, "rb") as f:
@@ -140,7 +139,16 @@ def check_records(path: Path, layout: str, role_map: Mapping[str, str], flag: st
             record = json.loads(line) if line.strip() else None
         except json.JSONDecodeError:
             continue
-        if record is not None and (what := record_problem(record, layout, role_map)):
+        if record is not None:
+            yield number, record
+
+
+def check_records(path: Path, layout: str, role_map: Mapping[str, str], flag: str,
+                  limit: int | None = None) -> Problem | None:
+    """The first record of a local JSON-lines file (its first `limit` bytes; None: all of it) that cannot be
+    rendered in the layout, named by file and line."""
+    for number, record in json_records(path, limit):
+        if what := record_problem(record, layout, role_map):
             fix = ("pass --role_map with each of its roles named as one of "
                    f"{', '.join(ROLES)} (--role_map bot=assistant)" if "no chat template knows" in what else
                    "mend that record, or pass --data_format for the layout the file has")
