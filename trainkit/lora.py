@@ -1,5 +1,5 @@
-"""LoRA through peft for a transformers causal LM (recipes/causal_lm.py's --lora_r): the adapters on the model's
-linear layers, QLoRA's 4-bit base, and the merged model that final/ holds.
+"""LoRA through peft for a transformers model (the fine-tuning recipes' --lora_r, trainkit/finetune.py): the adapters
+on the model's linear layers, QLoRA's 4-bit base, and the merged model that final/ holds.
 
 peft's get_peft_model freezes every base parameter and adds the adapters (B zero: the model unchanged at step 0);
 the runner then leaves the frozen base out of checkpoints (strategies/dcp_format.py) and out of the estimate's
