@@ -115,7 +115,7 @@ def refuse(error: ConfigError | TrainingError, output_dir: Path | None) -> int:
     lines = error.lines()
     if not isinstance(error, LostContact):  # the cause: the ranks that lose contact with this one name it
         publish_failure(lines[0])
-    if note := last_attempt_note(continue_from(output_dir)):  # --max_restarts used up
+    if note := last_attempt_note(lambda: continue_from(output_dir)):  # --max_restarts used up
         lines.append(note)
     record_error(lines, refusal=isinstance(error, ConfigError))  # for torchrun's report and its next attempt
     if int(os.environ.get("RANK", "0")) > 0:

@@ -17,6 +17,7 @@ import os
 import re
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 _ENDED_AT_ONCE = "attempt"  # how end_if_refused_before's own line starts: not repeated from one attempt to the next
@@ -30,14 +31,14 @@ def attempt() -> tuple[int, int] | None:
     return int(count) + 1, int(most) + 1
 
 
-def last_attempt_note(continue_from: str) -> str | None:
+def last_attempt_note(continue_from: Callable[[], str]) -> str | None:
     """The line that says a launch's restarts are used up, or None where more attempts follow (or none were asked).
-    continue_from: where the run goes on from, in words."""
+    continue_from: where the run goes on from, in words; asked only on the last attempt (it reads the checkpoints)."""
     now = attempt()
     if now is None or now[0] < now[1]:
         return None
     return (f"the launch ends: attempt {now[0]} of {now[1]} failed (--max_restarts {now[1] - 1} used up); the cause "
-            f"is the error above; {continue_from}")
+            f"is the error above; {continue_from()}")
 
 
 def record_error(lines: list[str], refusal: bool) -> None:
