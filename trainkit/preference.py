@@ -11,8 +11,8 @@ Data, in TRL's layouts (https://huggingface.co/docs/trl/dataset_formats), one pa
 
 A completion starts where the tokenised prompt and prompt + completion part (TRL's rule: a template or a merge
 across the boundary can make the two differ at the prompt's end). A pair is two rows of seq_len tokens, chosen and
-rejected, with a mask of the completion's tokens; prompt + completion is cut to seq_len from its end, and a pair whose
-prompt fills seq_len is dropped (nothing of it could be learned).
+rejected, with a mask of the completion's tokens; prompt + completion keeps its first seq_len tokens (the completion's
+end is what is cut), and a pair whose prompt fills seq_len is dropped (nothing of it could be learned).
 
 Losses, over sequence log-probabilities: logps = the sum of a completion's token log-probs under the policy, ref_logps
 under the reference, and `avg` the same divided by the completion's tokens (references are the papers'):
@@ -46,9 +46,9 @@ from trainkit.finetune import FineTuneConfig, tokenizer_of
 
 LOSS_TYPES = ("sigmoid", "ipo", "hinge", "simpo", "orpo")
 REFERENCE_FREE = ("simpo", "orpo")  # losses that need no reference model
-# TRL's metric names, as metrics.jsonl, TensorBoard and the plots carry them (eval_ prefixed at evaluation)
 # A pair as the model reads it (encode_pair)
 PAIR_COLUMNS = ("chosen_ids", "rejected_ids", "chosen_attention", "rejected_attention", "chosen_mask", "rejected_mask")
+# TRL's metric names, as metrics.jsonl, TensorBoard and the plots carry them (eval_ prefixed at evaluation)
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected")
 
