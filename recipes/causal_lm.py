@@ -48,7 +48,6 @@ from trainkit.stream import Streamed
 class Config(FineTuneConfig):  # the model's settings: trainkit/finetune.py
     # Data
     data: str = "pydoc"
-    data_config: str = ""
     text_field: str = "text"
     # The records' layout (trainkit/sft.py): auto (from the first record's fields), text, prompt_completion,
     # messages, alpaca or sharegpt. Every layout but text learns only the answers unless train_on is "all".
@@ -150,7 +149,7 @@ def _samples(cfg: Config, layout: str, data: str, cache_dir: Path, split: str = 
     """Every sample of `data` (a Hub dataset's `split`), as torch tensors: blocks of plain text, or examples."""
     if layout != "text":
         return _rows(cfg, _encoded(cfg, layout, _records(cfg, layout, data, cache_dir, split), data))
-    docs = text.load_documents(data, cfg.data_config, cfg.text_field, cache_dir, split, _flag(cfg, data))
+    docs = text.load_documents(data, cfg.data_config, cfg.text_field, cache_dir, split, cfg.flag_of(data))
     tokenizer = tokenizer_of(cfg)
     pieces = rows.TextPieces(tokenizer, cfg.seq_len, cfg.loss_average == "samples", cfg.packing)
     columns = ["input_ids", *(["labels"] if cfg.packing else ["attention_mask"]), *(["weight"] * pieces.weights)]
@@ -187,20 +186,15 @@ def _records(cfg: Config, layout: str, data: str, cache_dir: Path, split: str = 
     record by record first, a record that cannot be rendered named by file and line."""
     for path in text.local_files(data) or []:
         if path.suffix in (".jsonl", ".json") and (
-                problem := sft.check_records(path, layout, sft.parse_role_map(cfg.role_map), _flag(cfg, data))):
+                problem := sft.check_records(path, layout, sft.parse_role_map(cfg.role_map), cfg.flag_of(data))):
             raise ConfigError([problem])
-    records = text.load_records(data, cfg.data_config, None, cache_dir, split, _flag(cfg, data))
+    records = text.load_records(data, cfg.data_config, None, cache_dir, split, cfg.flag_of(data))
     missing = [f for f in sft.FIELDS[layout] if f not in records.column_names]
     if missing:
         raise ConfigError([Problem(f"the {layout} layout needs the field(s) {', '.join(missing)}; the data has "
-                                   f"{', '.join(records.column_names)}", f"{_flag(cfg, data)} {data}",
+                                   f"{', '.join(records.column_names)}", f"{cfg.flag_of(data)} {data}",
                                    "pass --data_format for the layout the data has (docs/recipes.md)")])
     return records
-
-
-def _flag(cfg: Config, data: str) -> str:
-    """The option that named `data`, for its errors."""
-    return "--eval_data" if data == cfg.eval_data and data != cfg.data else "--data"
 
 
 def _encoded(cfg: Config, layout: str, records, data: str):
@@ -212,7 +206,7 @@ def _encoded(cfg: Config, layout: str, records, data: str):
         listed = [dict(zip(batch, values, strict=True)) for values in zip(*batch.values(), strict=True)]
         made = [e for e in maker.examples(listed) if e is not None]
         if bad := next((e for e in made if isinstance(e, BadRecord)), None):  # a Hub dataset's: no file to check
-            raise ConfigError([Problem(f"a record of {data} {bad.why}", f"{_flag(cfg, data)} {data}",
+            raise ConfigError([Problem(f"a record of {data} {bad.why}", f"{cfg.flag_of(data)} {data}",
                                        "pass --role_map name=role for a role named otherwise, or mend the data")])
         return {key: [e[key] for e in made] for key in ("input_ids", "labels", *(["weight"] if maker.weights else []))}
 

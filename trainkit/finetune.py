@@ -44,8 +44,11 @@ class FineTuneConfig(TrainConfig):
     load_in_4bit: bool = False  # QLoRA: the frozen base quantised to 4 bits (NF4) by bitsandbytes; CUDA GPUs only
     chat_template: str = ""  # the tokenizer's own; chatml, or a Jinja file, for one that has none
     seq_len: int = 128
-    # The held-out data: eval_data's files (or a Hub dataset's eval_split) in --data's layout; without it,
-    # eval_fraction of --data (examples drawn from the seed)
+    # The training data: local files (comma-separated) or a Hub dataset (data_config: its configuration), in the
+    # recipe's layout. The held-out data: eval_data's files (or a Hub dataset's eval_split) in the same layout; without
+    # it, eval_fraction of --data (examples drawn from the seed)
+    data: str = ""
+    data_config: str = ""
     eval_data: str = ""
     eval_split: str = "test"
     eval_fraction: float = 0.05
@@ -79,6 +82,10 @@ class FineTuneConfig(TrainConfig):
             problems.append(Problem(f"eval_fraction must be in (0, 1), got {self.eval_fraction}",
                                     "config field eval_fraction", "use --eval_fraction 0.05"))
         return problems + pretrained.weights_problems(self.model_name_or_path, self.allow_pickle) + lora.problems(self)
+
+    def flag_of(self, data: str) -> str:
+        """The option that named `data` (--data or --eval_data), for its errors."""
+        return "--eval_data" if data == self.eval_data and data != self.data else "--data"
 
 
 # --model_dtype's names -> from_pretrained's dtype

@@ -58,10 +58,7 @@ class PairsConfig(FineTuneConfig):
     """The settings of a recipe that trains on preference pairs (recipes/dpo.py, recipes/reward.py): the model's
     (trainkit/finetune.py) and the pairs'."""
 
-    # Pairs in TRL's layouts (above), local .jsonl/.json files (comma-separated) or a Hub dataset; the held-out pairs
-    # are --eval_data's, or eval_fraction of these drawn from the seed
-    data: str = ""
-    data_config: str = ""
+    # --data and --eval_data hold pairs in TRL's layouts (above)
     seq_len: int = 256  # prompt + completion
     eval_every: int = 20
 
@@ -86,7 +83,7 @@ def pair_datasets(cfg: PairsConfig, cache_dir: Path):
 
 
 def _pairs(cfg: PairsConfig, data: str, cache_dir: Path, split: str = "train"):
-    flag = "--eval_data" if data == cfg.eval_data and data != cfg.data else "--data"
+    flag = cfg.flag_of(data)
     records = text.load_records(data, cfg.data_config, None, cache_dir, split, flag)
     tokenizer = tokenizer_of(cfg)
     template, pad = sft.chat_template(tokenizer, cfg.chat_template), sft.pad_id(tokenizer)
