@@ -116,8 +116,7 @@ def loss(model: nn.Module, batch: dict) -> tuple[torch.Tensor, dict[str, torch.T
     return model(**batch)
 
 
-def tokens_per_sample(cfg: Config) -> int:
-    return 2 * cfg.seq_len  # a pair: its chosen and rejected rows
+tokens_per_sample = preference.tokens_per_pair
 
 
 def export(model: Preference, state_dict: dict, cfg: Config, cache_dir: Path, out_dir: Path) -> None:
