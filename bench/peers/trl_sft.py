@@ -77,7 +77,9 @@ def main() -> None:
         per_device_train_batch_size=8, max_steps=args.max_steps, learning_rate=1e-4, warmup_steps=10,
         lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr_rate": 0.1}, weight_decay=0.0,
         optim="adamw_torch_fused", max_grad_norm=1.0, logging_steps=1, save_strategy="no", eval_strategy="no",
-        report_to="none", use_cpu=not torch.cuda.is_available(), seed=0, dataloader_drop_last=True)
+        report_to="none", use_cpu=not torch.cuda.is_available(), seed=0, dataloader_drop_last=True,
+        # TRL's defaults that trainkit's run does not have: bf16 autocast (even on a CPU) and activation checkpointing
+        bf16=False, gradient_checkpointing=False)
     lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
     record = Record()
     trainer = SFTTrainer(model=model, args=config, train_dataset=data, processing_class=tokenizer,

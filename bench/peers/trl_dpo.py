@@ -1,0 +1,83 @@
+"""TRL's DPOTrainer on the pairs bench/dpo_peer.py gives it, in the order given (the order trainkit trains them in),
+with LoRA and the same optimizer and schedule: the loss of every step and the end time of every step.
+
+    python bench/peers/trl_dpo.py --model BASE --data pairs.jsonl --report trl.json --max_steps 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+from datasets import Dataset
+from peft import LoraConfig, get_peft_model
+from torch.utils.data import SequentialSampler
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback, set_seed
+from trl import DPOConfig, DPOTrainer
+
+from trainkit.sft import CHATML
+
+
+class Record(TrainerCallback):
+    """The end time of every optimizer step and the loss the Trainer logs for it."""
+
+    def __init__(self) -> None:
+        self.ends: list[float] = []
+        self.losses: list[float] = []
+        self.logs: list[dict] = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.ends.append(time.perf_counter())
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "loss" in logs:
+            self.losses.append(logs["loss"])
+            self.logs.append(logs)
+
+
+class InOrder(DPOTrainer):
+    """The pairs in the file's order: the file is already in trainkit's order for the seed."""
+
+    def _get_train_sampler(self, train_dataset=None):
+        return SequentialSampler(train_dataset if train_dataset is not None else self.train_dataset)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--data", type=Path, required=True)
+    parser.add_argument("--report", type=Path, required=True)
+    parser.add_argument("--max_steps", type=int, default=16)
+    parser.add_argument("--batch_size", type=int, default=8)
+    parser.add_argument("--seq_len", type=int, default=128)
+    parser.add_argument("--lr", type=float, default=5e-4)
+    parser.add_argument("--lora_r", type=int, default=8)
+    args = parser.parse_args()
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    tokenizer.chat_template = CHATML
+    data = Dataset.from_list([json.loads(line) for line in args.data.read_text().splitlines()])
+    set_seed(0)  # then the model and its adapters, as train.py makes them: the same adapters' initial weights
+    lora = LoraConfig(r=args.lora_r, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear",
+                      task_type="CAUSAL_LM")
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32), lora)
+    config = DPOConfig(
+        output_dir=str(args.report.parent / "trl-dpo"), max_length=args.seq_len, beta=0.1, loss_type=["sigmoid"],
+        per_device_train_batch_size=args.batch_size, max_steps=args.max_steps, learning_rate=args.lr,
+        warmup_steps=10, lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr_rate": 0.1},
+        weight_decay=0.0, optim="adamw_torch", max_grad_norm=1.0, logging_steps=1, save_strategy="no",
+        eval_strategy="no", report_to="none", use_cpu=not torch.cuda.is_available(), seed=0,
+        dataloader_drop_last=True,
+        # TRL's defaults that trainkit's run does not have: bf16 autocast (even on a CPU) and activation checkpointing
+        bf16=False, gradient_checkpointing=False)
+    record = Record()
+    trainer = InOrder(model=model, args=config, train_dataset=data, processing_class=tokenizer, callbacks=[record])
+    started = time.perf_counter()
+    trainer.train()
+    args.report.write_text(json.dumps({"started": started, "ends": record.ends, "losses": record.losses, "logs": record.logs}))
+
+
+if __name__ == "__main__":
+    main()
