@@ -76,7 +76,8 @@ def main() -> None:
     trainer = InOrder(model=model, args=config, train_dataset=data, processing_class=tokenizer, callbacks=[record])
     started = time.perf_counter()
     trainer.train()
-    args.report.write_text(json.dumps({"started": started, "ends": record.ends, "losses": record.losses, "logs": record.logs}))
+    report = {"started": started, "ends": record.ends, "losses": record.losses, "logs": record.logs}
+    args.report.write_text(json.dumps(report))
 
 
 if __name__ == "__main__":
