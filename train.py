@@ -49,6 +49,7 @@ from trainkit.metrics import (
 )
 from trainkit.optim import build_optimizer, build_scheduler
 from trainkit.plan import Plan, estimate_report, make_plan
+from trainkit.precompute import attach
 from trainkit.process import (
     LostContact,
     answer_roll_call,
@@ -177,6 +178,9 @@ def build(plan: Plan) -> Run:
     if plan.resume and (note := checkpointer.before_prepare(plan.resume, model)):
         notes.append(note)
     engine.prepare(model, build_optimizer, build_scheduler)
+    if (precompute := recipe.precompute(cfg)) is not None:  # values per sample from the model as it starts
+        train_set, eval_set, checkpointer.precomputed = attach(engine, precompute, train_set, eval_set, layout,
+                                                               plan.resume.path if plan.resume else None)
     stream = open_stream(train_set, layout, cfg.seed, options.data_workers)
     notes += [stream.note] if stream.note else []
     run = Run(engine, resolved, checkpointer, stream, eval_set, layout, held_out, compute.peak.flops)

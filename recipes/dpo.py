@@ -43,10 +43,19 @@ class Config(PairsConfig):  # the model's settings and the pairs': trainkit/fine
     beta: float = 0.1
     label_smoothing: float = 0.0
     simpo_gamma: float = 0.5
+    # The reference's log-probabilities of every pair computed once, before the first step, with the model as it
+    # starts: a full fine-tune then keeps no reference copy (half the weights), and no step runs the reference's
+    # forward. The values travel with their pairs and with every checkpoint (trainkit/precompute.py).
+    precompute_ref_logps: bool = False
     lr: float = 5e-6
 
     def check(self) -> list[Problem]:
-        return PairsConfig.check(self) + preference.problems(self.loss_type, self.beta, self.label_smoothing)
+        problems = PairsConfig.check(self) + preference.problems(self.loss_type, self.beta, self.label_smoothing)
+        if self.precompute_ref_logps and self.loss_type in preference.REFERENCE_FREE:
+            problems.append(Problem(f"--loss_type {self.loss_type} uses no reference model, so there are no "
+                                    "reference log-probabilities to precompute", "--precompute_ref_logps",
+                                    "drop --precompute_ref_logps"))
+        return problems
 
 
 class Preference(nn.Module):
@@ -57,7 +66,7 @@ class Preference(nn.Module):
 
     def __init__(self, policy: nn.Module, reference: nn.Module | None, cfg: Config) -> None:
         super().__init__()
-        self.policy, self.reference = policy, reference
+        self.policy, self.reference, self.lora = policy, reference, bool(cfg.lora_r)
         self.loss_type, self.beta = cfg.loss_type, cfg.beta
         self.label_smoothing, self.gamma = cfg.label_smoothing, cfg.simpo_gamma
         self.config = policy.config  # what the runner reads of a transformers model (sizes, FLOPs)
@@ -70,20 +79,34 @@ class Preference(nn.Module):
         return self
 
     def forward(self, chosen_ids: torch.Tensor, rejected_ids: torch.Tensor, chosen_attention: torch.Tensor,
-                rejected_attention: torch.Tensor, chosen_mask: torch.Tensor,
-                rejected_mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                rejected_attention: torch.Tensor, chosen_mask: torch.Tensor, rejected_mask: torch.Tensor,
+                ref_chosen_logps: torch.Tensor | None = None, ref_rejected_logps: torch.Tensor | None = None,
+                reference_only: bool = False) -> tuple[torch.Tensor, dict[str, torch.Tensor]] | dict[str, torch.Tensor]:
+        """The loss and the metrics' sums; with reference_only, the reference's log-probabilities (the precompute
+        pass); with ref_*_logps (precomputed), no reference forward."""
         # chosen and rejected in one forward: [chosen; rejected] along the batch
         ids, attention = torch.cat([chosen_ids, rejected_ids]), torch.cat([chosen_attention, rejected_attention])
         mask = torch.cat([chosen_mask, rejected_mask])
+        if reference_only:
+            reference = self._reference(ids, attention, mask)
+            return {"ref_chosen_logps": reference.chosen, "ref_rejected_logps": reference.rejected}
         policy = self._scores(self.policy, ids, attention, mask)
         reference = None
-        if self.loss_type not in preference.REFERENCE_FREE:
-            lora_off = self.policy.disable_adapter() if self.reference is None else nullcontext()
-            with torch.no_grad(), lora_off:
-                reference = self._scores(self.reference or self.policy, ids, attention, mask)
+        if ref_chosen_logps is not None:
+            reference = preference.Sequences(ref_chosen_logps, ref_rejected_logps, policy.chosen_tokens,
+                                             policy.rejected_tokens)
+        elif self.loss_type not in preference.REFERENCE_FREE:
+            reference = self._reference(ids, attention, mask)
         losses, metrics = preference.pair_losses(self.loss_type, self.beta, policy, reference, self.label_smoothing,
                                                  self.gamma)
         return losses.mean(), {name: values.sum() for name, values in metrics.items()}
+
+    def _reference(self, ids: torch.Tensor, attention: torch.Tensor, mask: torch.Tensor) -> preference.Sequences:
+        """The reference's scores: its frozen copy, the policy with its adapters off, or (a full fine-tune that
+        precomputes them) the policy itself, which is the reference only before the first step."""
+        lora_off = self.policy.disable_adapter() if self.reference is None and self.lora else nullcontext()
+        with torch.no_grad(), lora_off:
+            return self._scores(self.reference or self.policy, ids, attention, mask)
 
     @staticmethod
     def _scores(model: nn.Module, ids: torch.Tensor, attention: torch.Tensor,
@@ -99,7 +122,7 @@ def build_model(cfg: Config) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     policy = finetune.build(cfg, AutoModelForCausalLM)
-    if cfg.lora_r or cfg.loss_type in preference.REFERENCE_FREE:
+    if cfg.lora_r or cfg.precompute_ref_logps or cfg.loss_type in preference.REFERENCE_FREE:
         return Preference(policy, None, cfg)
     reference = finetune.build(cfg, AutoModelForCausalLM).requires_grad_(False)
     return Preference(policy, reference, cfg)
@@ -114,6 +137,15 @@ def loss(model: nn.Module, batch: dict) -> tuple[torch.Tensor, dict[str, torch.T
     """The mean over the micro-batch's pairs, and the metrics' sums over them (reported by the runner as means over
     the step's global batch, and eval_<name> on the held-out pairs)."""
     return model(**batch)
+
+
+def precompute(cfg: Config):
+    """--precompute_ref_logps: the reference's log-probabilities of every pair, from the model as it starts."""
+    return reference_logps if cfg.precompute_ref_logps else None
+
+
+def reference_logps(model: nn.Module, batch: dict) -> dict[str, torch.Tensor]:
+    return model(**batch, reference_only=True)
 
 
 tokens_per_sample = preference.tokens_per_pair

@@ -185,6 +185,17 @@ def test_what_cannot_be_split_is_refused_before_training(check_only, tmp_path, a
     assert not (tmp_path / "out").exists()
 
 
+def test_a_recipe_that_precomputes_from_the_whole_model_is_refused(check_only, tmp_path):
+    """A precompute pass (recipes/dpo.py's --precompute_ref_logps) runs the whole model, which no stage holds."""
+    recipe = tmp_path / "precomputing.py"
+    recipe.write_text(f"from sys import path\npath.insert(0, {str(ROOT / 'recipes')!r})\n"
+                      "from tiny_transformer import *  # noqa: F403\n\n\n"
+                      "def precompute(cfg):\n    return lambda model, batch: {}\n")
+    run = check_only(tmp_path / "out", "--recipe", str(recipe), "--grad_accum", "2", "--pipeline_stages", "2",
+                     "--dry_run", "--accelerate_config", DDP)
+    assert run.returncode == 2, run.stderr
+    assert "the recipe precomputes values per sample from the whole model before the first step" in run.stderr
+
 
 def test_a_pipeline_does_not_compose_with_deepspeed(check_only, tmp_path):
     zero3 = str(ROOT / "accelerate_configs" / "deepspeed_zero3.yaml")

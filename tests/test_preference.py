@@ -155,6 +155,38 @@ def test_the_eval_loss_is_the_exported_models_against_its_base(check_only, chat,
     assert abs(eval_loss - math.log(2)) > 1e-4  # it trained
 
 
+def test_precomputed_reference_logps_train_as_the_reference_does(check_only, chat, pairs, tmp_path):
+    """--precompute_ref_logps in a full fine-tune: the reference's log-probs of every pair computed once, before the
+    first step, from the model as it starts. The curve and the eval losses are the reference forward's at every step,
+    with no reference copy held (state_bytes less by exactly its weights). Every checkpoint holds the values; a run
+    stopped and resumed reads them back (the model has moved by then) and goes on along the same curve; a checkpoint
+    without them is refused naming the file."""
+    from transformers import AutoModelForCausalLM
+
+    args = dpo_args(chat, pairs, "--max_steps", "6", "--eval_every", "3", "--lr", "1e-3", "--batch_size", "8")
+    inline = check_only(tmp_path / "inline", *args)
+    assert inline.returncode == 0, inline.stderr
+    out = tmp_path / "pre"
+    launch(out, *args, "--precompute_ref_logps", "--stop_at", "3", "--save_every", "3").check()
+    assert (out / "checkpoints" / "step_3" / "precomputed.safetensors").is_file()
+    launch(out, *args, "--precompute_ref_logps", "--resume", "latest").check()
+    expected, got = (read_metrics(folder) for folder in (tmp_path / "inline", out))
+    assert [m["step"] for m in got] == list(range(1, 7))
+    for key in ("loss", "rewards/margins", "logps/chosen"):
+        assert [m[key] for m in got] == pytest.approx([m[key] for m in expected], rel=1e-6, abs=1e-9), key
+    evaluated = {m["step"]: m["eval_loss"] for m in expected if "eval_loss" in m}
+    assert {m["step"]: m["eval_loss"] for m in got if "eval_loss" in m} == pytest.approx(evaluated, rel=1e-6)
+    reference_bytes = 4 * AutoModelForCausalLM.from_pretrained(chat[0]).num_parameters()
+    assert expected[0]["state_bytes"] - got[0]["state_bytes"] == reference_bytes
+    (out / "checkpoints" / "step_3" / "precomputed.safetensors").unlink()
+    refused = launch(out, *args, "--precompute_ref_logps", "--resume", str(out / "checkpoints" / "step_3"))
+    assert refused.returncode != 0 and "precomputed.safetensors" in refused.stderr, refused.stderr
+
+
+def read_metrics(folder) -> list[dict]:
+    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
 def test_the_reward_model_ranks_and_exports(check_only, chat, pairs, tmp_path):
     """Bradley-Terry's loss and TRL's RewardTrainer metrics: final/ loads with AutoModelForSequenceClassification,
     and its scores of the held-out pairs give the run's last eval loss (the mean of -log sigmoid(r_chosen -
@@ -186,6 +218,8 @@ def test_the_reward_model_ranks_and_exports(check_only, chat, pairs, tmp_path):
     (["--loss_type", "kto"], "unknown loss_type 'kto' (config field loss_type): use one of sigmoid, ipo, hinge"),
     (["--loss_type", "ipo", "--label_smoothing", "0.1"], "label_smoothing is cDPO's, of the sigmoid loss, not of ipo"),
     (["--beta", "0"], "beta must be > 0, got 0.0"),
+    (["--loss_type", "orpo", "--precompute_ref_logps"], "--loss_type orpo uses no reference model, so there are no "
+                                                         "reference log-probabilities to precompute"),
 ])
 def test_preference_mistakes_are_named_with_the_fix(check_only, chat, pairs, tmp_path, args, message):
     assert_refused(check_only(tmp_path / "out", *dpo_args(chat, pairs, *args), "--dry_run"), message)
@@ -205,7 +239,9 @@ def test_a_record_that_is_not_a_pair_is_named_at_its_line(check_only, chat, pair
 # Launched: the one-process curve (10 steps) under the shipped configs, full fine-tuning (its reference a frozen copy
 # held as the policy is) and LoRA (its reference the adapters off), on the chat fixture's Qwen2 (untied) and two
 # architectures the recipe was not written for: Llama with tied embeddings and GPT-NeoX.
-# The reward recipe: full under ZeRO-3 and FSDP2, LoRA (its new head trained whole) under ZeRO-2.
+# The reward recipe: full under ZeRO-3 and FSDP2, LoRA (its new head trained whole) under ZeRO-2 and ZeRO-3 offload.
+# --precompute_ref_logps (no reference copy; the values dealt to the ranks and gathered) under ZeRO-1 and ZeRO-2
+# offload.
 PARITY = {"full-ddp": ("qwen2", "ddp", []), "full-zero3": ("qwen2", "deepspeed_zero3", []),
           "full-fsdp": ("qwen2", "fsdp", []), "lora-zero2": ("qwen2", "deepspeed_zero2", ["--lora_r", "8"]),
           "lora-zero3-offload": ("qwen2", "deepspeed_zero3_offload", ["--lora_r", "8"]),
@@ -213,7 +249,11 @@ PARITY = {"full-ddp": ("qwen2", "ddp", []), "full-zero3": ("qwen2", "deepspeed_z
           "full-llama-tied-ddp": ("llama", "ddp", []), "lora-gpt-neox-ddp": ("gpt_neox", "ddp", ["--lora_r", "8"]),
           "reward-full-zero3": ("qwen2", "deepspeed_zero3", ["--recipe", "reward"]),
           "reward-full-fsdp": ("qwen2", "fsdp", ["--recipe", "reward"]),
-          "reward-lora-zero2": ("qwen2", "deepspeed_zero2", ["--recipe", "reward", "--lora_r", "8"])}
+          "reward-lora-zero2": ("qwen2", "deepspeed_zero2", ["--recipe", "reward", "--lora_r", "8"]),
+          "lora-ddp": ("qwen2", "ddp", ["--lora_r", "8"]), "lora-fsdp": ("qwen2", "fsdp", ["--lora_r", "8"]),
+          "full-precomputed-zero1": ("qwen2", "deepspeed_zero1", ["--precompute_ref_logps"]),
+          "full-precomputed-zero2-offload": ("qwen2", "deepspeed_zero2_offload", ["--precompute_ref_logps"]),
+          "reward-lora-zero3-offload": ("qwen2", "deepspeed_zero3_offload", ["--recipe", "reward", "--lora_r", "8"])}
 
 
 @pytest.fixture(scope="module")
@@ -266,3 +306,16 @@ def test_a_dpo_run_resumes_exactly(one_process, tmp_path):
     resumed = launch(out, *args, "--batch_size", "4", "--resume", "latest", config="ddp").check()
     assert [m["step"] for m in resumed.metrics] == list(range(1, 11))
     assert max_rel_diff(resumed.losses, one.losses) <= PARITY_BOUND
+
+
+@pytest.mark.slow
+def test_precomputed_values_resume_under_another_config(one_process, tmp_path):
+    """--precompute_ref_logps stopped at step 5 under FSDP2 and resumed in one process: the values come back from
+    the checkpoint (the model that gave them has trained since), and the steps after it are the one-process run's."""
+    args, one = one_process("qwen2", ("--precompute_ref_logps",))
+    out = tmp_path / "out"
+    launch(out, *args, "--batch_size", "4", "--save_every", "5", "--stop_at", "5", config="fsdp").check()
+    resumed = launch(out, *args, "--batch_size", "8", "--resume", "latest").check()
+    assert [m["step"] for m in resumed.metrics] == list(range(1, 11))
+    assert max_rel_diff(resumed.losses, one.losses) <= PARITY_BOUND
+    assert resumed.metrics[-1]["eval_loss"] == pytest.approx(one.metrics[-1]["eval_loss"], rel=1e-5)

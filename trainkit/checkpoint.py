@@ -6,6 +6,7 @@ A checkpoint is `checkpoints/step_<N>/`:
                          xxh3_64 checksum (written last, by rank 0; checked before a resume loads anything)
     rng/rank_<r>.pt      every rank's RNG states (torch, CUDA, Python, NumPy)
     data/rank_<r>.json   streamed data: where each of the rank's lanes goes on reading (trainkit/stream.py)
+    precomputed.safetensors  the recipe's values per sample from the model as it started (trainkit/precompute.py)
     state/ or deepspeed/ model + optimizer, in the strategy's format (its CheckpointFormat, strategies/dcp_format.py):
                          torch.distributed.checkpoint (single, DDP, FSDP2: reshardable) or DeepSpeed's (ZeRO-1/2/3)
 
@@ -35,6 +36,7 @@ import numpy as np
 import torch
 import xxhash
 
+from trainkit import precompute
 from trainkit.config import TrainConfig, config_dict
 from trainkit.errors import ConfigError, Problem, TrainingError, said, write_failure, writing
 from trainkit.process import lost_peer
@@ -106,6 +108,7 @@ class Checkpointer:
         self.keep_last = keep_last
         self.writing: _Write | None = None
         self.blocked_s = 0.0  # the loop's time in save and poll since `blocked()` was last read
+        self.precomputed: dict[str, torch.Tensor] = {}  # the recipe's per-sample values (trainkit/precompute.py)
 
     # --- saving -------------------------------------------------------------------------------------------------
 
@@ -122,6 +125,8 @@ class Checkpointer:
             if acc.is_main_process:
                 shutil.rmtree(tmp, ignore_errors=True)  # the remains of a save that was killed
                 (tmp / "rng").mkdir(parents=True)
+                if self.precomputed:
+                    precompute.save(tmp, self.precomputed)
             acc.wait_for_everyone()
             torch.save(_rng_state(), tmp / "rng" / f"rank_{acc.process_index}.pt")
             if data_state is not None:

@@ -34,6 +34,12 @@ and optionally (the defaults are `Recipe`'s):
                                     averages over. The runner then weighs every micro-batch by it, so that a step's
                                     loss is the mean over every unit of the global batch, however they fall across
                                     micro-batches and ranks; default none (every micro-batch weighs the same)
+    precompute(cfg)                 -> None, or a function (model, batch) -> {column: one value per sample of the
+                                    micro-batch}: run once over every sample of both splits with the model as it
+                                    starts (prepared by the strategy, eval mode, no_grad), before the first step;
+                                    each sample then carries its values under those names in every batch, and the
+                                    checkpoints keep them (trainkit/precompute.py; recipes/dpo.py's
+                                    --precompute_ref_logps); default None
 
 and, to train under pipeline parallelism (--pipeline_stages; all three or none):
 
@@ -88,6 +94,10 @@ def no_generations(model: torch.nn.Module, cfg: TrainConfig, eval_set: Any) -> l
     return []
 
 
+def no_precompute(cfg: TrainConfig) -> None:
+    return None
+
+
 def export_safetensors(model: torch.nn.Module, state_dict: dict[str, torch.Tensor], cfg: TrainConfig,
                        cache_dir: Path, out_dir: Path) -> None:
     """final/model.safetensors and final/config.json (the run's config, to rebuild the model with build_model).
@@ -121,6 +131,7 @@ class Recipe:
     preview: Callable[[Any, Path], str | None] = no_preview
     generate: Callable[[torch.nn.Module, Any, Any], list[dict[str, str]]] = no_generations
     loss_weight: Callable[[Any, Any], Any] | None = None
+    precompute: Callable[[Any], Callable[[torch.nn.Module, Any], dict[str, torch.Tensor]] | None] = no_precompute
     pipeline_layers: Callable[[torch.nn.Module], Any] | None = None
     pipeline_stage: Callable[[torch.nn.Module, range, bool, bool], torch.nn.Module] | None = None
     pipeline_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None

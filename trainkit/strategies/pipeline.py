@@ -367,6 +367,11 @@ class Pipeline(Strategy):
                             "define pipeline_layers, pipeline_stage and pipeline_loss in the recipe (recipes/README.md;"
                             " recipes/tiny_transformer.py has them), or train it with another strategy (fsdp.yaml, "
                             "deepspeed_zero3.yaml shard a model that does not fit)")]
+        if recipe.precompute(self.cfg) is not None:
+            return [Problem("the recipe precomputes values per sample from the whole model before the first step, "
+                            "and each pipeline stage holds only its own layers", f"--recipe {recipe.path}",
+                            "train it with another strategy (fsdp.yaml, deepspeed_zero3.yaml shard a model that does "
+                            "not fit), or turn the precomputation off")]
         problems = plan_problems(model, self.dims.tp, f"model._tp_plan of {recipe.path.name}'s build_model",
                                  f"parallelism_config in {self.launch.source}") if self.dims.tp > 1 else []
         try:
