@@ -12,7 +12,9 @@ adapters merged, and alone in final/adapter/).
 The reference model is the policy as it starts. Under LoRA it is the same weights with the adapters switched off (no
 second copy); in a full fine-tune a frozen copy inside the model this recipe builds, so that every strategy holds it
 as it holds the policy (ZeRO-3 partitions it, FSDP2 shards it, offload offloads it; --estimate and state_bytes count
-it). The policy starts as the reference, so the first step's loss is ln 2 for DPO whatever the data.
+it). With --precompute_ref_logps, a full fine-tune holds no copy: the reference's log-probabilities of every pair
+are computed once before the first step (trainkit/precompute.py). The policy starts as the reference, so the first
+step's loss is ln 2 for DPO whatever the data.
 
     python train.py --recipe dpo --model_name_or_path runs/sft/final --data pairs.jsonl --lora_r 16
     accelerate launch --config_file accelerate_configs/deepspeed_zero3.yaml train.py --recipe dpo \\
