@@ -72,6 +72,10 @@ class Preference(nn.Module):
         self.loss_type, self.beta = cfg.loss_type, cfg.beta
         self.label_smoothing, self.gamma = cfg.label_smoothing, cfg.simpo_gamma
         self.config = policy.config  # what the runner reads of a transformers model (sizes, FLOPs)
+        # Tensor parallelism cuts the policy and its frozen copy alike, by the policy's own plan (tp.yaml)
+        plan = getattr(policy, "_tp_plan", None) or {}
+        self._tp_plan = {f"{part}.{entry}": style for part in ("policy", "reference") if getattr(self, part) is not None
+                         for entry, style in plan.items()}
         self._no_split_modules = getattr(policy, "_no_split_modules", None)  # FSDP2's blocks: the decoder layers
 
     def train(self, mode: bool = True) -> Preference:

@@ -241,7 +241,9 @@ def test_a_record_that_is_not_a_pair_is_named_at_its_line(check_only, chat, pair
 # architectures the recipe was not written for: Llama with tied embeddings and GPT-NeoX.
 # The reward recipe: full under ZeRO-3 and FSDP2, LoRA (its new head trained whole) under ZeRO-2 and ZeRO-3 offload.
 # --precompute_ref_logps (no reference copy; the values dealt to the ranks and gathered) under ZeRO-1 and ZeRO-2
-# offload.
+# offload. Tensor parallelism cuts the policy and its frozen copy by the policy's plan (and the reward model by its
+# own). Each other loss under one split: IPO full under ZeRO-1, the hinge with LoRA and accumulation under DDP, SimPO
+# under FSDP2, ORPO under ZeRO-3.
 PARITY = {"full-ddp": ("qwen2", "ddp", []), "full-zero3": ("qwen2", "deepspeed_zero3", []),
           "full-fsdp": ("qwen2", "fsdp", []), "lora-zero2": ("qwen2", "deepspeed_zero2", ["--lora_r", "8"]),
           "lora-zero3-offload": ("qwen2", "deepspeed_zero3_offload", ["--lora_r", "8"]),
@@ -253,7 +255,13 @@ PARITY = {"full-ddp": ("qwen2", "ddp", []), "full-zero3": ("qwen2", "deepspeed_z
           "lora-ddp": ("qwen2", "ddp", ["--lora_r", "8"]), "lora-fsdp": ("qwen2", "fsdp", ["--lora_r", "8"]),
           "full-precomputed-zero1": ("qwen2", "deepspeed_zero1", ["--precompute_ref_logps"]),
           "full-precomputed-zero2-offload": ("qwen2", "deepspeed_zero2_offload", ["--precompute_ref_logps"]),
-          "reward-lora-zero3-offload": ("qwen2", "deepspeed_zero3_offload", ["--recipe", "reward", "--lora_r", "8"])}
+          "reward-lora-zero3-offload": ("qwen2", "deepspeed_zero3_offload", ["--recipe", "reward", "--lora_r", "8"]),
+          "full-tp": ("qwen2", "tp", []), "reward-full-tp": ("qwen2", "tp", ["--recipe", "reward"]),
+          "ipo-full-zero1": ("qwen2", "deepspeed_zero1", ["--loss_type", "ipo"]),
+          "hinge-lora-ddp-accum": ("qwen2", "ddp", ["--loss_type", "hinge", "--lora_r", "8", "--grad_accum", "2"]),
+          "simpo-fsdp": ("qwen2", "fsdp", ["--loss_type", "simpo"]),
+          "orpo-zero3": ("qwen2", "deepspeed_zero3", ["--loss_type", "orpo"])}
+DATA_PARALLEL = {"tp": 1}  # the configs whose 2 processes are not 2 data-parallel ranks
 
 
 @pytest.fixture(scope="module")
@@ -273,10 +281,15 @@ def one_process(chat, pairs, tmp_path_factory):
             recipe = flags[flags.index("--recipe") + 1] if "--recipe" in flags else "dpo"
             args = [*dpo_args((folder, None), pairs, "--max_steps", "10", "--eval_every", "5", "--lr", "1e-3",
                               recipe=recipe), *(f for f in flags if f not in ("--recipe", recipe))]
-            done[name, flags] = args, launch(tmp_path_factory.mktemp("one") / "out", *args, "--batch_size", "8").check()
+            out = tmp_path_factory.mktemp("one") / "out"
+            done[name, flags] = args, launch(out, *args, "--batch_size", str(8 // accumulation(flags))).check()
         return done[name, flags]
 
     return run
+
+
+def accumulation(flags) -> int:
+    return int(flags[flags.index("--grad_accum") + 1]) if "--grad_accum" in flags else 1
 
 
 @pytest.mark.slow
@@ -284,10 +297,13 @@ def one_process(chat, pairs, tmp_path_factory):
 def test_dpo_trains_like_one_process_under_each_config(one_process, tmp_path, case):
     name, config, flags = PARITY[case]
     args, one = one_process(name, tuple(flags))
-    cut = launch(tmp_path / "out", *args, "--batch_size", "4", config=config).check()
+    micro = 8 // (DATA_PARALLEL.get(config, 2) * accumulation(flags))
+    cut = launch(tmp_path / "out", *args, "--batch_size", str(micro), config=config).check()
     assert cut.resolved["global_batch_size"] == 8
+    if config == "tp":  # the policy's and the reference's layers cut in two, not two whole copies
+        assert cut.metrics[0]["state_bytes"] < 0.9 * one.metrics[0]["state_bytes"]
     reward = "reward" in flags
-    assert reward or one.losses[0] == pytest.approx(math.log(2), rel=1e-7)
+    assert "--loss_type" in flags or reward or one.losses[0] == pytest.approx(math.log(2), rel=1e-7)
     assert max_rel_diff(cut.losses, one.losses) <= PARITY_BOUND, (cut.losses, one.losses)
     for name in ("eval_loss", *(("eval_accuracy", "eval_margin") if reward else
                                 ("eval_rewards/accuracies", "eval_rewards/margins"))):
