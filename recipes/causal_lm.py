@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainkit import decoder_stages, finetune, rows, sft, sources, text
+from trainkit import chunked_loss, decoder_stages, finetune, rows, sft, sources, text
 from trainkit.ask import TURN_ENDS
 from trainkit.errors import ConfigError, Problem
 from trainkit.finetune import FineTuneConfig, tokenizer_of
@@ -72,11 +72,15 @@ class Config(FineTuneConfig):  # the model's settings: trainkit/finetune.py
     eval_answers: int = 2
     max_new_tokens: int = 32
     preview: int = 0  # which example --dry_run shows as the model reads it (from 0)
+    # The loss computes the logits of at most this many MiB (fp32) at a time, chunks of positions through the head
+    # and the cross entropy, each made again in backward (trainkit/chunked_loss.py): a long micro-batch never holds
+    # its whole logits. A micro-batch whose logits fit is computed whole; 0: always whole
+    loss_chunk_mib: float = chunked_loss.CHUNK_MIB
 
-    may_change_on_resume = FineTuneConfig.may_change_on_resume | {"preview"}
+    may_change_on_resume = FineTuneConfig.may_change_on_resume | {"preview", "loss_chunk_mib"}
 
     def check(self) -> list[Problem]:
-        problems = FineTuneConfig.check(self)
+        problems = FineTuneConfig.check(self) + chunked_loss.problems(self.loss_chunk_mib)
         if self.data_format not in ("auto", *sft.FORMATS):
             problems.append(Problem(f"unknown data_format {self.data_format!r}", "config field data_format",
                                     f"use auto or one of {', '.join(sft.FORMATS)}"))
@@ -120,7 +124,7 @@ class Config(FineTuneConfig):  # the model's settings: trainkit/finetune.py
 def build_model(cfg: Config) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
-    return finetune.build(cfg, AutoModelForCausalLM)
+    return chunked_loss.configure(finetune.build(cfg, AutoModelForCausalLM), cfg.loss_chunk_mib)
 
 
 def build_datasets(cfg: Config, cache_dir: Path):
@@ -278,11 +282,9 @@ def _token_losses(model: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Te
         # flash attention's variable-length path finds the examples from the restarting position_ids alone
         mask = None if attention.startswith("flash") else sft.block_mask(batch["segment"], attention == "eager")
     # No KV cache: in training it would only copy every layer's keys and values (generate() still uses one).
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits[:, :-1].float()
-    targets = ids[:, 1:]
-    token_loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                                             reduction="none").view_as(targets)
-    return token_loss, _learned(batch), logits.argmax(dim=-1) == targets
+    token_loss, guess = chunked_loss.next_token_losses(model, input_ids=ids, attention_mask=mask,
+                                                       position_ids=positions, use_cache=False)
+    return token_loss, _learned(batch), guess == ids[:, 1:]
 
 
 def _weights(batch: dict) -> torch.Tensor:

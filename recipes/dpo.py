@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from trainkit import finetune, preference
+from trainkit import chunked_loss, finetune, preference
 from trainkit.errors import Problem
 from trainkit.preference import PairsConfig
 
@@ -49,10 +49,15 @@ class Config(PairsConfig):  # the model's settings and the pairs': trainkit/fine
     # starts: a full fine-tune then keeps no reference copy (half the weights), and no step runs the reference's
     # forward. The values travel with their pairs and with every checkpoint (trainkit/precompute.py).
     precompute_ref_logps: bool = False
+    # The log-probabilities from at most this many MiB of logits (fp32) at a time (trainkit/chunked_loss.py); 0: whole
+    loss_chunk_mib: float = chunked_loss.CHUNK_MIB
     lr: float = 5e-6
+
+    may_change_on_resume = PairsConfig.may_change_on_resume | {"loss_chunk_mib"}
 
     def check(self) -> list[Problem]:
         problems = PairsConfig.check(self) + preference.problems(self.loss_type, self.beta, self.label_smoothing)
+        problems += chunked_loss.problems(self.loss_chunk_mib)
         if self.precompute_ref_logps and self.loss_type in preference.REFERENCE_FREE:
             problems.append(Problem(f"--loss_type {self.loss_type} uses no reference model, so there are no "
                                     "reference log-probabilities to precompute", "--precompute_ref_logps",
@@ -117,8 +122,8 @@ class Preference(nn.Module):
     @staticmethod
     def _scores(model: nn.Module, ids: torch.Tensor, attention: torch.Tensor,
                 mask: torch.Tensor) -> preference.Sequences:
-        logits = model(input_ids=ids, attention_mask=attention, use_cache=False).logits
-        logps, tokens = preference.sequence_logps(logits, ids, mask)
+        losses, _ = chunked_loss.next_token_losses(model, input_ids=ids, attention_mask=attention, use_cache=False)
+        logps, tokens = preference.sequence_logps(losses, mask)
         chosen, rejected = logps.chunk(2)
         chosen_tokens, rejected_tokens = tokens.chunk(2)
         return preference.Sequences(chosen, rejected, chosen_tokens, rejected_tokens)
@@ -127,10 +132,11 @@ class Preference(nn.Module):
 def build_model(cfg: Config) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
-    policy = finetune.build(cfg, AutoModelForCausalLM)
+    policy = chunked_loss.configure(finetune.build(cfg, AutoModelForCausalLM), cfg.loss_chunk_mib)
     if cfg.lora_r or cfg.precompute_ref_logps or cfg.loss_type in preference.REFERENCE_FREE:
         return Preference(policy, None, cfg)
-    reference = finetune.build(cfg, AutoModelForCausalLM).requires_grad_(False)
+    reference = chunked_loss.configure(finetune.build(cfg, AutoModelForCausalLM).requires_grad_(False),
+                                       cfg.loss_chunk_mib)
     return Preference(policy, reference, cfg)
 
 

@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from trainkit import decoder_stages, text
+from trainkit import chunked_loss, decoder_stages, text
 from trainkit.config import TrainConfig
 from trainkit.errors import Problem
 from trainkit.rows import TextBlocks
@@ -46,6 +46,8 @@ class Config(TrainConfig):
     tie_embeddings: bool = True  # one matrix for input and output embeddings (Llama-2 and GPT-2 sizes: false / true)
     dropout: float = 0.0  # attention dropout (llama); embedding, residual and attention dropout (gpt2)
     gradient_checkpointing: bool = False  # recompute activations in backward: less memory, ~30% more compute
+    # The loss computes the logits of at most this many MiB (fp32) at a time (trainkit/chunked_loss.py); 0: whole
+    loss_chunk_mib: float = chunked_loss.CHUNK_MIB
     # Data
     data: str = "pydoc"  # "pydoc" (built in), local files "a.txt,b.txt", or a Hugging Face dataset name
     data_config: str = ""  # the Hugging Face dataset's configuration, if it has several (e.g. wikitext-2-raw-v1)
@@ -79,11 +81,11 @@ class Config(TrainConfig):
                        "weight_decay": 0.1},
     }
 
-    # Recomputing activations changes memory, not the numbers: a resumed run may switch it.
-    may_change_on_resume = TrainConfig.may_change_on_resume | {"gradient_checkpointing"}
+    # Recomputing activations or chunking the loss changes memory, not the numbers: a resumed run may switch them.
+    may_change_on_resume = TrainConfig.may_change_on_resume | {"gradient_checkpointing", "loss_chunk_mib"}
 
     def check(self) -> list[Problem]:
-        problems = []
+        problems = chunked_loss.problems(self.loss_chunk_mib)
         if self.arch not in ("llama", "gpt2"):
             problems.append(Problem(f"arch must be llama or gpt2, got {self.arch!r}", "config field arch",
                                     "use --arch llama"))
@@ -124,7 +126,7 @@ def build_model(cfg: Config) -> torch.nn.Module:
         model = GPT2LMHeadModel(config)
     if cfg.gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    return model
+    return chunked_loss.configure(model, cfg.loss_chunk_mib)
 
 
 # Pipeline parallelism (--pipeline_stages): where the model can be cut, and each stage's part of it, for either
@@ -164,8 +166,9 @@ def build_datasets(cfg: Config, cache_dir: Path):
 
 
 def loss(model: torch.nn.Module, batch: dict) -> torch.Tensor:
+    """The mean next-token loss over every position of the micro-batch's blocks."""
     # No KV cache: in training it would only copy every layer's keys and values (generate() still uses one).
-    return model(input_ids=batch["input_ids"], labels=batch["input_ids"], use_cache=False).loss
+    return chunked_loss.next_token_losses(model, input_ids=batch["input_ids"], use_cache=False)[0].mean()
 
 
 def tokens_per_sample(cfg: Config) -> int:

@@ -335,3 +335,16 @@ def test_precomputed_values_resume_under_another_config(one_process, tmp_path):
     assert [m["step"] for m in resumed.metrics] == list(range(1, 11))
     assert max_rel_diff(resumed.losses, one.losses) <= PARITY_BOUND
     assert resumed.metrics[-1]["eval_loss"] == pytest.approx(one.metrics[-1]["eval_loss"], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_log_probabilities_in_chunks_train_the_whole_logits_curve(one_process, tmp_path):
+    """The policy's and the reference's log-probabilities from chunks of 6 positions (trainkit/chunked_loss.py), a
+    full fine-tune under ZeRO-3 (the reference copy gathered chunk by chunk too), against the whole logits in one
+    process."""
+    args, whole = one_process("qwen2", ())
+    chunked = launch(tmp_path / "out", *args, "--batch_size", "4", "--loss_chunk_mib", "0.01",
+                     config="deepspeed_zero3").check()
+    assert max_rel_diff(chunked.losses, whole.losses) <= PARITY_BOUND
+    for name in ("eval_loss", "eval_rewards/margins"):
+        assert chunked.metrics[-1][name] == pytest.approx(whole.metrics[-1][name], rel=1e-4, abs=1e-6), name

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from trainkit.chunked_loss import chunk_tokens
 from trainkit.config import TrainConfig
 from trainkit.recipes import Recipe
 from trainkit.strategies.tp_plan import cut_plan
@@ -47,6 +48,7 @@ class DecoderShape:
     gated: bool  # a gated MLP (Llama, Qwen2, Mistral: gate, up, down) rather than GPT's (up, down)
     attention: str  # config._attn_implementation: eager, sdpa, flash_attention_2, ...
     dropout: float  # attention dropout (eager keeps its mask and output too)
+    head_trains: bool = True  # the output head's weight has a gradient (not under LoRA, whose base is frozen)
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,8 +117,10 @@ def decoder_shape(model: torch.nn.Module) -> DecoderShape | None:
     ffn = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * hidden
     gated = any(hasattr(m, "gate_proj") for m in model.modules())
     dropout = getattr(config, "attention_dropout", None) or getattr(config, "attn_pdrop", None) or 0.0
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    trains = head is None or getattr(head, "weight", None) is None or head.weight.requires_grad
     return DecoderShape(hidden, ffn, heads, vocab, gated, getattr(config, "_attn_implementation", None) or "eager",
-                        float(dropout))
+                        float(dropout), trains)
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,11 +156,12 @@ PER_TOKEN = {True: (10, 4), False: (8, 2)}  # gated: (per hidden, per ffn)
 
 
 def activation_bytes(shape: ModelShape, micro_batch: int, seq_len: int | None, precision: str,
-                     checkpointing: bool) -> int:
+                     checkpointing: bool, loss_chunk: int = 0) -> int:
     """The peak of activation memory in a training step, per rank, for one micro-batch of a decoder
     (ModelShape.decoder) of seq_len tokens: what the forward keeps for backward, and the loss's backward on top; with
-    gradient checkpointing each layer's input, plus one layer's own while backward recomputes it. Other models:
-    every Linear output twice (pre- and post-activation) at the model's hidden width."""
+    gradient checkpointing each layer's input, plus one layer's own while backward recomputes it; with the loss in
+    chunks of `loss_chunk` positions, one chunk's logits. Other models: every Linear output twice (pre- and
+    post-activation) at the model's hidden width."""
     # Bytes per element: autocast computes the matrix products in 16 bits but keeps the residual stream, the norms
     # and their inputs in fp32; measured on a Llama block, 2.9 bytes per element counted here (BENCHMARKS.md)
     size = 3 if precision in ("bf16", "fp16") else 4
@@ -168,14 +173,20 @@ def activation_bytes(shape: ModelShape, micro_batch: int, seq_len: int | None, p
     if d.attention == "eager":
         layer += d.heads * seq_len * (2 + 1 / size if d.dropout else 1)
     kept = (d.hidden * shape.layers + layer) if checkpointing else layer * shape.layers
-    return int(size * micro_batch * seq_len * (kept + 3 * d.hidden) + loss_bytes(d.vocab, micro_batch * seq_len))
+    tokens = micro_batch * seq_len
+    layers = size * tokens * (kept + 3 * d.hidden)
+    if not loss_chunk or loss_chunk >= tokens:
+        return int(layers + loss_bytes(d.vocab, tokens))
+    # In chunks, autograd sums the chunks' gradients of the head's weight in a buffer of its size (fp32) while the
+    # layers' activations are still held (measured: tests/test_estimate.py)
+    return int(layers + loss_bytes(d.vocab, loss_chunk) + (4 * d.vocab * d.hidden if d.head_trains else 0))
 
 
 def loss_bytes(vocab: int, tokens: int) -> int:
-    """The logit-sized tensors of a step's peak: the logits, and the loss's softmax and the logits' gradient in its
-    backward, each in fp32 whatever the precision: the loss upcasts the logits first (transformers' causal-LM loss
-    and recipes/causal_lm.py's .float() alike; measured in bf16 at vocabularies of 32,000 and 128,256: the same
-    peak as fp32, BENCHMARKS.md's memory section)."""
+    """The logit-sized tensors of a step's peak, for the tokens whose logits exist at once (all of the micro-batch's,
+    or one chunk's: trainkit/chunked_loss.py): the logits, and the loss's softmax and the logits' gradient in its
+    backward, each in fp32 whatever the precision: the loss upcasts the logits first (measured in bf16 at
+    vocabularies of 32,000 and 128,256: the same peak as fp32, BENCHMARKS.md's memory section)."""
     return 3 * 4 * vocab * tokens
 
 
@@ -295,6 +306,19 @@ def report(shape: ModelShape, rows: list[Estimate], mine: Estimate | None, world
     return "\n".join(lines)
 
 
+def loss_note(shape: ModelShape, cfg: TrainConfig, seq_len: int | None) -> str:
+    """How --estimate counts the loss's logits: whole, or a chunk of positions at a time (--loss_chunk_mib)."""
+    if shape.decoder is None or not seq_len or not hasattr(cfg, "loss_chunk_mib"):
+        return ""
+    chunk = chunk_tokens(cfg.loss_chunk_mib, shape.decoder.vocab)
+    if chunk and chunk < cfg.batch_size * seq_len:
+        return f", the loss's logits {chunk:,} positions at a time (--loss_chunk_mib {cfg.loss_chunk_mib:g})"
+    return ", the loss's logits whole"
+
+
 def run_activations(shape: ModelShape, cfg: TrainConfig, seq_len: int | None, precision: str) -> int:
-    """Activation bytes for this run (seq_len: the recipe's tokens per sample)."""
-    return activation_bytes(shape, cfg.batch_size, seq_len, precision, getattr(cfg, "gradient_checkpointing", False))
+    """Activation bytes for this run (seq_len: the recipe's tokens per sample; the loss in chunks where the recipe
+    has loss_chunk_mib)."""
+    chunk = chunk_tokens(getattr(cfg, "loss_chunk_mib", 0), shape.decoder.vocab) if shape.decoder else 0
+    return activation_bytes(shape, cfg.batch_size, seq_len, precision, getattr(cfg, "gradient_checkpointing", False),
+                            chunk)

@@ -27,6 +27,7 @@ from trainkit.estimate import (
     ModelShape,
     attention_note,
     load_host_bytes,
+    loss_note,
     meta_model,
     model_shape,
     report,
@@ -202,6 +203,7 @@ def estimate_report(plan: Plan) -> str:
     checkpointing = getattr(plan.cfg, "gradient_checkpointing", False)
     assumed = (f"micro-batch {plan.cfg.batch_size}" + (f" x {seq_len} tokens" if seq_len else "")
                + f" (--batch_size{', --seq_len' if seq_len else ''}), {PRECISION_NAMES[precision]}, "
-               + f"{attention_note(plan.shape)}, gradient checkpointing {'on' if checkpointing else 'off'}")
+               + f"{attention_note(plan.shape)}, gradient checkpointing {'on' if checkpointing else 'off'}"
+               + loss_note(plan.shape, plan.cfg, seq_len))
     return report(plan.shape, rows, mine.estimate(plan.shape, world_size, activations) if plan.launch.chosen else None,
                   world_size, precision, plan.cfg.optimizer, plan.options.device_memory, assumed, refused, load_host)

@@ -195,10 +195,10 @@ def encode_pair(record: Mapping[str, Any], tokenizer: Any, template: str | None,
     return pair
 
 
-def sequence_logps(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the summed log-probability of each row's masked tokens, their count): token t is predicted from the logits
-    at t - 1, in fp32."""
-    logps = torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+def sequence_logps(token_losses: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the summed log-probability of each row's masked tokens, their count), from the loss of predicting each token
+    from the one before (trainkit/chunked_loss.py's next_token_losses: -log softmax, in fp32)."""
+    logps = -token_losses
     kept = mask[:, 1:].float()
     return (logps * kept).sum(-1), kept.sum(-1)
 

@@ -89,7 +89,7 @@ class MeshEngine(OnMesh):
         if self.cfg.grad_accum > 1:
             from torch.distributed.fsdp import FSDPModule
 
-            for block in self.model.modules():  # not the root, whose own setting (False) FSDP2 chose
+            for block in self.model.modules():  # not the root, which keeps its parameters (parallelize.shard)
                 if isinstance(block, FSDPModule) and block is not self.model:
                     block.set_reshard_after_forward(last and self.settings.reshard_after_forward, recurse=False)
         yield

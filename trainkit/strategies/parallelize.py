@@ -188,7 +188,9 @@ def shard(model: torch.nn.Module, units: list[torch.nn.Module], mesh: Any, setti
     )
     for unit in units:
         fully_shard(unit, **policy)
-    fully_shard(model, **policy)
+    # The root keeps its gathered parameters from forward to backward, as torch advises (backward needs them first)
+    # and as the chunked loss needs: it calls the head again after the forward and in backward (chunked_loss.py).
+    fully_shard(model, **{**policy, "reshard_after_forward": False})
     if callable(getattr(model, "generate", None)):  # a recipe's generate hook: the root's own parameters gathered
         from torch.distributed.fsdp import register_fsdp_forward_method  # around the whole call, not just forward
 
