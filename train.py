@@ -47,6 +47,7 @@ from trainkit.metrics import (
     state_bytes,
     summary_line,
 )
+from trainkit.offload import offloading
 from trainkit.optim import build_optimizer, build_scheduler
 from trainkit.plan import Plan, estimate_report, make_plan
 from trainkit.precompute import attach
@@ -204,12 +205,13 @@ def loop(plan: Plan, run: Run) -> str | None:
     throughput, finite, signal = Throughput(), FiniteCheck(fp16=plan.launch.mixed_precision == "fp16"), StopSignal()
     held = 0  # model-state bytes: every tensor walked once, after the first step made the optimizer states
     stopped_by, first, started = None, run.step, time.perf_counter()
+    loss_fn = offloading(plan.recipe.compute_loss) if cfg.activation_offload else plan.recipe.compute_loss
     for step in range(run.step + 1, min(cfg.max_steps, options.stop_at or cfg.max_steps) + 1):
         waited = time.perf_counter()
         micro_batches = run.stream.next_global_batch()  # read and collated here: the time the step waits for data
         data_wait_s = time.perf_counter() - waited
         run.checkpointer.poll()  # an asynchronous save that has ended becomes the checkpoint
-        result = train_step(engine, step, micro_batches, plan.recipe.compute_loss, finite, signal.requested)
+        result = train_step(engine, step, micro_batches, loss_fn, finite, signal.requested)
         run.step, run.skipped_steps = step, run.skipped_steps + result.skipped
         samples_per_s = throughput.lap(run.layout.global_batch)
         held = held or state_bytes(engine.state_tensors())

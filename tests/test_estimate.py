@@ -94,11 +94,12 @@ def test_a_7b_llama_is_sized_as_published_and_the_verdict_is_readable(check_only
 
 def test_the_table_says_what_it_assumed_and_names_no_launch_when_none_was_chosen(check_only, run_dir):
     """The README's estimate gives no --batch_size or --seq_len: the recipe's 16 x 128 are said with the table, with
-    the precision, the attention and checkpointing; without a config "this launch" would be a launch nobody chose."""
+    the precision, the attention, checkpointing and the loss's logits (2,048 positions fit one chunk of 1 GiB);
+    without a config "this launch" would be a launch nobody chose."""
     run = check_only(run_dir("x"), "--recipe", "tiny_transformer", "--estimate", "--num_processes", "8",
                      "--precision", "bf16", "--hidden", "512").check()
     assert "assumed per rank: micro-batch 16 x 128 tokens (--batch_size, --seq_len), bf16, attention sdpa (does not " \
-           "keep the scores), gradient checkpointing off: activations " in run.stdout
+           "keep the scores), gradient checkpointing off, the loss's logits whole: activations " in run.stdout
     assert "this launch" not in run.stdout and "no launch chosen: with --accelerate_config FILE" in run.stdout
     eager = check_only(run_dir("y"), "--recipe", "mlp", "--estimate").check()
     assert "micro-batch 32 (--batch_size), fp32, not a transformers decoder" in eager.stdout

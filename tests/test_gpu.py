@@ -108,3 +108,27 @@ def test_qlora_trains_adapters_over_a_4bit_base(chat, run_dir):
                  extra_launch=("--mixed_precision", "bf16")).check()
     assert run.losses[-1] < run.losses[0]
     PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(folder), str(out / "final" / "adapter"))
+
+
+# A sequence whose logits dominate: 4 x 2048 tokens at a vocabulary of 8192 hold 256 MiB of fp32 logits.
+LONG = ["--recipe", "tiny_transformer", "--max_steps", "5", "--eval_every", "0", "--vocab_size", "8192", "--seq_len",
+        "2048", "--batch_size", "4", "--hidden", "256", "--layers", "4"]
+
+
+def test_the_loss_in_chunks_cuts_the_peak_by_more_than_the_logits(run_dir):
+    """trainkit/chunked_loss.py on a GPU: the curve of the whole loss, the peak lower by more than the logits' size."""
+    whole = launch(run_dir("whole"), *LONG, "--loss_chunk_mib", "0", config="single").check()
+    chunked = launch(run_dir("chunked"), *LONG, "--loss_chunk_mib", "16", config="single").check()
+    assert max_rel_diff(chunked.losses, whole.losses) <= PARITY_BOUND
+    logits = 4 * 2048 * 8192 * 4
+    assert chunked.metrics[-1]["peak_mem_bytes"] <= whole.metrics[-1]["peak_mem_bytes"] - logits
+
+
+def test_activation_offload_cuts_the_peak_and_trains_the_same_curve(run_dir):
+    """trainkit/offload.py: the saved activations in host memory, the same curve, a lower peak (the logits' part of
+    it stays: chunked here so that the layers' activations are what is left)."""
+    flags = [*LONG, "--loss_chunk_mib", "16"]
+    kept = launch(run_dir("kept"), *flags, config="single").check()
+    offloaded = launch(run_dir("offloaded"), *flags, "--activation_offload", config="single").check()
+    assert max_rel_diff(offloaded.losses, kept.losses) <= PARITY_BOUND  # GPU kernels: not bit-exact run to run
+    assert offloaded.metrics[-1]["peak_mem_bytes"] <= 0.6 * kept.metrics[-1]["peak_mem_bytes"]

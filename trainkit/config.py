@@ -54,14 +54,17 @@ class TrainConfig:
     # torch.compile (inductor) on the model's repeated blocks, or the whole model where it declares none
     # (trainkit/strategies/engine.py, Engine.compile_model); a strategy it does not work under refuses it at plan time.
     compile: bool = False
+    # The activations a forward saves for backward kept in pinned host memory until backward, the parameters excepted
+    # (trainkit/offload.py): device memory for the copies' time. On a CPU run they already are in host memory.
+    activation_offload: bool = False
 
     # What a resumed run may set anew (--resume restores every other field from the checkpoint and refuses a flag that
     # differs): the schedule's length, evaluation, how the global batch is split (its size is checked on its own) and
-    # how the model is (pipeline stages), DDP's search for unused parameters, torch.compile (speed, not math). A recipe
-    # adds its own, e.g. gradient checkpointing (memory, not math).
+    # how the model is (pipeline stages), DDP's search for unused parameters, torch.compile and activation offload
+    # (speed and memory, not math). A recipe adds its own, e.g. gradient checkpointing (memory, not math).
     may_change_on_resume: ClassVar[frozenset[str]] = frozenset({
         "max_steps", "eval_every", "eval_batches", "batch_size", "grad_accum", "find_unused_parameters",
-        "pipeline_stages", "pipeline_schedule", "pipeline_split", "compile"})
+        "pipeline_stages", "pipeline_schedule", "pipeline_split", "compile", "activation_offload"})
     # Named sizes a recipe offers, selected by its `size` field (`--size NAME`): {name: {field: value}}. build_config
     # applies the chosen one over the recipe's defaults, under a resumed checkpoint's values and the flags
     # (`--size cpu --layers 2`: the cpu preset with 2 layers). A recipe with presets declares `size: str` too,

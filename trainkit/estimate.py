@@ -172,14 +172,16 @@ def activation_bytes(shape: ModelShape, micro_batch: int, seq_len: int | None, p
     layer = per_hidden * d.hidden + per_ffn * d.ffn
     if d.attention == "eager":
         layer += d.heads * seq_len * (2 + 1 / size if d.dropout else 1)
-    kept = (d.hidden * shape.layers + layer) if checkpointing else layer * shape.layers
     tokens = micro_batch * seq_len
-    layers = size * tokens * (kept + 3 * d.hidden)
+    held = size * tokens * ((d.hidden if checkpointing else layer) * shape.layers + 3 * d.hidden)
     if not loss_chunk or loss_chunk >= tokens:
-        return int(layers + loss_bytes(d.vocab, tokens))
-    # In chunks, autograd sums the chunks' gradients of the head's weight in a buffer of its size (fp32) while the
-    # layers' activations are still held (measured: tests/test_estimate.py)
-    return int(layers + loss_bytes(d.vocab, loss_chunk) + (4 * d.vocab * d.hidden if d.head_trains else 0))
+        loss = loss_bytes(d.vocab, tokens)
+    else:  # autograd sums the chunks' gradients of the head's weight in a buffer of its size (fp32)
+        loss = loss_bytes(d.vocab, loss_chunk) + (4 * d.vocab * d.hidden if d.head_trains else 0)
+    # The loss's backward comes first, while everything held is; with checkpointing, each layer's recomputation
+    # comes after it, one layer at a time: the peak is the larger of the two (measured: BENCHMARKS.md's long
+    # sequences), without it the layers' own are held under the loss
+    return int(held + (max(loss, size * tokens * layer) if checkpointing else loss))
 
 
 def loss_bytes(vocab: int, tokens: int) -> int:

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
+import torch
+
 from trainkit.checkpoint import Found, auto_resume, find_checkpoint, resume_problems
 from trainkit.command_line import RESUMED_OPTIONS, RunOptions, restore_run_options, run_flags, run_option_values
 from trainkit.config import TrainConfig, build_config, config_dict, field_sources
@@ -101,6 +103,8 @@ def _plan(options: RunOptions, overrides: list[tuple[str, str, str]]) -> Plan:
         notes.append(f"warmup_steps {cfg.warmup_steps} >= max_steps {cfg.max_steps}: the learning rate is "
                      f"still warming up when the run ends and never reaches lr {cfg.lr:g}; pass "
                      f"--warmup_steps below --max_steps to train at it")
+    if cfg.activation_offload and not torch.cuda.is_available():
+        notes.append("--activation_offload: on a CPU run the activations already are in host memory; nothing moves")
     model = meta_model(recipe, cfg)
     if problems := strategy.check_model(model):  # a split the model does not declare, for example
         raise ConfigError(problems)
@@ -204,6 +208,8 @@ def estimate_report(plan: Plan) -> str:
     assumed = (f"micro-batch {plan.cfg.batch_size}" + (f" x {seq_len} tokens" if seq_len else "")
                + f" (--batch_size{', --seq_len' if seq_len else ''}), {PRECISION_NAMES[precision]}, "
                + f"{attention_note(plan.shape)}, gradient checkpointing {'on' if checkpointing else 'off'}"
-               + loss_note(plan.shape, plan.cfg, seq_len))
+               + loss_note(plan.shape, plan.cfg, seq_len)
+               + (", activation offload not counted (the activations as if on the device)"
+                  if plan.cfg.activation_offload else ""))
     return report(plan.shape, rows, mine.estimate(plan.shape, world_size, activations) if plan.launch.chosen else None,
                   world_size, precision, plan.cfg.optimizer, plan.options.device_memory, assumed, refused, load_host)

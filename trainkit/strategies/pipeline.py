@@ -346,6 +346,11 @@ class Pipeline(Strategy):
         elif self.sharded:
             problems += parallelism_problems(launch) + FSDPSettings.problems(launch, cfg)
         problems += self.dims.problems(launch)
+        if cfg.activation_offload:
+            problems.append(Problem("--activation_offload does not reach the pipeline's stages, whose forwards the "
+                                    "schedule runs", where, "drop --activation_offload, or train without "
+                                    "--pipeline_stages (fsdp.yaml or deepspeed_zero3.yaml shard a model that does "
+                                    "not fit)"))
         m, p = cfg.grad_accum, self.stages
         if cfg.pipeline_schedule == "1f1b" and m < p:
             problems.append(Problem(f"1F1B needs at least as many micro-batches per step as stages: grad_accum {m} < "
