@@ -274,17 +274,19 @@ def _learned(batch: dict) -> torch.Tensor:
     return batch["labels"][:, 1:] != sft.IGNORE if "labels" in batch else batch["attention_mask"][:, 1:].bool()
 
 
-def _token_losses(model: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Every position's next-token loss, whether it is learned, and whether the model's top guess is right."""
+def _token_losses(model: nn.Module, batch: dict,
+                  top_guess: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Every position's next-token loss, whether it is learned, and (top_guess) whether the model's top guess is
+    right."""
     ids, mask, positions = batch["input_ids"], batch["attention_mask"], batch.get("position_ids")
     if "segment" in batch:  # packed rows: each example attends only to itself
         attention = _attention_of(model)
         # flash attention's variable-length path finds the examples from the restarting position_ids alone
         mask = None if attention.startswith("flash") else sft.block_mask(batch["segment"], attention == "eager")
     # No KV cache: in training it would only copy every layer's keys and values (generate() still uses one).
-    token_loss, guess = chunked_loss.next_token_losses(model, input_ids=ids, attention_mask=mask,
+    token_loss, guess = chunked_loss.next_token_losses(model, top_guess, input_ids=ids, attention_mask=mask,
                                                        position_ids=positions, use_cache=False)
-    return token_loss, _learned(batch), guess == ids[:, 1:]
+    return token_loss, _learned(batch), guess == ids[:, 1:] if top_guess else None
 
 
 def _weights(batch: dict) -> torch.Tensor:
@@ -324,7 +326,7 @@ pipeline_loss = decoder_stages.loss
 
 def eval_metrics(model: nn.Module, batch: dict) -> dict[str, torch.Tensor]:
     """Each sample's share of its learned tokens that the model's top guess predicts, summed over the batch."""
-    _, real, right = _token_losses(model, batch)
+    _, real, right = _token_losses(model, batch, top_guess=True)
     return {"token_accuracy": ((right & real).sum(dim=1) / real.sum(dim=1).clamp(min=1)).sum()}
 
 

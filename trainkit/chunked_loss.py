@@ -50,10 +50,11 @@ def configure(model: nn.Module, mib: float) -> nn.Module:
     return model
 
 
-def next_token_losses(model: nn.Module, **inputs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the loss of predicting input_ids[:, t + 1] at every position t, fp32; the head's top guess there), each
-    [batch, tokens - 1]: model(**inputs) whole when its positions fit in one chunk (configure), else a chunk of
-    positions at a time."""
+def next_token_losses(model: nn.Module, top_guess: bool = False,
+                      **inputs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(the loss of predicting input_ids[:, t + 1] at every position t, fp32; with top_guess, the head's top guess
+    there, else None), each [batch, tokens - 1]: model(**inputs) whole when its positions fit in one chunk
+    (configure), else a chunk of positions at a time."""
     from accelerate.utils import extract_model_from_parallel
 
     chunk = getattr(extract_model_from_parallel(model), "loss_chunk_tokens", 0)
@@ -61,23 +62,24 @@ def next_token_losses(model: nn.Module, **inputs: Any) -> tuple[torch.Tensor, to
     targets = ids[:, 1:]
     if not chunk or targets.numel() <= chunk:
         logits = model(**inputs).logits[:, :-1].float()
-        return _cross_entropy(logits, targets), logits.argmax(dim=-1)
+        return _cross_entropy(logits, targets), logits.argmax(dim=-1) if top_guess else None
     project, hidden, last = _head_and_hidden(model, inputs)
     rows = hidden[:, :-1].reshape(-1, hidden.shape[-1])
     losses, guesses = [], []
     for part, wanted in zip(rows.split(chunk), targets.reshape(-1).split(chunk), strict=True):
-        loss, guess = (checkpoint(_chunk, project, part, wanted, use_reentrant=False) if torch.is_grad_enabled()
-                       else _chunk(project, part, wanted))
+        loss, guess = (checkpoint(_chunk, project, part, wanted, top_guess, use_reentrant=False)
+                       if torch.is_grad_enabled() else _chunk(project, part, wanted, top_guess))
         losses.append(loss)
         guesses.append(guess)
     # + 0 x the model's own output: backward passes through it, where FSDP2 hooks its gradients' reduction
-    return torch.cat(losses).view_as(targets) + 0 * last.sum(), torch.cat(guesses).view_as(targets)
+    loss = torch.cat(losses).view_as(targets) + 0 * last.sum()
+    return loss, torch.cat(guesses).view_as(targets) if top_guess else None
 
 
-def _chunk(project: Callable[[torch.Tensor], torch.Tensor], rows: torch.Tensor,
-           targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _chunk(project: Callable[[torch.Tensor], torch.Tensor], rows: torch.Tensor, targets: torch.Tensor,
+           top_guess: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     logits = project(rows).float()
-    return _cross_entropy(logits, targets), logits.argmax(dim=-1)
+    return _cross_entropy(logits, targets), logits.argmax(dim=-1) if top_guess else None
 
 
 def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
