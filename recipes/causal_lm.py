@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainkit import chunked_loss, decoder_stages, finetune, rows, sft, sources, text
+from trainkit import chunked_loss, decoder_stages, finetune, rows, sft, sources, text, tiled_mlp
 from trainkit.ask import TURN_ENDS
 from trainkit.errors import ConfigError, Problem
 from trainkit.finetune import FineTuneConfig, tokenizer_of
@@ -76,8 +76,10 @@ class Config(FineTuneConfig):  # the model's settings: trainkit/finetune.py
     # and the cross entropy, each made again in backward (trainkit/chunked_loss.py): a long micro-batch never holds
     # its whole logits. A micro-batch whose logits fit is computed whole; 0: always whole
     loss_chunk_mib: float = chunked_loss.CHUNK_MIB
+    # Each decoder layer's MLP a chunk of `hidden` positions at a time, recomputed in backward (trainkit/tiled_mlp.py)
+    tiled_mlp: bool = False
 
-    may_change_on_resume = FineTuneConfig.may_change_on_resume | {"preview", "loss_chunk_mib"}
+    may_change_on_resume = FineTuneConfig.may_change_on_resume | {"preview", "loss_chunk_mib", "tiled_mlp"}
 
     def check(self) -> list[Problem]:
         problems = FineTuneConfig.check(self) + chunked_loss.problems(self.loss_chunk_mib)
@@ -124,7 +126,8 @@ class Config(FineTuneConfig):  # the model's settings: trainkit/finetune.py
 def build_model(cfg: Config) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
-    return chunked_loss.configure(finetune.build(cfg, AutoModelForCausalLM), cfg.loss_chunk_mib)
+    model = finetune.build(cfg, AutoModelForCausalLM)
+    return chunked_loss.configure(tiled_mlp.tile(model) if cfg.tiled_mlp else model, cfg.loss_chunk_mib)
 
 
 def build_datasets(cfg: Config, cache_dir: Path):

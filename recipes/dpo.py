@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from trainkit import chunked_loss, finetune, preference
+from trainkit import chunked_loss, finetune, preference, tiled_mlp
 from trainkit.errors import Problem
 from trainkit.preference import PairsConfig
 
@@ -51,9 +51,11 @@ class Config(PairsConfig):  # the model's settings and the pairs': trainkit/fine
     precompute_ref_logps: bool = False
     # The log-probabilities from at most this many MiB of logits (fp32) at a time (trainkit/chunked_loss.py); 0: whole
     loss_chunk_mib: float = chunked_loss.CHUNK_MIB
+    # Each decoder layer's MLP a chunk of `hidden` positions at a time, recomputed in backward (trainkit/tiled_mlp.py)
+    tiled_mlp: bool = False
     lr: float = 5e-6
 
-    may_change_on_resume = PairsConfig.may_change_on_resume | {"loss_chunk_mib"}
+    may_change_on_resume = PairsConfig.may_change_on_resume | {"loss_chunk_mib", "tiled_mlp"}
 
     def check(self) -> list[Problem]:
         problems = PairsConfig.check(self) + preference.problems(self.loss_type, self.beta, self.label_smoothing)
@@ -132,12 +134,13 @@ class Preference(nn.Module):
 def build_model(cfg: Config) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
-    policy = chunked_loss.configure(finetune.build(cfg, AutoModelForCausalLM), cfg.loss_chunk_mib)
+    def causal_lm() -> nn.Module:
+        model = finetune.build(cfg, AutoModelForCausalLM)
+        return chunked_loss.configure(tiled_mlp.tile(model) if cfg.tiled_mlp else model, cfg.loss_chunk_mib)
+
     if cfg.lora_r or cfg.precompute_ref_logps or cfg.loss_type in preference.REFERENCE_FREE:
-        return Preference(policy, None, cfg)
-    reference = chunked_loss.configure(finetune.build(cfg, AutoModelForCausalLM).requires_grad_(False),
-                                       cfg.loss_chunk_mib)
-    return Preference(policy, reference, cfg)
+        return Preference(causal_lm(), None, cfg)
+    return Preference(causal_lm(), causal_lm().requires_grad_(False), cfg)
 
 
 def build_datasets(cfg: Config, cache_dir: Path):

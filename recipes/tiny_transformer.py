@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from trainkit import chunked_loss, decoder_stages, text
+from trainkit import chunked_loss, decoder_stages, text, tiled_mlp
 from trainkit.config import TrainConfig
 from trainkit.errors import Problem
 from trainkit.rows import TextBlocks
@@ -48,6 +48,8 @@ class Config(TrainConfig):
     gradient_checkpointing: bool = False  # recompute activations in backward: less memory, ~30% more compute
     # The loss computes the logits of at most this many MiB (fp32) at a time (trainkit/chunked_loss.py); 0: whole
     loss_chunk_mib: float = chunked_loss.CHUNK_MIB
+    # Each layer's MLP a chunk of `hidden` positions at a time, recomputed in backward (trainkit/tiled_mlp.py)
+    tiled_mlp: bool = False
     # Data
     data: str = "pydoc"  # "pydoc" (built in), local files "a.txt,b.txt", or a Hugging Face dataset name
     data_config: str = ""  # the Hugging Face dataset's configuration, if it has several (e.g. wikitext-2-raw-v1)
@@ -81,8 +83,9 @@ class Config(TrainConfig):
                        "weight_decay": 0.1},
     }
 
-    # Recomputing activations or chunking the loss changes memory, not the numbers: a resumed run may switch them.
-    may_change_on_resume = TrainConfig.may_change_on_resume | {"gradient_checkpointing", "loss_chunk_mib"}
+    # Recomputing activations, chunking the loss or the MLP change memory, not the numbers: a resume may switch them.
+    may_change_on_resume = TrainConfig.may_change_on_resume | {"gradient_checkpointing", "loss_chunk_mib",
+                                                                   "tiled_mlp"}
 
     def check(self) -> list[Problem]:
         problems = chunked_loss.problems(self.loss_chunk_mib)
@@ -126,7 +129,7 @@ def build_model(cfg: Config) -> torch.nn.Module:
         model = GPT2LMHeadModel(config)
     if cfg.gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    return chunked_loss.configure(model, cfg.loss_chunk_mib)
+    return chunked_loss.configure(tiled_mlp.tile(model) if cfg.tiled_mlp else model, cfg.loss_chunk_mib)
 
 
 # Pipeline parallelism (--pipeline_stages): where the model can be cut, and each stage's part of it, for either

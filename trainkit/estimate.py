@@ -156,12 +156,13 @@ PER_TOKEN = {True: (10, 4), False: (8, 2)}  # gated: (per hidden, per ffn)
 
 
 def activation_bytes(shape: ModelShape, micro_batch: int, seq_len: int | None, precision: str,
-                     checkpointing: bool, loss_chunk: int = 0) -> int:
+                     checkpointing: bool, loss_chunk: int = 0, tiled_mlp: bool = False) -> int:
     """The peak of activation memory in a training step, per rank, for one micro-batch of a decoder
     (ModelShape.decoder) of seq_len tokens: what the forward keeps for backward, and the loss's backward on top; with
     gradient checkpointing each layer's input, plus one layer's own while backward recomputes it; with the loss in
-    chunks of `loss_chunk` positions, one chunk's logits. Other models: every Linear output twice (pre- and
-    post-activation) at the model's hidden width."""
+    chunks of `loss_chunk` positions, one chunk's logits; with the MLP in chunks (trainkit/tiled_mlp.py), none of its
+    intermediates (measured: 4 x ffn elements a token less in a Llama layer). Other models: every Linear output
+    twice (pre- and post-activation) at the model's hidden width."""
     # Bytes per element: autocast computes the matrix products in 16 bits but keeps the residual stream, the norms
     # and their inputs in fp32; measured on a Llama block, 2.9 bytes per element counted here (BENCHMARKS.md)
     size = 3 if precision in ("bf16", "fp16") else 4
@@ -169,6 +170,7 @@ def activation_bytes(shape: ModelShape, micro_batch: int, seq_len: int | None, p
     if d is None or not seq_len:
         return int(size * 2 * micro_batch * shape.hidden * shape.layers)
     per_hidden, per_ffn = PER_TOKEN[d.gated]
+    per_ffn = 0 if tiled_mlp else per_ffn
     layer = per_hidden * d.hidden + per_ffn * d.ffn
     if d.attention == "eager":
         layer += d.heads * seq_len * (2 + 1 / size if d.dropout else 1)
@@ -323,4 +325,4 @@ def run_activations(shape: ModelShape, cfg: TrainConfig, seq_len: int | None, pr
     has loss_chunk_mib)."""
     chunk = chunk_tokens(getattr(cfg, "loss_chunk_mib", 0), shape.decoder.vocab) if shape.decoder else 0
     return activation_bytes(shape, cfg.batch_size, seq_len, precision, getattr(cfg, "gradient_checkpointing", False),
-                            chunk)
+                            chunk, getattr(cfg, "tiled_mlp", False))

@@ -209,6 +209,7 @@ def estimate_report(plan: Plan) -> str:
                + f" (--batch_size{', --seq_len' if seq_len else ''}), {PRECISION_NAMES[precision]}, "
                + f"{attention_note(plan.shape)}, gradient checkpointing {'on' if checkpointing else 'off'}"
                + loss_note(plan.shape, plan.cfg, seq_len)
+               + (", each MLP in chunks (--tiled_mlp)" if getattr(plan.cfg, "tiled_mlp", False) else "")
                + (", activation offload not counted (the activations as if on the device)"
                   if plan.cfg.activation_offload else ""))
     return report(plan.shape, rows, mine.estimate(plan.shape, world_size, activations) if plan.launch.chosen else None,
