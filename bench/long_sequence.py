@@ -1,8 +1,8 @@
 """Long sequences: a training step's peak memory with the whole logits and with the loss a chunk of positions at a
-time (trainkit/chunked_loss.py), with and without activation checkpointing, against the estimate (trainkit/estimate.py's
-activation_bytes); and, by that estimate, the longest sequence each fits in a budget.
+time (trainkit/chunked_loss.py), the MLP in chunks (trainkit/tiled_mlp.py) and activation checkpointing, against the
+estimate (trainkit/estimate.py's activation_bytes); and, by that estimate, the longest sequence each fits in a budget.
 
-    python bench/long_sequence.py       # about 10 minutes on 2 CPU cores; run it alone on the machine
+    python bench/long_sequence.py       # about 15 minutes on 2 CPU cores; run it alone on the machine
 
 A Llama built from a config whose logits dominate (vocabulary 32,000, hidden 256, 4 layers, sdpa attention), one
 sequence of 16,384 tokens, fp32, the causal-LM recipe's loss. Each case runs in a fresh process: one step measured by
@@ -24,9 +24,10 @@ sys.path.insert(0, str(ROOT))
 from sections import replace_section  # noqa: E402
 
 VOCAB, HIDDEN, LAYERS, TOKENS = 32000, 256, 4, 16384
-# (--loss_chunk_mib, --gradient_checkpointing): whole, the default chunk (1 GiB of logits), a quarter of it; each
-# with activation checkpointing
-CASES = [(0.0, False), (1024.0, False), (256.0, False), (0.0, True), (256.0, True)]
+# (--loss_chunk_mib, --gradient_checkpointing, --tiled_mlp): the loss whole, in the default chunks (1 GiB of logits),
+# in a quarter of them; then with the MLP in chunks, with checkpointing, and all three
+CASES = [(0.0, False, False), (1024.0, False, False), (256.0, False, False), (256.0, False, True), (0.0, True, False),
+         (256.0, True, False), (256.0, True, True)]
 START, END = "<!-- long sequence: written by bench/long_sequence.py -->", "<!-- end of long sequence -->"
 
 ONE = """
@@ -34,9 +35,9 @@ import json, sys, time, torch
 sys.path.insert(0, {root!r})
 import trainkit.strategies
 from transformers import LlamaConfig, LlamaForCausalLM
-from trainkit import chunked_loss
+from trainkit import chunked_loss, tiled_mlp
 from trainkit.estimate import ModelShape, activation_bytes, decoder_shape, measured_activations
-mib, checkpointing, vocab, hidden, layers, tokens = {case!r}
+mib, checkpointing, tiled, vocab, hidden, layers, tokens = {case!r}
 torch.manual_seed(0)
 model = LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden,
                                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4,
@@ -44,6 +45,8 @@ model = LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=hidden, inter
 chunked_loss.configure(model, mib)
 if checkpointing:
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={{"use_reentrant": False}})
+if tiled:
+    tiled_mlp.tile(model)
 ids = torch.randint(0, vocab, (1, tokens))
 def step():
     return chunked_loss.next_token_losses(model, input_ids=ids, use_cache=False)[0].mean()
@@ -54,7 +57,7 @@ step().backward()
 seconds = time.perf_counter() - started
 names, params = zip(*model.named_parameters())
 shape = ModelShape(tuple(p.numel() for p in params), hidden, layers, names, (), decoder_shape(model))
-estimate = activation_bytes(shape, 1, tokens, "no", checkpointing, model.loss_chunk_tokens)
+estimate = activation_bytes(shape, 1, tokens, "no", checkpointing, model.loss_chunk_tokens, tiled)
 print(json.dumps({{"chunk": model.loss_chunk_tokens, "estimate": estimate, "peak": peak, "seconds": seconds}}))
 """
 
@@ -78,41 +81,42 @@ def longest() -> list[str]:
                                              tie_word_embeddings=False, attn_implementation="sdpa"))
     names, params = zip(*model.named_parameters(), strict=True)
     shape = ModelShape(tuple(p.numel() for p in params), HIDDEN, LAYERS, names, (), decoder_shape(model))
-    rows = ["| --loss_chunk_mib | checkpointing | " + " | ".join(f"longest in {b} GiB" for b in BUDGETS) + " |",
-            "|---|---|" + "---:|" * len(BUDGETS)]
-    for chunk_mib, checkpointing in CASES:
+    rows = ["| --loss_chunk_mib | tiled MLP | checkpointing | "
+            + " | ".join(f"longest in {b} GiB" for b in BUDGETS) + " |", "|---|---|---|" + "---:|" * len(BUDGETS)]
+    for chunk_mib, checkpointing, tiled in CASES:
         fits = []
         for budget in BUDGETS:
             tokens = 0
-            while activation_bytes(shape, 1, tokens + 1024, "no", checkpointing,
-                                   chunk_tokens(chunk_mib, VOCAB)) <= budget * 1024 ** 3:
+            while activation_bytes(shape, 1, tokens + 1024, "no", checkpointing, chunk_tokens(chunk_mib, VOCAB),
+                                   tiled) <= budget * 1024 ** 3:
                 tokens += 1024
             fits.append(f"{tokens:,}")
-        rows.append(f"| {chunk_mib:g}{' (whole)' if not chunk_mib else ''} | {'on' if checkpointing else 'off'} | "
-                    + " | ".join(fits) + " |")
+        rows.append(f"| {chunk_mib:g}{' (whole)' if not chunk_mib else ''} | {'on' if tiled else 'off'} | "
+                    f"{'on' if checkpointing else 'off'} | " + " | ".join(fits) + " |")
     return rows
 
 
 def measure() -> str:
     mib = 1024 ** 2
     logits = 4 * VOCAB * (TOKENS - 1)
-    rows = ["| --loss_chunk_mib | positions a chunk | checkpointing | estimate MiB | measured peak MiB | "
-            "estimate / peak | less than the whole loss's peak, MiB | step s |",
-            "|---|---:|---|---:|---:|---:|---:|---:|"]
+    rows = ["| --loss_chunk_mib | positions a chunk | tiled MLP | checkpointing | estimate MiB | measured peak MiB | "
+            "estimate / peak | less than the first row's peak, MiB | step s |",
+            "|---|---:|---|---|---:|---:|---:|---:|---:|"]
     whole = None
-    for chunk_mib, checkpointing in CASES:
-        case = (chunk_mib, checkpointing, VOCAB, HIDDEN, LAYERS, TOKENS)
+    for chunk_mib, checkpointing, tiled in CASES:
+        case = (chunk_mib, checkpointing, tiled, VOCAB, HIDDEN, LAYERS, TOKENS)
         done = subprocess.run([sys.executable, "-c", ONE.format(root=str(ROOT), case=case)], capture_output=True,
                               text=True, check=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
         r = json.loads(done.stdout.strip().splitlines()[-1])
         whole = whole or r["peak"]
         rows.append(f"| {chunk_mib:g}{' (whole)' if not chunk_mib else ''} | {r['chunk'] or TOKENS - 1:,} | "
-                    f"{'on' if checkpointing else 'off'} | {r['estimate'] / mib:,.0f} | {r['peak'] / mib:,.0f} | "
+                    f"{'on' if tiled else 'off'} | {'on' if checkpointing else 'off'} | {r['estimate'] / mib:,.0f} | "
+                    f"{r['peak'] / mib:,.0f} | "
                     f"{r['estimate'] / r['peak']:.3f} | {(whole - r['peak']) / mib:,.0f} | {r['seconds']:.1f} |")
         print(rows[-1], flush=True)
     load = os.getloadavg()
     return "\n".join([
-        START, "## Long sequences: the loss in chunks and activation checkpointing", "",
+        START, "## Long sequences: the loss and the MLP in chunks, activation checkpointing", "",
         f"`python bench/long_sequence.py`: a Llama built from a config (vocabulary {VOCAB:,}, hidden {HIDDEN}, "
         f"{LAYERS} layers, sdpa), one sequence of {TOKENS:,} tokens, fp32, the causal-LM recipe's loss "
         "(trainkit/chunked_loss.py's next_token_losses), one step per case in a fresh process. The *measured peak* "
@@ -120,8 +124,12 @@ def measure() -> str:
         "what was live before); the estimate is what `--estimate` counts as activations. The whole logits of this "
         f"sequence take {logits / mib:,.0f} MiB in fp32, and the whole loss holds three tensors of that size at its "
         "peak (the logits, the softmax and the logits' gradient of its backward); a chunk holds its own three. "
+        "The tiled MLP computes each layer's MLP 256 positions (the hidden size) at a time, again in backward. "
         "The step time is one forward and backward without the profiler: the chunks' logits are computed twice "
-        "(again in backward).",
+        "(again in backward), and so is a tiled MLP. One run each: a step's time here varies by about 15% from run "
+        "to run (the first row took 37.2 s in an earlier run), so only larger differences mean anything. With "
+        "checkpointing the peak is the loss's backward (the held layer inputs and one chunk's logits), which comes "
+        "before any layer is recomputed: the tiled MLP then lowers the layers' recomputation, not the peak.",
         "", *rows, "",
         "The longest sequence whose activations fit a budget per rank, by the same estimate (sdpa's memory grows "
         "linearly with the sequence; its time does not: the attention's work grows with its square):",
