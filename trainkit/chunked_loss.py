@@ -57,13 +57,14 @@ def next_token_losses(model: nn.Module, top_guess: bool = False,
     (configure), else a chunk of positions at a time."""
     from accelerate.utils import extract_model_from_parallel
 
-    chunk = getattr(extract_model_from_parallel(model), "loss_chunk_tokens", 0)
+    inner = extract_model_from_parallel(model)
+    chunk = getattr(inner, "loss_chunk_tokens", 0)
     ids = inputs["input_ids"]
     targets = ids[:, 1:]
     if not chunk or targets.numel() <= chunk:
         logits = model(**inputs).logits[:, :-1].float()
         return _cross_entropy(logits, targets), logits.argmax(dim=-1) if top_guess else None
-    project, hidden, last = _head_and_hidden(model, inputs)
+    project, hidden, last = _head_and_hidden(model, inner, inputs)
     rows = hidden[:, :-1].reshape(-1, hidden.shape[-1])
     losses, guesses = [], []
     for part, wanted in zip(rows.split(chunk), targets.reshape(-1).split(chunk), strict=True):
@@ -101,14 +102,11 @@ def after_head(config: Any) -> Callable[[torch.Tensor], torch.Tensor]:
     return logits
 
 
-def _head_and_hidden(model: nn.Module, inputs: dict[str, Any]) -> tuple[Callable[[torch.Tensor], torch.Tensor],
-                                                                       torch.Tensor, torch.Tensor]:
+def _head_and_hidden(model: nn.Module, inner: nn.Module, inputs: dict[str, Any]
+                     ) -> tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor, torch.Tensor]:
     """The logits of given hidden states (the output head, then after_head); the head's input at every position
-    from model(**inputs), run with a head that projects only the last position; and the model's logits there
-    (checked against the chunks' way)."""
-    from accelerate.utils import extract_model_from_parallel
-
-    inner = extract_model_from_parallel(model)
+    from model(**inputs) (`inner`: the model out of its strategy's wrapper), run with a head that projects only the
+    last position; and the model's logits there (checked against the chunks' way)."""
     head, then = inner.get_output_embeddings(), after_head(inner.config)
     project = head.forward
     seen: list[torch.Tensor] = []

@@ -310,11 +310,16 @@ def report(shape: ModelShape, rows: list[Estimate], mine: Estimate | None, world
     return "\n".join(lines)
 
 
+def _loss_chunk(shape: ModelShape, cfg: TrainConfig) -> int:
+    """The positions whose logits the run's loss computes at once (--loss_chunk_mib); 0: all of them."""
+    return chunk_tokens(getattr(cfg, "loss_chunk_mib", 0), shape.decoder.vocab) if shape.decoder else 0
+
+
 def loss_note(shape: ModelShape, cfg: TrainConfig, seq_len: int | None) -> str:
     """How --estimate counts the loss's logits: whole, or a chunk of positions at a time (--loss_chunk_mib)."""
     if shape.decoder is None or not seq_len or not hasattr(cfg, "loss_chunk_mib"):
         return ""
-    chunk = chunk_tokens(cfg.loss_chunk_mib, shape.decoder.vocab)
+    chunk = _loss_chunk(shape, cfg)
     if chunk and chunk < cfg.batch_size * seq_len:
         return f", the loss's logits {chunk:,} positions at a time (--loss_chunk_mib {cfg.loss_chunk_mib:g})"
     return ", the loss's logits whole"
@@ -323,6 +328,5 @@ def loss_note(shape: ModelShape, cfg: TrainConfig, seq_len: int | None) -> str:
 def run_activations(shape: ModelShape, cfg: TrainConfig, seq_len: int | None, precision: str) -> int:
     """Activation bytes for this run (seq_len: the recipe's tokens per sample; the loss in chunks where the recipe
     has loss_chunk_mib)."""
-    chunk = chunk_tokens(getattr(cfg, "loss_chunk_mib", 0), shape.decoder.vocab) if shape.decoder else 0
     return activation_bytes(shape, cfg.batch_size, seq_len, precision, getattr(cfg, "gradient_checkpointing", False),
-                            chunk, getattr(cfg, "tiled_mlp", False))
+                            _loss_chunk(shape, cfg), getattr(cfg, "tiled_mlp", False))

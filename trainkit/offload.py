@@ -10,8 +10,7 @@ same for every saved tensor, the weights included.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -35,18 +34,11 @@ def _back(packed: Packed) -> torch.Tensor:
     return host.to(device, non_blocking=True)
 
 
-@contextmanager
-def activations_on_host() -> Iterator[None]:
-    """Within it, what a forward saves for backward goes to host memory (and comes back in backward)."""
-    with torch.autograd.graph.saved_tensors_hooks(_to_host, _back):
-        yield
-
-
 def offloading(loss_fn: Callable[[nn.Module, Any], torch.Tensor]) -> Callable[[nn.Module, Any], torch.Tensor]:
     """loss_fn with its forward's saved tensors in host memory."""
 
     def loss(model: nn.Module, batch: Any) -> torch.Tensor:
-        with activations_on_host():
+        with torch.autograd.graph.saved_tensors_hooks(_to_host, _back):
             return loss_fn(model, batch)
 
     return loss
