@@ -281,6 +281,11 @@ def _token_losses(model: nn.Module, batch: dict,
                   top_guess: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Every position's next-token loss, whether it is learned, and (top_guess) whether the model's top guess is
     right."""
+    if "shift_labels" in batch:  # a sequence-parallel shard: its targets made before the cut, no mask of its own
+        targets = batch["shift_labels"]
+        token_loss, guess = chunked_loss.next_token_losses(model, top_guess, targets, input_ids=batch["input_ids"],
+                                                           position_ids=batch["position_ids"], use_cache=False)
+        return token_loss, targets != sft.IGNORE, guess == targets if top_guess else None
     ids, mask, positions = batch["input_ids"], batch["attention_mask"], batch.get("position_ids")
     if "segment" in batch:  # packed rows: each example attends only to itself
         attention = _attention_of(model)
@@ -295,6 +300,9 @@ def _token_losses(model: nn.Module, batch: dict,
 def _weights(batch: dict) -> torch.Tensor:
     """What each next-token loss weighs in the micro-batch's mean: 1 per learned token, or (loss_average samples)
     the batch's `weight`, each example's learned positions summing to 1."""
+    if "shift_labels" in batch:  # a sequence-parallel shard (trainkit/sequence_parallel.py)
+        return batch["shift_weight"].float() if "shift_weight" in batch else \
+            (batch["shift_labels"] != sft.IGNORE).float()
     return batch["weight"][:, 1:].float() if "weight" in batch else _learned(batch).float()
 
 
@@ -317,6 +325,11 @@ def loss(model: nn.Module, batch: dict) -> torch.Tensor:
 def loss_weight(cfg: Config, batch: dict) -> float:
     """What the micro-batch's mean is over: its learned tokens, or (loss_average samples) its examples."""
     return float(_weights(batch).sum())
+
+
+# Sequence parallelism (a YAML's parallelism_config_sp_size; trainkit/sequence_parallel.py): _token_losses reads the
+# shards the runner cuts (shift_labels, the whole row's position_ids).
+sequence_parallel = True
 
 
 # Pipeline parallelism (--pipeline_stages): any transformers decoder of the standard layout (embeddings, a ModuleList

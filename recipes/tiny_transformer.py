@@ -171,7 +171,17 @@ def build_datasets(cfg: Config, cache_dir: Path):
 def loss(model: torch.nn.Module, batch: dict) -> torch.Tensor:
     """The mean next-token loss over every position of the micro-batch's blocks."""
     # No KV cache: in training it would only copy every layer's keys and values (generate() still uses one).
+    if "shift_labels" in batch:  # a sequence-parallel shard: its part of every block, the targets made before the cut
+        targets = batch["shift_labels"]
+        losses, _ = chunked_loss.next_token_losses(model, targets=targets, input_ids=batch["input_ids"],
+                                                   position_ids=batch["position_ids"], use_cache=False)
+        return losses.sum() / (targets != -100).sum().clamp(min=1)  # the runner weighs it by those targets
     return chunked_loss.next_token_losses(model, input_ids=batch["input_ids"], use_cache=False)[0].mean()
+
+
+# Sequence parallelism (a YAML's parallelism_config_sp_size; trainkit/sequence_parallel.py): the loss above reads the
+# shards the runner cuts.
+sequence_parallel = True
 
 
 def tokens_per_sample(cfg: Config) -> int:

@@ -50,22 +50,24 @@ def configure(model: nn.Module, mib: float) -> nn.Module:
     return model
 
 
-def next_token_losses(model: nn.Module, top_guess: bool = False,
+def next_token_losses(model: nn.Module, top_guess: bool = False, targets: torch.Tensor | None = None,
                       **inputs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(the loss of predicting input_ids[:, t + 1] at every position t, fp32; with top_guess, the head's top guess
     there, else None), each [batch, tokens - 1]: model(**inputs) whole when its positions fit in one chunk
-    (configure), else a chunk of positions at a time."""
+    (configure), else a chunk of positions at a time. `targets` [batch, tokens]: the next token of every position
+    instead, made before the sequence was cut (a sequence-parallel shard's shift_labels, trainkit/sequence_parallel.py;
+    -100 where nothing is learned, whose loss is 0)."""
     from accelerate.utils import extract_model_from_parallel
 
     inner = extract_model_from_parallel(model)
     chunk = getattr(inner, "loss_chunk_tokens", 0)
-    ids = inputs["input_ids"]
-    targets = ids[:, 1:]
+    predicting = slice(None, -1) if targets is None else slice(None)  # the positions whose next token is known
+    targets = inputs["input_ids"][:, 1:] if targets is None else targets
     if not chunk or targets.numel() <= chunk:
-        logits = model(**inputs).logits[:, :-1].float()
+        logits = model(**inputs).logits[:, predicting].float()
         return _cross_entropy(logits, targets), logits.argmax(dim=-1) if top_guess else None
     project, hidden, last = _head_and_hidden(model, inner, inputs)
-    rows = hidden[:, :-1].reshape(-1, hidden.shape[-1])
+    rows = hidden[:, predicting].reshape(-1, hidden.shape[-1])
     losses, guesses = [], []
     for part, wanted in zip(rows.split(chunk), targets.reshape(-1).split(chunk), strict=True):
         loss, guess = (checkpoint(_chunk, project, part, wanted, top_guess, use_reentrant=False)

@@ -318,11 +318,13 @@ def check_yaml(path: str | Path) -> list[Problem]:
                                 where, f"use one of {', '.join(DISTRIBUTED_TYPES)}"))
     if data.get("parallelism_config"):
         problems += _check_parallelism_block(data["parallelism_config"], path)
-        if data.get("distributed_type") != "FSDP":
-            # accelerate launch passes the sizes on under any type; only FSDP (version 2) applies them
-            problems.append(Problem(f"parallelism_config needs distributed_type: FSDP, the YAML has "
-                                    f"{data.get('distributed_type')}", where,
-                                    "start from accelerate_configs/tp.yaml, fsdp_tp.yaml or hsdp.yaml"))
+        if data.get("distributed_type") not in ("FSDP", "DEEPSPEED"):
+            # accelerate launch passes the sizes on under any type; FSDP (version 2) applies them, DeepSpeed its
+            # sequence-parallel size (trainkit/strategies/deepspeed.py)
+            problems.append(Problem(f"parallelism_config needs distributed_type: FSDP (or DEEPSPEED for "
+                                    f"parallelism_config_sp_size), the YAML has {data.get('distributed_type')}",
+                                    where, "start from accelerate_configs/tp.yaml, fsdp_tp.yaml, hsdp.yaml or "
+                                    "deepspeed_zero3_sp.yaml"))
     return problems
 
 

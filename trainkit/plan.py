@@ -110,7 +110,7 @@ def _plan(options: RunOptions, overrides: list[tuple[str, str, str]]) -> Plan:
         raise ConfigError(problems)
     shape = model_shape(recipe, cfg, model)
     tokens = recipe.tokens_per_sample(cfg)
-    activations = run_activations(shape, cfg, tokens, launch.mixed_precision)
+    activations = run_activations(shape, cfg, per_rank(tokens, strategy), launch.mixed_precision)
     estimate = strategy.estimate(shape, options.num_processes or launch.world_size, activations)
     flops = count_flops(model, tokens)
     resolved = resolved_config(recipe, cfg, sources, launch, strategy, estimate, flops, run_option_values(options))
@@ -126,6 +126,12 @@ def _plan(options: RunOptions, overrides: list[tuple[str, str, str]]) -> Plan:
         raise ConfigError(problems)
     return Plan(options, recipe, cfg, launch, strategy, shape, estimate, MappingProxyType(resolved), resume, flops,
                 tuple(notes))
+
+
+def per_rank(tokens: int | None, strategy: Strategy) -> int | None:
+    """The positions of a sample one rank computes: 1/sp of them under sequence parallelism (rounded up, as the
+    runner pads a row to a multiple of sp)."""
+    return -(-tokens // strategy.sequence_parallel_size) if tokens else tokens
 
 
 def check_async_save(async_save: bool, strategy: Strategy) -> list[Problem]:
@@ -195,8 +201,8 @@ def estimate_report(plan: Plan) -> str:
     candidates = sorted([for_launch(dataclasses.replace(launch, **resized), plain, {}, plan.recipe)
                          for launch in shipped_strategies().values()], key=lambda s: s.speed_rank)
     seq_len = plan.recipe.tokens_per_sample(plan.cfg)
-    activations = run_activations(plan.shape, plan.cfg, seq_len, precision)
-    rows = [s.estimate(plan.shape, world_size, activations) for s in candidates]
+    rows = [s.estimate(plan.shape, world_size, run_activations(plan.shape, plan.cfg, per_rank(seq_len, s), precision))
+            for s in candidates]
     # A row is offered only where the plan's own checks (those of --dry_run, but this machine's) accept it
     refused = {s.label: problems[0].what for s in [*candidates, mine]
                if (problems := s.check(this_machine=False) + s.check_model(model))}
@@ -212,5 +218,6 @@ def estimate_report(plan: Plan) -> str:
                + (", each MLP in chunks (--tiled_mlp)" if getattr(plan.cfg, "tiled_mlp", False) else "")
                + (", activation offload not counted (the activations as if on the device)"
                   if plan.cfg.activation_offload else ""))
+    activations = run_activations(plan.shape, plan.cfg, per_rank(seq_len, mine), precision)
     return report(plan.shape, rows, mine.estimate(plan.shape, world_size, activations) if plan.launch.chosen else None,
                   world_size, precision, plan.cfg.optimizer, plan.options.device_memory, assumed, refused, load_host)

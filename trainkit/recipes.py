@@ -41,6 +41,14 @@ and optionally (the defaults are `Recipe`'s):
                                     checkpoints keep them (trainkit/precompute.py; recipes/dpo.py's
                                     --precompute_ref_logps); default None
 
+and, to train under sequence parallelism (a DeepSpeed YAML's parallelism_config_sp_size):
+
+    sequence_parallel = True        the loss reads the shards of token rows the runner cuts
+                                    (trainkit/sequence_parallel.py's shard): input_ids, position_ids and
+                                    shift_labels (the next token of each position, -100 where nothing is learned),
+                                    all 1/sp of each row's positions; the runner weighs each shard by its learned
+                                    targets. A transformers model, whose attention Ulysses splits; default False
+
 and, to train under pipeline parallelism (--pipeline_stages; all three or none):
 
     pipeline_layers(model)          -> the model's repeated layers, in order: stages are cut between them
@@ -132,6 +140,7 @@ class Recipe:
     generate: Callable[[torch.nn.Module, Any, Any], list[dict[str, str]]] = no_generations
     loss_weight: Callable[[Any, Any], Any] | None = None
     precompute: Callable[[Any], Callable[[torch.nn.Module, Any], dict[str, torch.Tensor]] | None] = no_precompute
+    sequence_parallel: bool = False
     pipeline_layers: Callable[[torch.nn.Module], Any] | None = None
     pipeline_stage: Callable[[torch.nn.Module, range, bool, bool], torch.nn.Module] | None = None
     pipeline_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
@@ -217,6 +226,7 @@ def _samples(batch: Any) -> int:
 
 
 REQUIRED = ("Config", "build_model", "build_datasets", "loss")
+FLAGS = ("sequence_parallel",)  # what a recipe declares with a value, not a function
 OPTIONAL = tuple(f.name for f in dataclasses.fields(Recipe) if f.name not in (*REQUIRED, "path", "reported"))
 
 
@@ -262,7 +272,10 @@ def load_recipe(name_or_path: str) -> Recipe:
     problems = _config_problems(module.Config, path)
     problems += [Problem(f"recipe {path}: {name} is not a function", "--recipe", f"define `def {name}(...)`")
                  for name in (*REQUIRED[1:], *OPTIONAL)
-                 if hasattr(module, name) and not callable(getattr(module, name))]
+                 if hasattr(module, name) and name not in FLAGS and not callable(getattr(module, name))]
+    problems += [Problem(f"recipe {path}: {name} is {getattr(module, name)!r}, not True or False", "--recipe",
+                         f"write `{name} = True`") for name in FLAGS
+                 if hasattr(module, name) and not isinstance(getattr(module, name), bool)]
     if problems:
         raise ConfigError(problems)
     hooks = {name: getattr(module, name) for name in OPTIONAL if hasattr(module, name)}

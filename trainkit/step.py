@@ -64,6 +64,9 @@ class StepEngine(Protocol):
     def loss_holders(self) -> int: ...
 
     @property
+    def sequence_parallel_size(self) -> int: ...
+
+    @property
     def loss_weigher(self) -> Callable[[Any, Any], Any] | None: ...
 
     def engine_step(self, step: int, micro_batches: list, loss_fn: Any, finite: FiniteCheck,
@@ -108,7 +111,8 @@ def loss_weights(engine: StepEngine, micro_batches: list) -> list[float]:
         return [1.0] * len(micro_batches)
     local = [float(weigh(engine.cfg, batch)) for batch in micro_batches]
     total = engine.accelerator.reduce(torch.tensor([sum(local)], device=engine.accelerator.device), "sum").item()
-    total *= engine.data_parallel_size / engine.accelerator.num_processes  # ranks that share a batch count it once
+    # ranks that share a batch count it once (tensor parallelism's copies), unless they split its sequence
+    total *= engine.data_parallel_size * engine.sequence_parallel_size / engine.accelerator.num_processes
     return [w * len(micro_batches) * engine.data_parallel_size / total if total else 0.0 for w in local]
 
 

@@ -99,6 +99,12 @@ class Strategy:
         return self.launch.world_size
 
     @property
+    def sequence_parallel_size(self) -> int:
+        """The ranks that share each sample's positions between them (a DeepSpeed YAML's parallelism_config_sp_size):
+        activations per rank are those of 1/this of each sequence."""
+        return 1
+
+    @property
     def speed_rank(self) -> int:
         """Where --estimate tries this strategy when it looks for the fastest one that fits: less communication
         and no host traffic first (DDP 0 ... ZeRO-3 offload 7)."""

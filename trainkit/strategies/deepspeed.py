@@ -31,13 +31,14 @@ from trainkit.config import TrainConfig
 from trainkit.errors import ConfigError, Problem
 from trainkit.estimate import OPTIMIZER_BYTES, Estimate, ModelShape
 from trainkit.guards import FiniteCheck
-from trainkit.launch import Launch, is_true
+from trainkit import sequence_parallel
+from trainkit.launch import PARALLELISM_KEY, Launch, is_true
 from trainkit.recipes import Recipe
 from trainkit.step import StepResult, agree, loss_weights, optimizer_step
 from trainkit.strategies.base import Strategy
 from trainkit.strategies.dcp_format import CheckpointFormat, load_trained_weights
 from trainkit.strategies.deepspeed_config import fill_bucket_sizes, persistence_threshold, resolve
-from trainkit.strategies.engine import Engine, LossFn
+from trainkit.strategies.engine import Engine, LossFn, batch_samples
 
 TAG = "deepspeed"  # the one tag under checkpoints/step_<N>/deepspeed/
 
@@ -164,9 +165,20 @@ class ZeroEngine(Engine):
 
         # Given explicitly so that nothing from the environment overrides the resolved JSON. Never cpu=True: under
         # it Accelerate silently trains plain DDP.
-        return {"deepspeed_plugin": DeepSpeedPlugin(hf_ds_config=self.strategy.config,
-                                                    gradient_accumulation_steps=self.cfg.grad_accum,
-                                                    gradient_clipping=float(self.cfg.max_grad_norm))}
+        plugin = {"deepspeed_plugin": DeepSpeedPlugin(hf_ds_config=self.strategy.config,
+                                                      gradient_accumulation_steps=self.cfg.grad_accum,
+                                                      gradient_clipping=float(self.cfg.max_grad_norm))}
+        if self.sequence_parallel_size == 1:
+            return plugin
+        from accelerate.utils import ParallelismConfig
+        from accelerate.utils.dataclasses import DeepSpeedSequenceParallelConfig
+
+        # Accelerate's own sequence parallelism: its prepare() makes DeepSpeed's groups (sp neighbouring ranks) and
+        # registers Ulysses in place of the model's attention implementation (named in apply, once the model exists),
+        # stepping aside in eval mode. Rows of any length: the runner cuts each micro-batch itself.
+        handler = DeepSpeedSequenceParallelConfig(sp_seq_length_is_variable=True, sp_attn_implementation="sdpa")
+        return {**plugin, "parallelism_config": ParallelismConfig(sp_size=self.sequence_parallel_size,
+                                                                  sp_backend="deepspeed", sp_handler=handler)}
 
     def process_group_kwargs(self) -> dict[str, Any]:
         kwargs = super().process_group_kwargs()
@@ -187,6 +199,16 @@ class ZeroEngine(Engine):
                 f"the engine)" if not all(built) else ""
             self.notes.append(f"ZeRO-3: the model was built partitioned across {self.launch.world_size} process(es) "
                               f"(zero.Init): no rank held it whole{later}")
+        if self.sequence_parallel_size > 1:
+            from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+            # What Ulysses will call once it has gathered the whole sequence: the model's attention, with the mask of
+            # packed rows made from the whole row's positions (trainkit/sequence_parallel.py)
+            attention = getattr(model, "get_base_model", lambda: model)().config._attn_implementation
+            ALL_ATTENTION_FUNCTIONS[attention] = sequence_parallel.packed_attention(ALL_ATTENTION_FUNCTIONS[attention])
+            self.accelerator.parallelism_config.sp_handler.sp_attn_implementation = attention
+            self.notes.append(f"sequence parallelism: each sequence cut in {self.sequence_parallel_size} (DeepSpeed's "
+                              f"Ulysses, {attention} attention), {self.data_parallel_size} data-parallel group(s)")
         return super().apply(model)
 
     def make_optimizer(self, model: torch.nn.Module,
@@ -201,6 +223,47 @@ class ZeroEngine(Engine):
     @property
     def deepspeed_engine(self):
         return self.accelerator.deepspeed_engine_wrapped.engine
+
+    # --- sequence parallelism: the ranks of a group share a micro-batch, 1/sp of its positions each -----------------
+
+    @property
+    def sequence_parallel_size(self) -> int:
+        return self.strategy.sequence_parallel_size
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return self.accelerator.process_index // self.sequence_parallel_size  # DeepSpeed's groups: neighbours
+
+    @property
+    def loss_holders(self) -> int:
+        """Under sequence parallelism a group's ranks compute one loss between them: a part each, weighed by its
+        learned tokens."""
+        return self.accelerator.num_processes // self.sequence_parallel_size
+
+    @property
+    def gradient_correction(self) -> float:
+        """What the backward's loss is multiplied by for the reduced gradient to be the global batch's. Under
+        sequence parallelism DeepSpeed divides the summed gradients by the data-parallel size (num_processes / sp) in
+        ZeRO-1/2 and in ZeRO-3's all-reduce path, but by num_processes in ZeRO-3's reduce-scatter (its default,
+        stage3.py's __avg_scatter_grads, which has no sp term): measured, a gradient norm 1/sp of one process's."""
+        zero = self.strategy.zero
+        return float(self.sequence_parallel_size) if zero.get("stage") == 3 and zero.get("reduce_scatter", True) \
+            else 1.0
+
+    @property
+    def loss_weigher(self) -> Callable[[Any, Any], Any] | None:
+        """Each shard by its learned tokens (trainkit/sequence_parallel.py); a whole batch (evaluation) as the recipe
+        weighs it."""
+        if self.sequence_parallel_size == 1:
+            return super().loss_weigher
+        recipe = super().loss_weigher
+
+        def weigh(cfg: Any, batch: Any) -> Any:
+            if "shift_labels" in batch:
+                return sequence_parallel.learned_tokens(batch)
+            return recipe(cfg, batch) if recipe is not None else batch_samples(batch)
+
+        return weigh
 
     # --- one optimizer step -----------------------------------------------------------------------------------------
 
@@ -217,6 +280,9 @@ class ZeroEngine(Engine):
         until the last micro-batch as DDP and FSDP2 do (strategies/mesh.py). ZeRO-3 also gathers every layer's
         parameters again in each micro-batch's forward and backward."""
         accelerator, model = self.accelerator, self.model
+        if self.sequence_parallel_size > 1:  # this rank's positions of every row
+            micro_batches = [sequence_parallel.shard(batch, accelerator.process_index % self.sequence_parallel_size,
+                                                     self.sequence_parallel_size) for batch in micro_batches]
         loss_sum = torch.zeros(1, device=accelerator.device)
         weights = loss_weights(self, micro_batches)
         for i, batch in enumerate(micro_batches):
@@ -226,7 +292,7 @@ class ZeroEngine(Engine):
                 if i == len(micro_batches) - 1:
                     loss_value, stop, _, _ = agree(self, loss_sum / len(micro_batches), stop_requested)
                     finite.loss(step, loss_value)
-                accelerator.backward(loss)
+                accelerator.backward(loss * self.gradient_correction)
         # None when the JSON turns the norm's computation off (compute_grad_norm: false, allowed without clipping).
         norm = self.deepspeed_engine.get_global_grad_norm()
         grad_norm = float(norm) if norm is not None else None
@@ -293,7 +359,10 @@ class DeepSpeed(Strategy):
     def __init__(self, launch: Launch, cfg: TrainConfig, sources: Mapping[str, str],
                  recipe: Recipe | None = None) -> None:
         super().__init__(launch, cfg, sources, recipe)
-        self.resolved = resolve(launch, cfg, sources)
+        # Ulysses sequence parallelism (parallelism_config_sp_size): groups of sp neighbouring ranks share each
+        # micro-batch, 1/sp of its positions each (trainkit/sequence_parallel.py); ZeRO partitions over every rank
+        self.sp = launch.parallelism_size("sp")
+        self.resolved = resolve(launch, cfg, sources, self.data_parallel_size)
         self.config = self.resolved.config  # the filled JSON that the engine gets
         self.notes = tuple(self.resolved.notes)
 
@@ -325,12 +394,21 @@ class DeepSpeed(Strategy):
 
     @property
     def label(self) -> str:
-        return f"deepspeed_zero{self.stage}" + ("_offload" if self.offloads_optimizer else "")
+        return f"deepspeed_zero{self.stage}" + ("_offload" if self.offloads_optimizer else "") + \
+            ("_sp" if self.sp > 1 else "")
+
+    @property
+    def data_parallel_size(self) -> int:
+        return max(1, self.launch.world_size // self.sp)
+
+    @property
+    def sequence_parallel_size(self) -> int:
+        return self.sp
 
     def resolved_fields(self) -> dict[str, Any]:
         """Also the whole DeepSpeed config as the engine gets it (bucket sizes still "auto": they are filled from
-        the model when it is built)."""
-        return {"strategy": self.name, "zero_stage": self.stage, "deepspeed_config": self.config}
+        the model when it is built), and the sequence-parallel size."""
+        return {"strategy": self.name, "zero_stage": self.stage, "sp": self.sp, "deepspeed_config": self.config}
 
     @property
     def speed_rank(self) -> int:
@@ -339,7 +417,34 @@ class DeepSpeed(Strategy):
         return {0: 1, 1: 1, 2: 2, 3: 4}.get(self.stage, 4)
 
     def check(self, this_machine: bool = True) -> list[Problem]:
-        return super().check(this_machine) + self.resolved.problems
+        return super().check(this_machine) + self.resolved.problems + self.sequence_problems()
+
+    def sequence_problems(self) -> list[Problem]:
+        """A YAML's parallelism_config under DeepSpeed: only its sp size applies, dividing the processes, for a recipe
+        whose loss reads the shards."""
+        where = f"parallelism_config in {self.launch.source}"
+        problems = [Problem(f"{PARALLELISM_KEY.format(name)} is {size}: under DeepSpeed only the sequence-parallel "
+                            f"size applies (ZeRO partitions over every rank)", where,
+                            f"set {PARALLELISM_KEY.format(name)}: 1, or use an FSDP YAML for it (tp.yaml, hsdp.yaml)")
+                    for name, size in self.launch.parallelism.items() if name != "sp" and size != 1]
+        if self.sp < 1 or self.launch.world_size % self.sp:
+            problems.append(Problem(f"parallelism_config_sp_size {self.sp} does not divide the "
+                                    f"{self.launch.world_size} process(es)", where,
+                                    "launch a multiple of it (--num_processes), or change parallelism_config_sp_size"))
+        elif self.sp > 1 and self.recipe is not None and not self.recipe.sequence_parallel:
+            problems.append(Problem(f"recipe {self.recipe.path.name} does not declare sequence_parallel: its loss "
+                                    f"would read a shard of each row as if it were the row", where,
+                                    "set parallelism_config_sp_size: 1, or train recipes/causal_lm.py or "
+                                    "tiny_transformer.py (recipes/README.md: sequence_parallel)"))
+        elif self.sp > 1 and getattr(self.cfg, "pipeline_stages", 1) > 1:
+            problems.append(Problem("sequence parallelism and --pipeline_stages together", where,
+                                    "drop --pipeline_stages, or set parallelism_config_sp_size: 1"))
+        return problems
+
+    def check_model(self, model: torch.nn.Module) -> list[Problem]:
+        if self.sp == 1:
+            return []
+        return sequence_parallel.problems(model, self.sp, f"parallelism_config in {self.launch.source}")
 
     def cpu_fp16_refusal(self) -> str | None:
         return "DeepSpeed's own fp16 engine needs a GPU (it fails with \"Type fp16 is not supported on your device\")"

@@ -60,12 +60,13 @@ class DeepSpeedConfig:
         return f'set "{json_key}": "auto" in the JSON so the run fills it'
 
 
-def resolve(launch: Launch, cfg: TrainConfig, sources: Mapping[str, str]) -> DeepSpeedConfig:
-    """The DeepSpeed config for this run, every "auto" it knows filled, and every problem found."""
+def resolve(launch: Launch, cfg: TrainConfig, sources: Mapping[str, str], data_parallel: int) -> DeepSpeedConfig:
+    """The DeepSpeed config for this run, every "auto" it knows filled, and every problem found (`data_parallel`: the
+    ranks that train on other samples, all but those that share a sequence)."""
     loaded = _load(launch)
     if not loaded.config:  # nothing to fill or check: the problems say why
         return loaded
-    _fill_run_values(loaded, launch, cfg, sources)
+    _fill_run_values(loaded, launch, cfg, sources, data_parallel)
     _recipe_sections(loaded, cfg, sources)
     _check_zero(loaded, cfg)
     if not loaded.problems:
@@ -135,18 +136,19 @@ def _load(launch: Launch) -> DeepSpeedConfig:
     return DeepSpeedConfig(ds, yaml_where, yaml_where, True, problems)
 
 
-def _fill_run_values(loaded: DeepSpeedConfig, launch: Launch, cfg: TrainConfig, sources: Mapping[str, str]) -> None:
+def _fill_run_values(loaded: DeepSpeedConfig, launch: Launch, cfg: TrainConfig, sources: Mapping[str, str],
+                     data_parallel: int) -> None:
     ds, name, where = loaded.config, loaded.name, loaded.where
     run_values = {  # the JSON key: the run's value, the recipe field behind it
         "train_micro_batch_size_per_gpu": (cfg.batch_size, "batch_size"),
         "gradient_accumulation_steps": (cfg.grad_accum, "grad_accum"),
-        "train_batch_size": (global_batch_size(cfg.batch_size, cfg.grad_accum, launch.world_size), None),
+        "train_batch_size": (global_batch_size(cfg.batch_size, cfg.grad_accum, data_parallel), None),
         "gradient_clipping": (float(cfg.max_grad_norm), "max_grad_norm"),
     }
     for key, (value, flag) in run_values.items():
         given = ds.get(key, "auto")
         if given != "auto" and given != value:
-            product = "batch_size x grad_accum x num_processes"
+            product = "batch_size x grad_accum x data-parallel size (num_processes / sp size)"
             source = sources.get(flag, "recipe default") if flag else product
             instead = f"pass --{flag} {given}" if flag else f"choose a {product} of {given}"
             loaded.problems.append(Problem(f"{key} is {given} in {name} but {value} in the run ({source})", where,

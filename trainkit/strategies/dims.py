@@ -114,11 +114,12 @@ def parallelism_problems(launch: Launch) -> list[Problem]:
     problems = [Problem(f"{PARALLELISM_KEY.format(name)} is {size}: every size must be a positive integer", where,
                         f"set {PARALLELISM_KEY.format(name)}: 1 or more")
                 for name, size in launch.parallelism.items() if size < 1]
-    for name, what in (("cp", "context"), ("sp", "sequence")):
+    for name, what, fix in (("cp", "context parallelism is not supported by this runner", ""),
+                            ("sp", "sequence parallelism runs under DeepSpeed (Accelerate's sp_backend: deepspeed)",
+                             ", or start from accelerate_configs/deepspeed_zero3_sp.yaml")):
         if launch.parallelism_size(name) > 1:
-            problems.append(Problem(f"{PARALLELISM_KEY.format(name)} is {launch.parallelism_size(name)}: {what} "
-                                    f"parallelism is not supported by this runner", where,
-                                    f"set {PARALLELISM_KEY.format(name)}: 1"))
+            problems.append(Problem(f"{PARALLELISM_KEY.format(name)} is {launch.parallelism_size(name)}: {what}",
+                                    where, f"set {PARALLELISM_KEY.format(name)}: 1{fix}"))
     replicas, shards = launch.parallelism_size("dp_replicate"), launch.parallelism_size("dp_shard")
     if replicas > 1 and shards == 1:
         # Accelerate's own rule: replicas without sharding are DDP (with tp as well, it asks for dp_shard instead)

@@ -69,6 +69,11 @@ class Engine:
         share a data-parallel rank and see the same samples."""
         return self.accelerator.process_index
 
+    @property
+    def sequence_parallel_size(self) -> int:
+        """The ranks that share each micro-batch, each computing a part of its positions (DeepSpeed's Ulysses)."""
+        return 1
+
     # --- build ------------------------------------------------------------------------------------------------------
 
     def accelerator_kwargs(self) -> dict[str, Any]:

@@ -1,0 +1,130 @@
+"""Sequence parallelism (DeepSpeed's Ulysses, selected by a DeepSpeed YAML's `parallelism_config_sp_size`): the ranks of
+one group share a micro-batch, each holding 1/sp of its positions; each attention layer exchanges heads for
+positions (all-to-all), attends over the whole sequence for its 1/sp of the heads, and exchanges back.
+
+Accelerate builds the groups and registers DeepSpeed's `UlyssesSPAttentionHF` in place of the model's attention
+implementation (transformers' attention interface) when it prepares the model; this module does what the runner must
+for the numbers to stay one process's:
+
+- `shard`: the micro-batch cut along the sequence, the next-token targets (`shift_labels`) made *before* the cut:
+  a shard that shifted its own labels would lose the target of its last position (the next shard's first token).
+  The positions are those of the whole row, so rotary embeddings and packed examples see their own.
+- `packed_attention`: DeepSpeed's wrapper drops the attention mask (it was made for the shard's length) and relies on
+  causal attention over the gathered positions; packed rows then attend across their examples. Under the wrapper,
+  the core attention gets the whole row's position_ids; where they restart (packed examples) it builds the
+  block-diagonal causal mask of the whole row from them.
+- `learned_tokens`: what each shard's mean loss is over; the runner weighs every shard by it
+  (trainkit/step.py's loss_weights), so a step's loss is the mean over every learned token of the global batch,
+  never a mean of the shards' means.
+
+Evaluation and generation run with the model in eval mode, where the wrapper steps aside (Accelerate registers it
+with `disable_in_eval`): each rank of a group evaluates the group's micro-batches whole, as its copies weigh the
+same, the eval loss is one process's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from trainkit.errors import Problem
+
+IGNORE = -100  # a target the loss skips (torch's cross_entropy ignore_index; trainkit/sft.py's IGNORE)
+# What DeepSpeed's Ulysses runs on: the attention implementations that take no materialised mask
+SPLITTABLE_ATTENTION = ("sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
+
+
+def shard(batch: dict[str, torch.Tensor], rank: int, size: int) -> dict[str, torch.Tensor]:
+    """This rank's part of a collated micro-batch of token rows (input_ids; labels, else attention_mask, say what is
+    learned; position_ids where rows are packed; a per-token `weight` where each example weighs the same): the
+    positions [rank x L/size, (rank + 1) x L/size) of input_ids, shift_labels (the next token where it is learned,
+    else IGNORE; the last position has none), position_ids and shift_weight. Rows are padded to a multiple of
+    `size` with positions that learn nothing."""
+    ids = batch["input_ids"]
+    rows, length = ids.shape
+    if "labels" in batch:
+        targets = batch["labels"][:, 1:]
+    elif "attention_mask" in batch:
+        targets = ids[:, 1:].masked_fill(batch["attention_mask"][:, 1:] == 0, IGNORE)
+    else:
+        targets = ids[:, 1:]
+    pad = -length % size
+    parts = {
+        "input_ids": _extend(ids, pad, 0),
+        "shift_labels": _extend(targets, pad + 1, IGNORE),
+        "position_ids": batch["position_ids"] if "position_ids" in batch
+        else torch.arange(length, device=ids.device).expand(rows, length),
+    }
+    if pad:  # positions that go on counting: causal attention keeps them out of every real token's view
+        tail = parts["position_ids"][:, -1:] + torch.arange(1, pad + 1, device=ids.device)
+        parts["position_ids"] = torch.cat([parts["position_ids"], tail], dim=1)
+    if "weight" in batch:
+        parts["shift_weight"] = _extend(batch["weight"][:, 1:], pad + 1, 0)
+    width = (length + pad) // size
+    return {name: part[:, rank * width:(rank + 1) * width] for name, part in parts.items()}
+
+
+def _extend(rows: torch.Tensor, count: int, value: float) -> torch.Tensor:
+    return torch.cat([rows, rows.new_full((rows.shape[0], count), value)], dim=1) if count else rows
+
+
+def learned_tokens(batch: dict[str, torch.Tensor]) -> float:
+    """What a shard's mean loss is over: its learned targets, or their weights (a recipe's loss_average samples)."""
+    if "shift_weight" in batch:
+        return float(batch["shift_weight"].sum())
+    return float((batch["shift_labels"] != IGNORE).sum())
+
+
+def packed_attention(core: Callable[..., Any]) -> Callable[..., Any]:
+    """`core` (an attention implementation of transformers' interface) with, where it gets no mask and the position_ids
+    of its rows restart (packed examples, as Ulysses hands it the whole row), the block-diagonal causal mask of those
+    examples: each token attends to the earlier tokens of its own example."""
+
+    def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  attention_mask: Any, *args: Any, **kwargs: Any) -> Any:
+        positions = kwargs.get("position_ids")
+        if attention_mask is None and positions is not None and positions.shape[-1] == query.shape[2] and \
+                bool((positions[:, 1:] == 0).any()):
+            example = (positions == 0).cumsum(dim=1)  # a new example where the positions start again
+            length = positions.shape[1]
+            causal = torch.ones(length, length, dtype=torch.bool, device=positions.device).tril()
+            attention_mask = ((example[:, :, None] == example[:, None, :]) & causal)[:, None]
+        return core(module, query, key, value, attention_mask, *args, **kwargs)
+
+    return attention
+
+
+def problems(model: nn.Module, size: int, where: str) -> list[Problem]:
+    """What keeps `model` (built on the meta device) from being split over `size` ranks by Ulysses: no transformers
+    config, an attention outside transformers' attention interface or one that needs a materialised mask (eager),
+    heads that do not divide among the ranks."""
+    inner = getattr(model, "get_base_model", lambda: model)()
+    config = getattr(inner, "config", None)
+    name = type(inner).__name__
+    fix = "set parallelism_config_sp_size: 1, or train a transformers decoder (recipes/causal_lm.py)"
+    if config is None or not hasattr(config, "get_text_config"):
+        return [Problem(f"{name} is not a transformers model: sequence parallelism replaces the attention of "
+                        "transformers' attention interface", where, fix)]
+    if not getattr(inner, "_supports_attention_backend", False):
+        return [Problem(f"{name}'s attention does not go through transformers' attention interface, where "
+                        "sequence parallelism exchanges heads for positions", where, fix)]
+    attention = getattr(config, "_attn_implementation", None)
+    if attention not in SPLITTABLE_ATTENTION:
+        return [Problem(f"{name} uses {attention!r} attention, which needs a mask of the whole sequence: sequence "
+                        f"parallelism runs {', '.join(SPLITTABLE_ATTENTION)}", where,
+                        "build the model with attn_implementation='sdpa' (transformers' default)")]
+    text = config.get_text_config()
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    found = []
+    if heads % size:
+        found.append(Problem(f"{name} has {heads} attention heads, which do not divide among {size} sequence-"
+                             f"parallel ranks (each attends with 1/{size} of the heads)", where,
+                             f"set parallelism_config_sp_size to a divisor of {heads}"))
+    elif kv_heads % size and size % kv_heads:
+        found.append(Problem(f"{name} has {kv_heads} key/value heads: neither a multiple nor a divisor of sp size "
+                             f"{size}", where, f"set parallelism_config_sp_size to a divisor of {kv_heads}"))
+    return found
