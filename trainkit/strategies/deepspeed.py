@@ -27,11 +27,11 @@ from typing import Any
 
 import torch
 
+from trainkit import sequence_parallel
 from trainkit.config import TrainConfig
 from trainkit.errors import ConfigError, Problem
 from trainkit.estimate import OPTIMIZER_BYTES, Estimate, ModelShape
 from trainkit.guards import FiniteCheck
-from trainkit import sequence_parallel
 from trainkit.launch import PARALLELISM_KEY, Launch, is_true
 from trainkit.recipes import Recipe
 from trainkit.step import StepResult, agree, loss_weights, optimizer_step
