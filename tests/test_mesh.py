@@ -132,7 +132,8 @@ def test_each_role_is_its_own_object_the_plan_builds_nothing():
     from trainkit.strategies import REGISTRY, Engine, Strategy
     from trainkit.strategies.dcp_format import CheckpointFormat
 
-    built = {name for name in vars(Engine) if not name.startswith("__")} - {"data_parallel_size"}
+    built = {name for name in vars(Engine) if not name.startswith("__")} - {"data_parallel_size",
+                                                                             "sequence_parallel_size"}
     assert {"prepare", "forward_backward", "clip_grad_norm", "evaluate", "full_state_dict"} <= built
     for cls in REGISTRY:
         assert issubclass(cls.engine, Engine) and issubclass(cls.engine.format, CheckpointFormat), cls

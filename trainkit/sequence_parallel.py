@@ -97,10 +97,11 @@ def packed_attention(core: Callable[..., Any]) -> Callable[..., Any]:
     return attention
 
 
-def problems(model: nn.Module, size: int, where: str) -> list[Problem]:
+def problems(model: nn.Module, size: int, where: str, seq_len: int | None) -> list[Problem]:
     """What keeps `model` (built on the meta device) from being split over `size` ranks by Ulysses: no transformers
     config, an attention outside transformers' attention interface or one that needs a materialised mask (eager),
-    heads that do not divide among the ranks."""
+    layers that are not plain causal attention over the sequence (Ulysses drops the mask that would narrow them:
+    a sliding window shorter than `seq_len`, linear attention's state), heads that do not divide among the ranks."""
     inner = getattr(model, "get_base_model", lambda: model)()
     config = getattr(inner, "config", None)
     name = type(inner).__name__
@@ -117,6 +118,14 @@ def problems(model: nn.Module, size: int, where: str) -> list[Problem]:
                         f"parallelism runs {', '.join(SPLITTABLE_ATTENTION)}", where,
                         "build the model with attn_implementation='sdpa' (transformers' default)")]
     text = config.get_text_config()
+    kinds = set(getattr(text, "layer_types", None) or ()) - {"full_attention"}
+    window = getattr(text, "sliding_window", None) if kinds <= {"sliding_attention"} else None
+    if kinds - {"sliding_attention"} or (window or kinds) and (seq_len is None or (window or 0) < seq_len):
+        what = f"layers of type {', '.join(sorted(kinds))}" if kinds - {"sliding_attention"} else \
+            f"a sliding window of {window} tokens, shorter than the {seq_len}-token sequence"
+        return [Problem(f"{name} has {what}: under sequence parallelism every layer would attend causally over the "
+                        "whole sequence (DeepSpeed's Ulysses drops the mask that narrows them)", where,
+                        "set parallelism_config_sp_size: 1, or a seq_len within the window")]
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     found = []

@@ -158,6 +158,16 @@ class ZeroEngine(Engine):
             from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
             unset_hf_deepspeed_config()
+        elif self.strategy.builds_partitioned and self.sequence_parallel_size > 1:
+            # zero.Init reads the config without DeepSpeed's sequence-parallel groups, so it checks train_batch_size
+            # against every process ("8 != 8 * 1 * 2"): it gets the config without it (the engine gets it whole).
+            from transformers.integrations import HfDeepSpeedConfig
+            from transformers.integrations.deepspeed import set_hf_deepspeed_config
+
+            plugin = accelerator.state.deepspeed_plugin
+            plugin.dschf = HfDeepSpeedConfig({k: v for k, v in plugin.deepspeed_config.items()
+                                              if k != "train_batch_size"})
+            set_hf_deepspeed_config(plugin.dschf)
         return accelerator
 
     def accelerator_kwargs(self) -> dict[str, Any]:
@@ -177,8 +187,10 @@ class ZeroEngine(Engine):
         # registers Ulysses in place of the model's attention implementation (named in apply, once the model exists),
         # stepping aside in eval mode. Rows of any length: the runner cuts each micro-batch itself.
         handler = DeepSpeedSequenceParallelConfig(sp_seq_length_is_variable=True, sp_attn_implementation="sdpa")
-        return {**plugin, "parallelism_config": ParallelismConfig(sp_size=self.sequence_parallel_size,
-                                                                  sp_backend="deepspeed", sp_handler=handler)}
+        # dp_replicate: the groups, which Accelerate multiplies into DeepSpeed's train_batch_size
+        return {**plugin, "parallelism_config": ParallelismConfig(
+            sp_size=self.sequence_parallel_size, sp_backend="deepspeed", sp_handler=handler,
+            dp_replicate_size=self.data_parallel_size)}
 
     def process_group_kwargs(self) -> dict[str, Any]:
         kwargs = super().process_group_kwargs()
@@ -204,7 +216,10 @@ class ZeroEngine(Engine):
 
             # What Ulysses will call once it has gathered the whole sequence: the model's attention, with the mask of
             # packed rows made from the whole row's positions (trainkit/sequence_parallel.py)
-            attention = getattr(model, "get_base_model", lambda: model)().config._attn_implementation
+            config = getattr(model, "get_base_model", lambda: model)().config
+            attention, text = config._attn_implementation, config.get_text_config()
+            if getattr(text, "num_key_value_heads", None) is None:  # GPT-2, GPT-NeoX: DeepSpeed reads it regardless
+                text.num_key_value_heads = text.num_attention_heads
             ALL_ATTENTION_FUNCTIONS[attention] = sequence_parallel.packed_attention(ALL_ATTENTION_FUNCTIONS[attention])
             self.accelerator.parallelism_config.sp_handler.sp_attn_implementation = attention
             self.notes.append(f"sequence parallelism: each sequence cut in {self.sequence_parallel_size} (DeepSpeed's "
@@ -225,10 +240,6 @@ class ZeroEngine(Engine):
         return self.accelerator.deepspeed_engine_wrapped.engine
 
     # --- sequence parallelism: the ranks of a group share a micro-batch, 1/sp of its positions each -----------------
-
-    @property
-    def sequence_parallel_size(self) -> int:
-        return self.strategy.sequence_parallel_size
 
     @property
     def data_parallel_rank(self) -> int:
@@ -402,6 +413,10 @@ class DeepSpeed(Strategy):
         return max(1, self.launch.world_size // self.sp)
 
     @property
+    def splits_model(self) -> bool:  # sequence parallelism cuts each sample: the recipe must read the shards
+        return self.sp > 1
+
+    @property
     def sequence_parallel_size(self) -> int:
         return self.sp
 
@@ -434,8 +449,9 @@ class DeepSpeed(Strategy):
         elif self.sp > 1 and self.recipe is not None and not self.recipe.sequence_parallel:
             problems.append(Problem(f"recipe {self.recipe.path.name} does not declare sequence_parallel: its loss "
                                     f"would read a shard of each row as if it were the row", where,
-                                    "set parallelism_config_sp_size: 1, or train recipes/causal_lm.py or "
-                                    "tiny_transformer.py (recipes/README.md: sequence_parallel)"))
+                                    "train it under deepspeed_zero3.yaml or fsdp.yaml (whole sequences), or "
+                                    "declare sequence_parallel with a loss that reads the shards as "
+                                    "recipes/causal_lm.py does (recipes/README.md)"))
         elif self.sp > 1 and getattr(self.cfg, "pipeline_stages", 1) > 1:
             problems.append(Problem("sequence parallelism and --pipeline_stages together", where,
                                     "drop --pipeline_stages, or set parallelism_config_sp_size: 1"))
@@ -444,7 +460,8 @@ class DeepSpeed(Strategy):
     def check_model(self, model: torch.nn.Module) -> list[Problem]:
         if self.sp == 1:
             return []
-        return sequence_parallel.problems(model, self.sp, f"parallelism_config in {self.launch.source}")
+        return sequence_parallel.problems(model, self.sp, f"parallelism_config in {self.launch.source}",
+                                          self.recipe.tokens_per_sample(self.cfg) if self.recipe else None)
 
     def cpu_fp16_refusal(self) -> str | None:
         return "DeepSpeed's own fp16 engine needs a GPU (it fails with \"Type fp16 is not supported on your device\")"

@@ -148,7 +148,8 @@ def _fill_run_values(loaded: DeepSpeedConfig, launch: Launch, cfg: TrainConfig, 
     for key, (value, flag) in run_values.items():
         given = ds.get(key, "auto")
         if given != "auto" and given != value:
-            product = "batch_size x grad_accum x data-parallel size (num_processes / sp size)"
+            product = "batch_size x grad_accum x num_processes" + (" / sp size" if data_parallel < launch.world_size
+                                                                     else "")
             source = sources.get(flag, "recipe default") if flag else product
             instead = f"pass --{flag} {given}" if flag else f"choose a {product} of {given}"
             loaded.problems.append(Problem(f"{key} is {given} in {name} but {value} in the run ({source})", where,

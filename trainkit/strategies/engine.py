@@ -43,6 +43,9 @@ class Planned(Protocol):
     @property
     def data_parallel_size(self) -> int: ...
 
+    @property
+    def sequence_parallel_size(self) -> int: ...
+
 
 class Engine:
     """Builds and runs one strategy's plan: the Accelerator, the prepared model, optimizer and schedule."""
@@ -72,7 +75,7 @@ class Engine:
     @property
     def sequence_parallel_size(self) -> int:
         """The ranks that share each micro-batch, each computing a part of its positions (DeepSpeed's Ulysses)."""
-        return 1
+        return self.strategy.sequence_parallel_size
 
     # --- build ------------------------------------------------------------------------------------------------------
 
