@@ -7,6 +7,10 @@ clipping and takes the optimizer step inside the last micro-batch's backward, so
 backward. Checkpoints are DeepSpeed's own (sharded per rank); a ZeRO checkpoint moves to another world size (and a
 ZeRO-1/2 one to the other of the two stages) through DeepSpeed's universal checkpoint.
 
+Sequence parallelism (a YAML's parallelism_config_sp_size; deepspeed_zero3_sp.yaml): Accelerate's ParallelismConfig
+makes DeepSpeed's Ulysses groups and attention; the engine deals one micro-batch to each group, cuts it per rank
+(trainkit/sequence_parallel.py), weighs each shard by its learned tokens, and corrects ZeRO-3's gradient average.
+
 CPU-only machines: without a backend DeepSpeed forms a world of N while Accelerate sees one process (the data would
 not be sharded), and with `cpu=True` Accelerate would silently train plain DDP instead: this strategy passes
 `backend="gloo"` (only with a real world: a one-process gloo group breaks Accelerate's reduce and gather).
