@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from trainkit import chunked_loss, decoder_stages, text, tiled_mlp
+from trainkit import chunked_loss, decoder_stages, sft, text, tiled_mlp
 from trainkit.config import TrainConfig
 from trainkit.errors import Problem
 from trainkit.rows import TextBlocks
@@ -175,7 +175,7 @@ def loss(model: torch.nn.Module, batch: dict) -> torch.Tensor:
         targets = batch["shift_labels"]
         losses, _ = chunked_loss.next_token_losses(model, targets=targets, input_ids=batch["input_ids"],
                                                    position_ids=batch["position_ids"], use_cache=False)
-        return losses.sum() / (targets != -100).sum().clamp(min=1)  # the runner weighs it by those targets
+        return losses.sum() / (targets != sft.IGNORE).sum().clamp(min=1)  # the runner weighs it by those targets
     return chunked_loss.next_token_losses(model, input_ids=batch["input_ids"], use_cache=False)[0].mean()
 
 

@@ -31,8 +31,8 @@ import torch
 from torch import nn
 
 from trainkit.errors import Problem
+from trainkit.sft import IGNORE
 
-IGNORE = -100  # a target the loss skips (torch's cross_entropy ignore_index; trainkit/sft.py's IGNORE)
 # What DeepSpeed's Ulysses runs on: the attention implementations that take no materialised mask
 SPLITTABLE_ATTENTION = ("sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
 
