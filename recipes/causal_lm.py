@@ -327,8 +327,8 @@ def loss_weight(cfg: Config, batch: dict) -> float:
     return float(_weights(batch).sum())
 
 
-# Sequence parallelism (a YAML's parallelism_config_sp_size; trainkit/sequence_parallel.py): _token_losses reads the
-# shards the runner cuts (shift_labels, the whole row's position_ids).
+# Sequence and context parallelism (a YAML's parallelism_config_sp_size or _cp_size; trainkit/sequence_parallel.py):
+# _token_losses reads the parts of each row the runner cuts (shift_labels, the whole row's position_ids).
 sequence_parallel = True
 
 

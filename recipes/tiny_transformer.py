@@ -179,8 +179,8 @@ def loss(model: torch.nn.Module, batch: dict) -> torch.Tensor:
     return chunked_loss.next_token_losses(model, input_ids=batch["input_ids"], use_cache=False)[0].mean()
 
 
-# Sequence parallelism (a YAML's parallelism_config_sp_size; trainkit/sequence_parallel.py): the loss above reads the
-# shards the runner cuts.
+# Sequence and context parallelism (a YAML's parallelism_config_sp_size or _cp_size; trainkit/sequence_parallel.py):
+# the loss above reads the parts of each row the runner cuts.
 sequence_parallel = True
 
 

@@ -10,6 +10,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from helpers import forked_launch
 
@@ -18,10 +19,10 @@ from trainkit.launch import config_path, shipped_configs
 from trainkit.recipes import load_recipe
 from trainkit.strategies import Strategy, for_launch, shipped_strategies
 
-__all__ = ["EXAMPLES", "FLAG_STRATEGIES", "LAUNCHES", "LAUNCH_TIMEOUT", "LM", "ROOT", "TEST_ENV", "Run",
-           "architecture", "assert_refused", "conversation", "entry", "forkable", "kill_tree", "launch",
-           "launch_command", "max_rel_diff", "PARITY_BOUND", "processes", "SERVER_ENV", "strategy_of", "write_yaml",
-           "yaml_of", "zero2_json"]
+__all__ = ["CPU_STAND_INS", "EXAMPLES", "FLAG_STRATEGIES", "GPU_ONLY", "LAUNCHES", "LAUNCH_TIMEOUT", "LM", "ROOT",
+           "TEST_ENV", "Run", "architecture", "assert_refused", "conversation", "entry", "forkable", "kill_tree",
+           "launch", "launch_command", "max_rel_diff", "PARITY_BOUND", "processes", "SERVER_ENV", "strategy_of",
+           "write_yaml", "yaml_of", "zero2_json"]
 
 # What every run in the tests gets: their own data cache, one thread per process (TRAINKIT_CPU_THREADS: under a
 # launcher OMP_NUM_THREADS=1 reads as the launcher's default, trainkit/hardware.py), no network.
@@ -51,6 +52,11 @@ PARITY_BOUND = 1e-5
 PIPELINE = {"pipeline_stages": 2, "grad_accum": 2}
 FLAG_STRATEGIES = {"pipeline": ("ddp", PIPELINE, 0), "pipeline_fsdp": ("fsdp", PIPELINE, 4),
                    "pipeline_tp": ("tp", PIPELINE, 4), "pipeline_fsdp_tp": ("fsdp_tp", PIPELINE, 8)}
+# The shipped configs refused on a machine without GPUs (Strategy.needs_gpu), and what the tests launch for them
+# there: torch's context parallelism with its ring attention's CUDA kernels replaced by the same mathematics on gloo.
+GPU_ONLY = {name for name, launch in shipped_strategies().items() if for_launch(
+    launch, load_recipe("tiny_transformer").Config(), {}, load_recipe("tiny_transformer")).needs_gpu}
+CPU_STAND_INS = {name: "tests/helpers/context_parallel_on_cpu.py" for name in GPU_ONLY}
 LAUNCHES = {**shipped_strategies(),
             **{name: dataclasses.replace(shipped_configs()[yaml], world_size=n or shipped_configs()[yaml].world_size)
                for name, (yaml, _, n) in FLAG_STRATEGIES.items()}}
@@ -154,7 +160,10 @@ def launch(output_dir: Path, *args: str, config: str | None = None, extra_launch
     """`python train.py ARGS` (config None) or `accelerate launch --config_file <config>.yaml train.py ARGS`,
     with TEST_ENV; a launch that has not ended after LAUNCH_TIMEOUT seconds is killed and fails its test. The
     launcher and train.py's processes are forked from one that imported what they import, once
-    (tests/helpers/forked_launch.py)."""
+    (tests/helpers/forked_launch.py). A shipped config that needs a GPU runs, on a machine without one, through
+    CPU_STAND_INS' script (train.py with the one part that has no CPU kernels replaced: the script says how)."""
+    if script == "train.py" and config in GPU_ONLY and not torch.cuda.is_available():
+        script, args = CPU_STAND_INS[config], ("--output_dir", str(output_dir), "--report_to", "none", *args)
     command = launch_command(config, output_dir, list(args), launch_args=extra_launch, script=script)
     run_env = {**os.environ, **TEST_ENV, **(env or {})}
     if config is None and script == "train.py" and forkable(None):

@@ -73,10 +73,11 @@ def test_nccl_strategies_match_one_gpu(mlp_reference, run_dir, config):
     ("tp", ["--batch_size", "16"]),  # one tensor-parallel pair: both processes see the whole batch
     ("ddp", ["--pipeline_stages", "2", "--grad_accum", "4", "--batch_size", "4"]),
     ("deepspeed_zero3_sp", ["--batch_size", "16"]),  # one sequence-parallel pair: Ulysses' all-to-alls over NCCL
+    ("fsdp_cp", ["--batch_size", "16"]),  # one context-parallel pair: torch's ring attention (its CUDA kernels)
 ])
 def test_model_parallel_strategies_over_nccl_match_one_gpu(run_dir, config, flags):
-    """Tensor-parallel collectives, pipeline sends and sequence-parallel all-to-alls over NCCL:
-    the curve of one GPU (the transformer, fp32)."""
+    """Tensor-parallel collectives, pipeline sends, sequence-parallel all-to-alls and the context-parallel ring over
+    NCCL: the curve of one GPU (the transformer, fp32; the ring runs memory-efficient attention there)."""
     reference = launch(run_dir("ref"), *LM, "--batch_size", "16", config="single").check()
     run = launch(run_dir(config), *LM, *flags, config=config).check()
     assert max_rel_diff(run.losses, reference.losses) <= 1e-5

@@ -13,22 +13,25 @@ import pytest
 
 from conftest import LAUNCHES, strategy_of
 from trainkit.launch import shipped_configs
+from trainkit.recipes import load_recipe
+from trainkit.strategies import for_launch
 from trainkit.strategies.dims import ParallelDims
 
-# (pp, dp_replicate, dp_shard, tp) of every shipped torch config and flag product (conftest's FLAG_STRATEGIES), its
+# (pp, dp_replicate, dp_shard, cp, tp) of every shipped torch config and flag product (conftest's FLAG_STRATEGIES), its
 # data-parallel size and the strategy's name and label.
 EXPECTED = {
-    "ddp": ((1, 2, 1, 1), 2, "ddp", "ddp"),
-    "fsdp": ((1, 1, 2, 1), 2, "fsdp", "fsdp"),
-    "fsdp_offload": ((1, 1, 2, 1), 2, "fsdp", "fsdp_offload"),
-    "tp": ((1, 1, 1, 2), 1, "tp", "tp"),
-    "fsdp_tp": ((1, 1, 2, 2), 2, "tp", "fsdp_tp"),
-    "hsdp": ((1, 2, 2, 1), 4, "hsdp", "hsdp"),
-    "hsdp_tp": ((1, 2, 2, 2), 4, "tp", "hsdp_tp"),
-    "pipeline": ((2, 1, 1, 1), 1, "pipeline", "pipeline_1f1b"),
-    "pipeline_fsdp": ((2, 1, 2, 1), 2, "pipeline", "pipeline_1f1b_fsdp"),
-    "pipeline_tp": ((2, 1, 1, 2), 1, "pipeline", "pipeline_1f1b_tp"),
-    "pipeline_fsdp_tp": ((2, 1, 2, 2), 2, "pipeline", "pipeline_1f1b_fsdp_tp"),
+    "ddp": ((1, 2, 1, 1, 1), 2, "ddp", "ddp"),
+    "fsdp": ((1, 1, 2, 1, 1), 2, "fsdp", "fsdp"),
+    "fsdp_offload": ((1, 1, 2, 1, 1), 2, "fsdp", "fsdp_offload"),
+    "tp": ((1, 1, 1, 1, 2), 1, "tp", "tp"),
+    "fsdp_tp": ((1, 1, 2, 1, 2), 2, "tp", "fsdp_tp"),
+    "hsdp": ((1, 2, 2, 1, 1), 4, "hsdp", "hsdp"),
+    "hsdp_tp": ((1, 2, 2, 1, 2), 4, "tp", "hsdp_tp"),
+    "fsdp_cp": ((1, 1, 1, 2, 1), 1, "fsdp", "fsdp_cp"),
+    "pipeline": ((2, 1, 1, 1, 1), 1, "pipeline", "pipeline_1f1b"),
+    "pipeline_fsdp": ((2, 1, 2, 1, 1), 2, "pipeline", "pipeline_1f1b_fsdp"),
+    "pipeline_tp": ((2, 1, 1, 1, 2), 1, "pipeline", "pipeline_1f1b_tp"),
+    "pipeline_fsdp_tp": ((2, 1, 2, 1, 2), 2, "pipeline", "pipeline_1f1b_fsdp_tp"),
 }
 
 
@@ -92,16 +95,17 @@ def test_parallelize_applies_tp_then_checkpointing_then_compile_then_fsdp(monkey
 
 
 def test_one_training_step_calls_the_engine_in_order(monkeypatch):
-    """trainkit/step.py: gradients held, weights, forward and backward, the clip, one collective, the finite checks
-    (before the optimizer step), the optimizer step, the engine's metrics; DeepSpeed's engine owns its step."""
+    """trainkit/step.py: gradients held, the rows split (under sequence or context parallelism), weights, forward and
+    backward, the clip, one collective, the finite checks (before the optimizer step), the optimizer step, the
+    engine's metrics; DeepSpeed's engine owns its step."""
     from trainkit import step as one_step
     from trainkit.guards import FiniteCheck
     from trainkit.step import StepResult, train_step
 
     calls = []
-    answers = {"loss_weights": [1.0], "forward_backward": ("loss", None), "clip_grad_norm": "norm", "agree":
-               (2.0, False, float("nan"), []), "step_metrics": {}, "optimizer_step": StepResult(2.0, 1.0, 0.1, False,
-                                                                                                False)}
+    answers = {"split_sequences": [None], "loss_weights": [1.0], "forward_backward": ("loss", None),
+               "clip_grad_norm": "norm", "agree": (2.0, False, float("nan"), []), "step_metrics": {},
+               "optimizer_step": StepResult(2.0, 1.0, 0.1, False, False)}
 
     def recorded(name):
         return lambda *args: calls.append(name) or answers.get(name)
@@ -117,7 +121,8 @@ def test_one_training_step_calls_the_engine_in_order(monkeypatch):
 
     with pytest.raises(Exception, match="non-finite gradient norm"):
         train_step(Engine(), 3, [None], None, FiniteCheck(fp16=False), False)
-    assert calls == ["hold_gradients", "loss_weights", "forward_backward", "clip_grad_norm", "agree"]
+    assert calls == ["hold_gradients", "split_sequences", "loss_weights", "forward_backward", "clip_grad_norm",
+                     "agree"]
     calls.clear()
     answers["agree"] = (2.0, False, 1.0, [])
     assert train_step(Engine(), 3, [None], None, FiniteCheck(fp16=False), False).loss == 2.0
@@ -144,38 +149,35 @@ def test_each_role_is_its_own_object_the_plan_builds_nothing():
         assert not {"accelerator", "model", "optimizer", "scheduler", "mesh"} & set(vars(strategy)), name
 
 
-def test_a_new_dimension_is_a_field_and_its_place_in_the_order():
-    """docs/strategies.md#adding-a-strategy, done here for context parallelism: a field and its place in `names`
+def test_context_parallelism_is_a_field_and_its_place_in_the_order():
+    """docs/strategies.md#adding-a-strategy, as context parallelism was added: a field and its place in `names`
     (torchtitan's: between dp_shard and tp) give the sizes from the YAML, the product rule, the data-parallel size
-    and the mesh, with no other change. The shipped runner applies no cp step, so it refuses cp > 1 by its key."""
+    and the mesh; FSDP2 shards over dp_shard x cp flattened (strategies/dims.py's data_mesh)."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from trainkit.strategies.dims import parallelism_problems
-
-    @dataclasses.dataclass(frozen=True, slots=True)
-    class WithContext(ParallelDims):
-        names = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-        cp: int = 1  # ranks that split each sequence; they see the same samples
+    from trainkit.strategies.dims import data_mesh
 
     fsdp_tp = shipped_configs()["fsdp_tp"]
     launch = dataclasses.replace(fsdp_tp, world_size=8, parallelism={"dp_shard": 2, "cp": 2, "tp": 2})
-    dims = WithContext.of(launch)
+    dims = ParallelDims.of(launch)
     assert dims.sizes() == {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "cp": 2, "tp": 2}
     assert (dims.world, dims.data_parallel, dims.problems(launch)) == (8, 2, [])
     [problem] = dims.problems(dataclasses.replace(launch, world_size=4))
     assert "(dp_replicate 1 x dp_shard 2 x cp 2 x tp 2) but 4" in problem.what
     assert "parallelism_config_cp_size" in problem.fix
-    assert WithContext.of(launch, pipeline_stages=2).resized(16).sizes() == \
+    assert ParallelDims.of(launch, pipeline_stages=2).resized(16).sizes() == \
         {"pp": 2, "dp_replicate": 1, "dp_shard": 2, "cp": 2, "tp": 2}  # the world asked for: 2 x 2 x 2 x 2
     # The mesh of 8 ranks, built in this one process on torch's fake process group (collectives do nothing)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
     try:
         mesh = dims.build("cpu")
-        assert mesh.mesh_dim_names == WithContext.names and mesh["cp"].size() == 2
+        assert mesh.mesh_dim_names == ParallelDims.names and mesh["cp"].size() == 2
         assert mesh["tp"].mesh.tolist() == [0, 1] and mesh["cp"].mesh.tolist() == [0, 2]  # tp innermost
+        assert data_mesh(mesh, dims).mesh.tolist() == [0, 2, 4, 6]  # dp_shard x cp: rank 0's tensor-parallel slice
     finally:
         dist.destroy_process_group()
-    [problem] = parallelism_problems(launch)
-    assert (problem.where, problem.fix) == (f"parallelism_config in {fsdp_tp.source}",
-                                            "set parallelism_config_cp_size: 1")
+    # the runner splits sequences with dp_shard only (tests/test_context_parallel.py has the other refusals)
+    strategy = for_launch(launch, load_recipe("tiny_transformer").Config(), {}, load_recipe("tiny_transformer"))
+    assert strategy.label == "fsdp_cp_tp" and strategy.sequence_parallel_size == 2
+    assert any("context parallelism with tp" in problem.what for problem in strategy.check(this_machine=False))

@@ -199,8 +199,9 @@ def test_the_plan_transformers_declares_cuts_other_architectures_like_one_proces
      "the parallelism sizes multiply to 2 (dp_replicate 1 x dp_shard 1 x tp 2) but 4 process(es) were launched "
      "(parallelism_config in {yaml}): make parallelism_config_dp_replicate_size x parallelism_config_dp_shard_size x "
      "parallelism_config_tp_size equal num_processes"),
-    ({"parallelism_config_tp_size: 2": "parallelism_config_tp_size: 1\n  parallelism_config_cp_size: 2"},
-     "parallelism_config_cp_size is 2: context parallelism is not supported by this runner"),
+    ({"parallelism_config_tp_size: 2": "parallelism_config_tp_size: 2\n  parallelism_config_cp_size: 2",
+      "num_processes: 2": "num_processes: 4"},
+     "context parallelism with tp: the runner splits sequences only together with FSDP2's dp_shard"),
     ({"parallelism_config_tp_size": "tp_size"}, "unknown key 'tp_size' in parallelism_config (parallelism_config in "
                                                 "{yaml}): did you mean parallelism_config_tp_size?"),
     ({"distributed_type: FSDP": "distributed_type: MULTI_GPU"}, "parallelism_config needs distributed_type: FSDP"),
@@ -263,7 +264,7 @@ def test_gradient_clipping_and_adamw_over_parameters_on_different_meshes():
     strategy.accelerator = type("Accelerator", (), {"unscale_gradients": lambda self: None})()
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        mesh = init_device_mesh("cpu", (1, 1, 1, 1), mesh_dim_names=ParallelDims.names)
+        mesh = init_device_mesh("cpu", (1, 1, 1, 1, 1), mesh_dim_names=ParallelDims.names)
         parallelize(model, ParallelDims(), mesh, FSDPSettings(), mixed_precision="no", compile=False,
                     tp_layers=tp_layers(model), classes=set(model._no_split_modules))  # cut, on a tp mesh of one
         strategy.model = model

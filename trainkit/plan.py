@@ -89,7 +89,8 @@ def _plan(options: RunOptions, overrides: list[tuple[str, str, str]]) -> Plan:
     else:
         launch = Launch.from_env()
     strategy = for_launch(launch, cfg, sources, recipe)
-    problems += check_machine(launch) + strategy.check()
+    # --estimate sizes the launch, for this machine or another: what only this machine refuses is left out
+    problems += check_machine(launch) + strategy.check(this_machine=not options.estimate)
     if options.dry_run:  # a hostfile launch: every host answers over ssh, the slots add up, no secret travels
         problems += check_hosts(launch)
         for note in filter(None, (environment_note(launch), rendezvous_note(launch))):

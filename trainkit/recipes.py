@@ -41,13 +41,15 @@ and optionally (the defaults are `Recipe`'s):
                                     checkpoints keep them (trainkit/precompute.py; recipes/dpo.py's
                                     --precompute_ref_logps); default None
 
-and, to train under sequence parallelism (a DeepSpeed YAML's parallelism_config_sp_size):
+and, to train under sequence parallelism (a DeepSpeed YAML's parallelism_config_sp_size; on GPUs an FSDP YAML's
+parallelism_config_cp_size, context parallelism):
 
-    sequence_parallel = True        the loss reads the shards of token rows the runner cuts
-                                    (trainkit/sequence_parallel.py's shard): input_ids, position_ids and
+    sequence_parallel = True        the loss reads the parts of token rows the runner cuts
+                                    (trainkit/sequence_parallel.py's rows): input_ids, position_ids and
                                     shift_labels (the next token of each position, -100 where nothing is learned),
-                                    all 1/sp of each row's positions; the runner weighs each shard by its learned
-                                    targets. A transformers model, whose attention Ulysses splits; default False
+                                    all 1/sp (1/cp) of each row's positions; the runner weighs each part by its
+                                    learned targets. A transformers model, whose attention Ulysses (or torch's ring)
+                                    splits; default False
 
 and, to train under pipeline parallelism (--pipeline_stages; all three or none):
 

@@ -5,7 +5,7 @@ parallel mesh, the pipeline); where engines differ, the step calls the engine (e
 
 1. every trainable parameter holds a gradient (zeros before its first use: the same optimizer state everywhere);
 2. each micro-batch's weight: its share of the global batch (1 each, unless the recipe weighs them by their
-   learned tokens: loss_weights);
+   learned tokens: loss_weights; rows split between ranks weigh their part's: engine.split_sequences);
 3. forward and backward over this rank's micro-batches, gradients communicated once, on the last
    (engine.forward_backward: Accelerate's accumulate under DDP, FSDP2's set_requires_gradient_sync, the pipeline's
    schedule and its tied weights' sum);
@@ -74,6 +74,8 @@ class StepEngine(Protocol):
 
     def hold_gradients(self) -> None: ...
 
+    def split_sequences(self, micro_batches: list) -> list: ...
+
     def forward_backward(self, step: int, micro_batches: list, weights: list[float],
                          loss_fn: Any) -> tuple[torch.Tensor, torch.Tensor | None]: ...
 
@@ -89,6 +91,7 @@ def train_step(engine: StepEngine, step: int, micro_batches: list, loss_fn: Any,
     if engine.owns_step:
         return engine.engine_step(step, micro_batches, loss_fn, finite, stop_requested)
     engine.hold_gradients()
+    micro_batches = engine.split_sequences(micro_batches)
     weights = loss_weights(engine, micro_batches)
     loss, extra = engine.forward_backward(step, micro_batches, weights, loss_fn)
     norm = engine.clip_grad_norm()

@@ -34,6 +34,9 @@ class Strategy:
     # Whether the strategy cuts the model itself between ranks (pipeline stages, tensor-parallel matrices): it then
     # needs the recipe to say where (a split the recipe declares), and refuses a model that declares none.
     splits_model: ClassVar[bool] = False
+    # Whether it runs on GPUs only (its check refuses it on a machine without, saying why; the CPU test matrix leaves
+    # it to tests/test_gpu.py).
+    needs_gpu: ClassVar[bool] = False
 
     def __init__(self, launch: Launch, cfg: TrainConfig, sources: Mapping[str, str],
                  recipe: Recipe | None = None) -> None:

@@ -42,7 +42,7 @@ from trainkit.step import StepResult, agree, loss_weights, optimizer_step
 from trainkit.strategies.base import Strategy
 from trainkit.strategies.dcp_format import CheckpointFormat, load_trained_weights
 from trainkit.strategies.deepspeed_config import fill_bucket_sizes, persistence_threshold, resolve
-from trainkit.strategies.engine import Engine, LossFn, batch_samples
+from trainkit.strategies.engine import Engine, LossFn
 
 TAG = "deepspeed"  # the one tag under checkpoints/step_<N>/deepspeed/
 
@@ -250,12 +250,6 @@ class ZeroEngine(Engine):
         return self.accelerator.process_index // self.sequence_parallel_size  # DeepSpeed's groups: neighbours
 
     @property
-    def loss_holders(self) -> int:
-        """Under sequence parallelism a group's ranks compute one loss between them: a part each, weighed by its
-        learned tokens."""
-        return self.accelerator.num_processes // self.sequence_parallel_size
-
-    @property
     def gradient_correction(self) -> float:
         """What the backward's loss is multiplied by for the reduced gradient to be the global batch's. Under
         sequence parallelism DeepSpeed divides the summed gradients by the data-parallel size (num_processes / sp) in
@@ -265,20 +259,12 @@ class ZeroEngine(Engine):
         return float(self.sequence_parallel_size) if zero.get("stage") == 3 and zero.get("reduce_scatter", True) \
             else 1.0
 
-    @property
-    def loss_weigher(self) -> Callable[[Any, Any], Any] | None:
-        """Each shard by its learned tokens (trainkit/sequence_parallel.py); a whole batch (evaluation) as the recipe
-        weighs it."""
+    def split_sequences(self, micro_batches: list) -> list:
+        """This rank's positions of every row (trainkit/sequence_parallel.py's shard)."""
         if self.sequence_parallel_size == 1:
-            return super().loss_weigher
-        recipe = super().loss_weigher
-
-        def weigh(cfg: Any, batch: Any) -> Any:
-            if "shift_labels" in batch:
-                return sequence_parallel.learned_tokens(batch)
-            return recipe(cfg, batch) if recipe is not None else batch_samples(batch)
-
-        return weigh
+            return micro_batches
+        rank = self.accelerator.process_index % self.sequence_parallel_size  # DeepSpeed's groups: neighbours
+        return [sequence_parallel.shard(batch, rank, self.sequence_parallel_size) for batch in micro_batches]
 
     # --- one optimizer step -----------------------------------------------------------------------------------------
 
@@ -295,9 +281,7 @@ class ZeroEngine(Engine):
         until the last micro-batch as DDP and FSDP2 do (strategies/mesh.py). ZeRO-3 also gathers every layer's
         parameters again in each micro-batch's forward and backward."""
         accelerator, model = self.accelerator, self.model
-        if self.sequence_parallel_size > 1:  # this rank's positions of every row
-            micro_batches = [sequence_parallel.shard(batch, accelerator.process_index % self.sequence_parallel_size,
-                                                     self.sequence_parallel_size) for batch in micro_batches]
+        micro_batches = self.split_sequences(micro_batches)
         loss_sum = torch.zeros(1, device=accelerator.device)
         weights = loss_weights(self, micro_batches)
         for i, batch in enumerate(micro_batches):
@@ -450,15 +434,11 @@ class DeepSpeed(Strategy):
             problems.append(Problem(f"parallelism_config_sp_size {self.sp} does not divide the "
                                     f"{self.launch.world_size} process(es)", where,
                                     "launch a multiple of it (--num_processes), or change parallelism_config_sp_size"))
-        elif self.sp > 1 and self.recipe is not None and not self.recipe.sequence_parallel:
-            problems.append(Problem(f"recipe {self.recipe.path.name} does not declare sequence_parallel: its loss "
-                                    f"would read a shard of each row as if it were the row", where,
-                                    "train it under deepspeed_zero3.yaml or fsdp.yaml (whole sequences), or "
-                                    "declare sequence_parallel with a loss that reads the shards as "
-                                    "recipes/causal_lm.py does (recipes/README.md)"))
         elif self.sp > 1 and getattr(self.cfg, "pipeline_stages", 1) > 1:
             problems.append(Problem("sequence parallelism and --pipeline_stages together", where,
                                     "drop --pipeline_stages, or set parallelism_config_sp_size: 1"))
+        elif self.sp > 1:
+            problems += sequence_parallel.recipe_problems(self.recipe, where, "deepspeed_zero3.yaml or fsdp.yaml")
         return problems
 
     def check_model(self, model: torch.nn.Module) -> list[Problem]:

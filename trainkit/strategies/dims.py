@@ -1,17 +1,19 @@
 """The one device mesh: how many ways each parallelism splits the processes, as torchtitan's ParallelDims.
 
 Every launch that torch.distributed parallelises (not DeepSpeed, whose engine owns its own groups) is a point in
-(pp, dp_replicate, dp_shard, tp), outermost first:
+(pp, dp_replicate, dp_shard, cp, tp), outermost first:
 
     pp            pipeline stages (--pipeline_stages): each holds a contiguous range of the model's layers
     dp_replicate  copies of the model (DDP's replicas; HSDP's groups), each training on other samples
     dp_shard      processes that shard every parameter between them (FSDP2), each training on other samples
+    cp            processes that split each sequence between them (torch's context parallelism), same samples;
+                  FSDP2 shards over dp_shard x cp, as torchtitan does
     tp            processes that cut each planned Linear layer between them (tensor parallelism), same samples
 
 Their product is the world size. Rank r sits at the coordinates of r in that row-major order: the ranks of one
 tensor-parallel group are neighbours (one machine, fast links), the pipeline is outermost (its point-to-point sends
 cross machines cheaply; Megatron-LM and torchtitan order them the same way). The sizes come from the launch: an FSDP
-YAML's `parallelism_config` (its tp, dp_shard and dp_replicate), `--pipeline_stages`, and whatever is left of the
+YAML's `parallelism_config` (its tp, cp, dp_shard and dp_replicate), `--pipeline_stages`, and whatever is left of the
 world: the data-parallel dimension of the launch type (dp_shard for FSDP, dp_replicate for DDP).
 """
 
@@ -28,13 +30,13 @@ from trainkit.launch import PARALLELISM_KEY, Launch
 @dataclass(frozen=True, slots=True)
 class ParallelDims:
     """The sizes of the mesh's dimensions, one field each; `names` orders them, outermost first. A new dimension is
-    a field, its place in `names`, and its application step in parallelize.py (docs/strategies.md#adding-a-strategy;
-    tests/test_mesh.py adds context parallelism's this way)."""
+    a field, its place in `names`, and its application step (docs/strategies.md#adding-a-strategy)."""
 
-    names: ClassVar[tuple[str, ...]] = ("pp", "dp_replicate", "dp_shard", "tp")
+    names: ClassVar[tuple[str, ...]] = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
     pp: int = 1
     dp_replicate: int = 1
     dp_shard: int = 1
+    cp: int = 1
     tp: int = 1
 
     @classmethod
@@ -61,10 +63,11 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard
 
     def fsdp_label(self, offload: bool = False) -> str:
-        """An FSDP launch's name for these sizes: fsdp, hsdp, tp, fsdp_tp or hsdp_tp (fsdp.yaml on one process:
-        still fsdp), with _offload when the shards live in CPU memory."""
-        data = "hsdp" if self.dp_replicate > 1 else "fsdp" if self.dp_shard > 1 or self.tp == 1 else ""
-        return "_".join(part for part in (data, "tp" if self.tp > 1 else "") if part) + ("_offload" if offload else "")
+        """An FSDP launch's name for these sizes: fsdp, hsdp, tp, fsdp_tp, hsdp_tp or fsdp_cp (fsdp.yaml on one
+        process: still fsdp), with _offload when the shards live in CPU memory."""
+        data = "hsdp" if self.dp_replicate > 1 else "fsdp" if self.dp_shard * self.cp > 1 or self.tp == 1 else ""
+        parts = (data, "cp" if self.cp > 1 else "", "tp" if self.tp > 1 else "")
+        return "_".join(part for part in parts if part) + ("_offload" if offload else "")
 
     def resized(self, world_size: int) -> ParallelDims:
         """These sizes for another number of processes (--estimate --num_processes N): the outermost data-parallel
@@ -80,8 +83,9 @@ class ParallelDims:
         """Sizes that do not multiply to the processes launched (parallelism_config's keys in the fix)."""
         if self.world == launch.world_size:
             return []
-        named = " x ".join(f"{name} {size}" for name, size in self.sizes().items() if name != "pp" or size > 1)
-        keys = " x ".join(PARALLELISM_KEY.format(name) for name in self.names if name != "pp")
+        shown = [name for name, size in self.sizes().items() if name not in ("pp", "cp") or size > 1]  # optional ones
+        named = " x ".join(f"{name} {getattr(self, name)}" for name in shown)
+        keys = " x ".join(PARALLELISM_KEY.format(name) for name in shown if name != "pp")
         where = f"parallelism_config in {launch.source}" if launch.parallelism else f"--pipeline_stages {self.pp}"
         stages = "--pipeline_stages x " if self.pp > 1 else ""
         fix = (f"make {stages}{keys} equal num_processes (accelerate launch --num_processes must match it too)"
@@ -98,7 +102,11 @@ class ParallelDims:
 
 
 def data_mesh(mesh: Any, dims: ParallelDims) -> Any:
-    """The sub-mesh FSDP2 shards over: (dp_replicate, dp_shard) for HSDP (replicas of shards), else dp_shard."""
+    """The sub-mesh FSDP2 shards over: (dp_replicate, dp_shard) for HSDP (replicas of shards), else dp_shard; with
+    context parallelism dp_shard x cp flattened into one dimension (the ranks that split a sequence hold a part of
+    every parameter too, and their gradients are summed with the others')."""
+    if dims.cp > 1:  # torchtitan's flattened dimension (context parallelism runs without dp_replicate: mesh.py)
+        return mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
     return mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 and dims.dp_shard > 1 else mesh["dp_shard"]
 
 
@@ -109,17 +117,16 @@ def data_parallel_rank(mesh: Any, dims: ParallelDims) -> int:
 
 def parallelism_problems(launch: Launch) -> list[Problem]:
     """What the runner refuses in a YAML's parallelism_config besides its product (ParallelDims.problems): sizes
-    below 1, the dimensions it does not apply (context and sequence parallelism), replicas without shards."""
+    below 1, the dimension it does not apply (sequence parallelism: DeepSpeed's), replicas without shards."""
     where = f"parallelism_config in {launch.source}"
     problems = [Problem(f"{PARALLELISM_KEY.format(name)} is {size}: every size must be a positive integer", where,
                         f"set {PARALLELISM_KEY.format(name)}: 1 or more")
                 for name, size in launch.parallelism.items() if size < 1]
-    for name, what, fix in (("cp", "context parallelism is not supported by this runner", ""),
-                            ("sp", "sequence parallelism runs under DeepSpeed (Accelerate's sp_backend: deepspeed)",
-                             ", or start from accelerate_configs/deepspeed_zero3_sp.yaml")):
-        if launch.parallelism_size(name) > 1:
-            problems.append(Problem(f"{PARALLELISM_KEY.format(name)} is {launch.parallelism_size(name)}: {what}",
-                                    where, f"set {PARALLELISM_KEY.format(name)}: 1{fix}"))
+    if launch.parallelism_size("sp") > 1:
+        problems.append(Problem(f"{PARALLELISM_KEY.format('sp')} is {launch.parallelism_size('sp')}: sequence "
+                                f"parallelism runs under DeepSpeed (Accelerate's sp_backend: deepspeed)", where,
+                                f"set {PARALLELISM_KEY.format('sp')}: 1, or start from "
+                                f"accelerate_configs/deepspeed_zero3_sp.yaml"))
     replicas, shards = launch.parallelism_size("dp_replicate"), launch.parallelism_size("dp_shard")
     if replicas > 1 and shards == 1:
         # Accelerate's own rule: replicas without sharding are DDP (with tp as well, it asks for dp_shard instead)

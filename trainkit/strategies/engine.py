@@ -19,6 +19,7 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 
+from trainkit import sequence_parallel
 from trainkit.config import TrainConfig
 from trainkit.guards import FiniteCheck
 from trainkit.launch import Launch
@@ -74,7 +75,8 @@ class Engine:
 
     @property
     def sequence_parallel_size(self) -> int:
-        """The ranks that share each micro-batch, each computing a part of its positions (DeepSpeed's Ulysses)."""
+        """The ranks that share each micro-batch, each computing a part of its positions (DeepSpeed's Ulysses, torch's
+        context parallelism)."""
         return self.strategy.sequence_parallel_size
 
     # --- build ------------------------------------------------------------------------------------------------------
@@ -183,11 +185,35 @@ class Engine:
         accelerator, model = self.accelerator, self.model
         loss_sum = torch.zeros(1, device=accelerator.device)
         for i, batch in enumerate(micro_batches):
-            with accelerator.accumulate(model), self.gradient_sync(last=i == len(micro_batches) - 1):
-                loss = loss_fn(model, self.cast_batch(batch)) * weights[i]
+            batch = self.cast_batch(batch)
+            with accelerator.accumulate(model), self.gradient_sync(last=i == len(micro_batches) - 1), \
+                    self.sequence_context(batch):
+                loss = loss_fn(model, batch) * weights[i]
                 loss_sum += loss.detach().float()
-                accelerator.backward(loss)
+                accelerator.backward(loss * self.gradient_correction)
         return loss_sum / len(micro_batches), None
+
+    # --- sequences split between ranks (sequence_parallel_size > 1; trainkit/sequence_parallel.py) ------------------
+
+    def split_sequences(self, micro_batches: list) -> list:
+        """The micro-batches as this rank computes them: under sequence or context parallelism the rows with their
+        next-token targets made whole (shift_labels), and this rank's part of them where the engine cuts them itself."""
+        return micro_batches
+
+    def sequence_context(self, batch: Any) -> contextlib.AbstractContextManager:
+        """Around one micro-batch's forward and backward: where a library cuts the rows itself (torch's context
+        parallelism)."""
+        return contextlib.nullcontext()
+
+    def learned_tokens(self, batch: Any) -> float:
+        """What this rank's loss on a split micro-batch is a mean over: its part's learned tokens."""
+        return sequence_parallel.learned_tokens(batch)
+
+    @property
+    def gradient_correction(self) -> float:
+        """What each backward's loss is multiplied by for the reduced gradient to be the global batch's: 1 unless the
+        library divides the gradients of ranks that split a sequence by their number as if they were data-parallel."""
+        return 1.0
 
     def step_metrics(self, step: int, extra_sums: list[float]) -> dict[str, Any]:
         """The engine's own entries for metrics.jsonl after a step (a pipeline's idle time), from the sums over
@@ -201,8 +227,19 @@ class Engine:
 
     @property
     def loss_weigher(self) -> Callable[[Any, Any], Any] | None:
-        """The recipe's loss_weight, or None: its micro-batches weigh alike."""
-        return self.recipe.loss_weight if self.recipe is not None else None
+        """The recipe's loss_weight, or None: its micro-batches weigh alike. A micro-batch split between ranks
+        (split_sequences) weighs its part's learned tokens, so that a step's loss is the mean over every learned token,
+        never a mean of the parts' means; a whole one (evaluation) as the recipe weighs it."""
+        recipe = self.recipe.loss_weight if self.recipe is not None else None
+        if self.sequence_parallel_size == 1:
+            return recipe
+
+        def weigh(cfg: Any, batch: Any) -> Any:
+            if "shift_labels" in batch:
+                return self.learned_tokens(batch)
+            return recipe(cfg, batch) if recipe is not None else batch_samples(batch)
+
+        return weigh
 
     def hold_gradients(self) -> None:
         """Give every trainable parameter a gradient before its first step (zeros; kept between steps).
@@ -226,8 +263,9 @@ class Engine:
 
     @property
     def loss_holders(self) -> int:
-        """How many ranks compute a loss each step (all of them, unless the strategy splits the model in depth)."""
-        return self.accelerator.num_processes
+        """How many ranks compute a loss each step: all of them, unless the strategy splits the model in depth, or
+        its sequences (the ranks of a group compute one loss between them, a part each, weighed by its tokens)."""
+        return self.accelerator.num_processes // self.sequence_parallel_size
 
     def step_was_skipped(self) -> bool:
         """Whether the step just taken was skipped, where no torch loss scaler ran (a library's own scaler, as

@@ -346,6 +346,11 @@ class Pipeline(Strategy):
         elif self.sharded:
             problems += parallelism_problems(launch) + FSDPSettings.problems(launch, cfg)
         problems += self.dims.problems(launch)
+        if self.dims.cp > 1:
+            problems.append(Problem("context parallelism with --pipeline_stages: the stages' schedule runs their "
+                                    "forwards outside the context that cuts the sequences",
+                                    f"{where} with parallelism_config in {launch.source}",
+                                    "drop --pipeline_stages, or set parallelism_config_cp_size: 1"))
         if cfg.activation_offload:
             problems.append(Problem("--activation_offload does not reach the pipeline's stages, whose forwards the "
                                     "schedule runs", where, "drop --activation_offload, or train without "
