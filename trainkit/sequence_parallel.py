@@ -116,6 +116,20 @@ def packed_attention(core: Callable[..., Any]) -> Callable[..., Any]:
     return attention
 
 
+def heads_kept(ulysses: Callable[..., Any]) -> Callable[..., Any]:
+    """DeepSpeed's Ulysses wrapper (as it registers itself), returning the attention output with its heads apart,
+    (batch, positions, heads, head size), as transformers' attention functions do: it returns them joined (batch,
+    positions, hidden), which models that reshape by `[:-2]` (GPT-2) then folded into (batch, positions x hidden)
+    (measured: "mat1 and mat2 shapes cannot be multiplied (8x2048 and 64x64)"). Models that reshape to the input's
+    shape (Llama) take either."""
+
+    def attention(module: nn.Module, query: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        out, weights = ulysses(module, query, *args, **kwargs)
+        return (out.reshape(*out.shape[:2], -1, query.shape[-1]) if out.dim() == 3 else out), weights
+
+    return attention
+
+
 def causal_sdpa(core: Callable[..., Any]) -> Callable[..., Any]:
     """What torch's context parallelism replaces, for a model in training: causal attention as one call of
     `F.scaled_dot_product_attention` (which its ring attention takes over inside `context_parallel`), without a mask
@@ -182,13 +196,6 @@ def problems(model: nn.Module, size: int, where: str, seq_len: int | None, key: 
                         f"set {setting}: 1, or a seq_len within the window")]
     if key != "sp":  # the ring passes keys and values around whole: any head count
         return []
-    if text.model_type == "gpt2":
-        # measured (tests/test_sequence_parallel.py): the first forward fails in GPT-2's attention output projection,
-        # "mat1 and mat2 shapes cannot be multiplied (8x2048 and 64x64)"; cause not yet found
-        return [Problem(f"{name} (GPT-2) fails under DeepSpeed's Ulysses: its attention output does not come back "
-                        "in the layout GPT-2 reshapes", where,
-                        "use a Llama-style model (--arch llama for the tiny transformer), or set "
-                        "parallelism_config_sp_size: 1")]
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     found = []

@@ -230,6 +230,15 @@ class ZeroEngine(Engine):
                               f"Ulysses, {attention} attention), {self.data_parallel_size} data-parallel group(s)")
         return super().apply(model)
 
+    def prepare(self, model: torch.nn.Module, build_optimizer: Callable[..., torch.optim.Optimizer],
+                build_scheduler: Callable[[TrainConfig, torch.optim.Optimizer], Any]) -> None:
+        super().prepare(model, build_optimizer, build_scheduler)
+        if self.sequence_parallel_size > 1:  # Ulysses registered itself in place of the attention: keep its heads apart
+            from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+            attention = self.accelerator.parallelism_config.sp_handler.sp_attn_implementation
+            ALL_ATTENTION_FUNCTIONS[attention] = sequence_parallel.heads_kept(ALL_ATTENTION_FUNCTIONS[attention])
+
     def make_optimizer(self, model: torch.nn.Module,
                        build_optimizer: Callable[..., torch.optim.Optimizer]) -> torch.optim.Optimizer:
         if not self.strategy.offloads_optimizer:
