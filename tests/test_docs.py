@@ -37,6 +37,9 @@ NOT_HERE = {
                       "mixtures of them, on 1, 2 and 4 processes and 2 machines)",
     "--data mix.yaml": "the user's own mixture file (tests/test_stream.py reads a YAML mixture with a text field per "
                        "source)",
+    "accelerate_configs/fsdp_cp.yaml": "GPUs: torch's ring attention has CUDA kernels only "
+                                       "(tests/test_context_parallel.py runs it with a CPU stand-in for them, "
+                                       "tests/test_gpu.py on 2 GPUs)",
     "my_model": "the user's own recipe file (tests/test_recipes.py copies one with trainkit.catalog and runs these "
                 "steps on it)",
 }

@@ -124,11 +124,11 @@ def test_a_pipeline_checkpoint_and_a_ddp_one_resume_under_each_other_with_their_
         assert max_rel_diff(resumed.losses, saved.losses[5:]) <= PARITY_BOUND
 
 
-# The pipeline's products with an FSDP launch's mesh (conftest's FLAG_STRATEGIES): (pp, dp_replicate, dp_shard, tp),
+# The pipeline's products with an FSDP launch's mesh (conftest's FLAG_STRATEGIES): (pp, dp_replicate, dp_shard, cp, tp),
 # and the most a stage may hold of what the same stage holds in the plain pipeline (lm_runs("pipeline")): FSDP2
 # halves every parameter, tensor parallelism halves the cut layers (the tied embedding and the norms stay whole).
-PRODUCTS = {"pipeline_fsdp": ((2, 1, 2, 1), 0.55), "pipeline_tp": ((2, 1, 1, 2), 0.8),
-            "pipeline_fsdp_tp": ((2, 1, 2, 2), 0.42)}
+PRODUCTS = {"pipeline_fsdp": ((2, 1, 2, 1, 1), 0.55), "pipeline_tp": ((2, 1, 1, 1, 2), 0.8),
+            "pipeline_fsdp_tp": ((2, 1, 2, 1, 2), 0.42)}
 
 
 @pytest.mark.slow

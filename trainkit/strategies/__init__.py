@@ -3,7 +3,7 @@
     base.py         the interface at plan time (Strategy): checks, resolved fields, labels, the estimate
     engine.py       what a strategy builds and runs (Engine): the Accelerator, prepare, the step's points
     dcp_format.py   the checkpoint format's interface, and torch.distributed.checkpoint's format
-    dims.py         the one device mesh: the sizes of (pp, dp_replicate, dp_shard, tp)
+    dims.py         the one device mesh: the sizes of (pp, dp_replicate, dp_shard, cp, tp)
     parallelize.py  applying it to a model or a stage: tensor parallel, checkpointing, compile, FSDP2, in that order
     tp_plan.py      which layers tensor parallelism cuts
     ddp.py          one process, and DDP
