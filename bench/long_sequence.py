@@ -65,9 +65,10 @@ print(json.dumps({{"chunk": model.loss_chunk_tokens, "estimate": estimate, "peak
 BUDGETS = (4, 16)  # GiB of activations per rank
 
 
-def longest() -> list[str]:
+def longest(sps: tuple[int, ...] = (1,)) -> list[str]:
     """By the estimate checked above: the longest sequence (a multiple of 1,024 tokens, one per micro-batch) whose
-    activations fit each budget, per case."""
+    activations fit each budget per rank, per case, in one process and with each sequence-parallel size in `sps`
+    (the ranks of a group share the sequence: bench/sequence_parallel.py checks that estimate)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -81,14 +82,16 @@ def longest() -> list[str]:
                                              tie_word_embeddings=False, attn_implementation="sdpa"))
     names, params = zip(*model.named_parameters(), strict=True)
     shape = ModelShape(tuple(p.numel() for p in params), HIDDEN, LAYERS, names, (), decoder_shape(model))
-    rows = ["| --loss_chunk_mib | tiled MLP | checkpointing | "
-            + " | ".join(f"longest in {b} GiB" for b in BUDGETS) + " |", "|---|---|---|" + "---:|" * len(BUDGETS)]
+    columns = [(b, sp) for b in BUDGETS for sp in sps]
+    rows = ["| --loss_chunk_mib | tiled MLP | checkpointing | " + " | ".join(
+        f"longest in {b} GiB" + (f", sp {sp}" if sp > 1 else "") for b, sp in columns) + " |",
+        "|---|---|---|" + "---:|" * len(columns)]
     for chunk_mib, checkpointing, tiled in CASES:
         fits = []
-        for budget in BUDGETS:
+        for budget, sp in columns:
             tokens = 0
-            while activation_bytes(shape, 1, tokens + 1024, "no", checkpointing, chunk_tokens(chunk_mib, VOCAB),
-                                   tiled) <= budget * 1024 ** 3:
+            while activation_bytes(shape, 1, (tokens + 1024) // sp, "no", checkpointing,
+                                   chunk_tokens(chunk_mib, VOCAB), tiled) <= budget * 1024 ** 3:
                 tokens += 1024
             fits.append(f"{tokens:,}")
         rows.append(f"| {chunk_mib:g}{' (whole)' if not chunk_mib else ''} | {'on' if tiled else 'off'} | "
