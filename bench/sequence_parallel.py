@@ -7,9 +7,9 @@ sp 2) against one process, both against the estimate; and the peer, the Transfor
 The model is bench/long_sequence.py's (a Llama built from a config: vocabulary 32,000, hidden 256, 4 layers, sdpa,
 untied), saved with a byte-level BPE trained on the default corpus, whose text is cut into documents of one row each;
 the causal-LM recipe at its defaults (the loss in chunks past 1 GiB of logits: whole at this length), one sequence of
-8,192 tokens per optimizer step, fp32. Each
-configuration runs twice: under bench/live_peak.py (each rank's model state plus the most its live tensors grow over
-a step: a GPU's max_memory_allocated, measured on a CPU) and plainly for its speed and resident memory.
+8,192 tokens per optimizer step, fp32. Each configuration runs twice: under bench/live_peak.py (each rank's model
+state plus the most its live tensors grow over a step: a GPU's max_memory_allocated, measured on a CPU) and plainly
+for its speed and resident memory.
 """
 
 from __future__ import annotations
@@ -50,30 +50,28 @@ def model_folder(folder: Path, cache_dir: Path) -> Path:
     LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=4 * HIDDEN,
                                  num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=4,
                                  tie_word_embeddings=False, max_position_embeddings=TOKENS)).save_pretrained(folder)
-    tokenizer = train_tokenizer(load_documents("pydoc", "", "text", cache_dir), VOCAB, folder.with_name("tokenizer"))
+    corpus = load_documents("pydoc", "", "text", cache_dir)
+    tokenizer = train_tokenizer(corpus, VOCAB, folder.with_name("tokenizer"))
     tokenizer.save_pretrained(folder)
-    long_documents(folder / "long.jsonl", folder, cache_dir)
+    long_documents(folder / "long.jsonl", tokenizer, list(corpus["text"]))
     return folder
 
 
-def long_documents(path: Path, folder: Path, cache_dir: Path) -> Path:
-    """Documents that the folder's tokenizer makes into exactly one row each (8,191 tokens and the end-of-text one):
-    the default corpus twice (once in order, once reversed), cut into windows of its tokens. A document cut into rows
+def long_documents(path: Path, tokenizer, topics: list[str]) -> Path:
+    """Documents that `tokenizer` makes into exactly one row each (8,191 tokens and the end-of-text one): the default
+    corpus's topics twice (once in order, once reversed), cut into windows of its tokens. A document cut into rows
     leaves a padded last row, and a padded row gives sdpa an attention mask: a step on this machine then also holds a
     heads x tokens x tokens fp32 copy of it, 1 GiB at this length (measured; the estimate does not count it)."""
-    from transformers import AutoTokenizer
-
-    from trainkit.text import load_documents
-
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    topics = list(load_documents("pydoc", "", "text", cache_dir)["text"])
     ids = tokenizer("\n\n".join(topics + topics[::-1]), add_special_tokens=False)["input_ids"]
     docs, start, wanted = [], 0, TOKENS - 1
     while start + wanted <= len(ids):
         # decoding a window and encoding it again may merge its ends otherwise: the longest that comes back whole
-        doc = next(text for n in range(wanted, wanted - 64, -1)
-                   if len(tokenizer(text := tokenizer.decode(ids[start:start + n]),
-                                    add_special_tokens=False)["input_ids"]) == wanted)
+        doc = next((text for n in range(wanted, wanted - 64, -1)
+                    if len(tokenizer(text := tokenizer.decode(ids[start:start + n]),
+                                     add_special_tokens=False)["input_ids"]) == wanted), None)
+        if doc is None:  # a window that begins inside a character's bytes: one token later
+            start += 1
+            continue
         docs.append(doc)
         start += wanted
     path.write_text("".join(json.dumps({"text": doc}) + "\n" for doc in docs))
@@ -132,7 +130,7 @@ def peer(folder: Path, work: Path) -> dict:
 
 
 def main() -> None:
-    results, rows = {}, []
+    results = {}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         folder = model_folder(work / "llama", Path(os.environ.get("TRAINKIT_CACHE", Path.home() / ".cache/trainkit")))
@@ -163,9 +161,8 @@ def main() -> None:
         "the estimate). A rank's *peak* is the model state it holds as the second step begins plus the "
         "most its live tensors grow over that step (bench/live_peak.py: every allocation and free torch.profiler "
         "records, as max_memory_allocated counts them on a GPU; the interpreter, the libraries and the data are not "
-        "in it). The "
-        "estimate is the launch's own row of `--estimate` (the same flags and YAML). Goal: the sp 2 rank at most "
-        f"{GOAL}x the one process.", "", *rows, "",
+        "in it). The estimate is the launch's own row of `--estimate` (the same flags and YAML). Goal: the sp 2 "
+        f"rank at most {GOAL}x the one process.", "", *rows, "",
         f"sp 2 against one process: **{sp['peak'] / one:.2f}x** (goal <= {GOAL}x). Under ZeRO-3 alone each rank "
         "still holds a whole sequence's activations and logits; sequence parallelism halves them.", "",
         "Beside the peer: what deepspeed_zero3_sp.yaml selects, given as the Trainer's own arguments, the same model "

@@ -36,6 +36,18 @@ class Clock(TrainerCallback):
         self.clock.tick()
 
 
+def configured_state(deepspeed: bool) -> bool:
+    """Whether the Trainer must take over a state configured here (TrainingArguments' accelerator_config
+    use_configured_state): on a CPU the Trainer gives Accelerate no backend under DeepSpeed, so Accelerate counts one
+    process while DeepSpeed forms a world of 2, and DeepSpeed's batch-size check fails. The Trainer's own way round
+    it: a state configured beforehand with gloo (DeepSpeed's launch variable set, as `accelerate launch` sets it)."""
+    configured = deepspeed and not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if configured:
+        os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+        PartialState(backend="gloo")
+    return configured
+
+
 def language_model_batch(rows: list[dict]) -> dict[str, torch.Tensor]:
     """Blocks are never padded: the labels are the inputs (the model shifts them), as in trainkit's recipe."""
     input_ids = torch.stack([row["input_ids"] for row in rows])
@@ -58,14 +70,7 @@ def main() -> None:
         # them (trainkit/strategies/deepspeed_config.py), so both run the same DeepSpeed config.
         ds_config = json.loads(DEEPSPEED_JSON[args.strategy].read_text())
         fill_bucket_sizes(ds_config, model)
-    configured = deepspeed and not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1
-    if configured:
-        # On a CPU the Trainer gives Accelerate no backend under DeepSpeed: Accelerate then counts one process while
-        # DeepSpeed forms a world of 2, and DeepSpeed's batch-size check fails. The Trainer's own way round it: a
-        # state configured beforehand with gloo (DeepSpeed's launch variable set, as `accelerate launch` sets it),
-        # taken over with accelerator_config's use_configured_state.
-        os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
-        PartialState(backend="gloo")
+    configured = configured_state(deepspeed)
     with tempfile.TemporaryDirectory() as out:
         training_args = TrainingArguments(
             output_dir=out, per_device_train_batch_size=cfg.batch_size, gradient_accumulation_steps=cfg.grad_accum,

@@ -26,22 +26,14 @@ import tempfile
 from pathlib import Path
 
 import torch
-from accelerate import PartialState
 from accelerate.parallelism_config import ParallelismConfig
 from accelerate.utils import DeepSpeedSequenceParallelConfig
 from common import ROOT, StepClock, what_ran, write_report
-from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments, set_seed
+from hf_trainer import Clock, configured_state
+from transformers import AutoModelForCausalLM, Trainer, TrainingArguments, set_seed
 
 from trainkit.recipes import load_recipe
 from trainkit.strategies.deepspeed_config import fill_bucket_sizes
-
-
-class Clock(TrainerCallback):
-    def __init__(self, clock: StepClock) -> None:
-        self.clock = clock
-
-    def on_step_end(self, args, state, control, **kwargs):  # after the optimizer step
-        self.clock.tick()
 
 
 def main() -> None:
@@ -66,9 +58,7 @@ def main() -> None:
     model.config.use_cache = False
     ds_config = json.loads((ROOT / "ds_configs" / "zero3.json").read_text())
     fill_bucket_sizes(ds_config, model)
-    # bench/peers/hf_trainer.py says why: on a CPU the Trainer gives Accelerate no backend under DeepSpeed
-    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
-    PartialState(backend="gloo")
+    configured = configured_state(deepspeed=True)
     clock = StepClock()
     with tempfile.TemporaryDirectory() as tmp:
         targs = TrainingArguments(
@@ -76,7 +66,7 @@ def main() -> None:
             lr_scheduler_type="constant", weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm,
             report_to=[], logging_strategy="no", save_strategy="no", eval_strategy="no", seed=cfg.seed,
             dataloader_drop_last=True, disable_tqdm=True, deepspeed=ds_config,
-            accelerator_config={"use_configured_state": True},
+            accelerator_config={"use_configured_state": configured},
             parallelism_config=ParallelismConfig(sp_size=2, sp_backend="deepspeed", sp_handler=(
                 DeepSpeedSequenceParallelConfig(sp_attn_implementation="sdpa"))))
         trainer = Trainer(model=model, args=targs, train_dataset=rows, callbacks=[Clock(clock)],
