@@ -12,7 +12,7 @@ one runs.
 
 from __future__ import annotations
 
-from trainkit.restarts import end_if_refused_before
+from trainkit.run.restarts import end_if_refused_before
 
 # Before the imports below (seconds of torch): a later attempt of a launch that was refused ends at once.
 end_if_refused_before()
@@ -28,14 +28,29 @@ from typing import Any
 
 from accelerate.utils import set_seed
 
-from trainkit.checkpoint import Checkpointer, continue_from, data_states, export_final
 from trainkit.command_line import parse_command_line
-from trainkit.data import BatchLayout, EvalLayout, TrainStream, eval_batches, split_layouts
+from trainkit.data.batches import BatchLayout, EvalLayout, TrainStream, eval_batches, split_layouts
+from trainkit.data.precompute import attach
+from trainkit.data.stream import StreamedTrain, open_stream
 from trainkit.errors import ConfigError, TrainingError, failure_in_user_code, out_of_memory, said, writing
-from trainkit.guards import FiniteCheck, StopSignal
-from trainkit.hardware import Compute
-from trainkit.hosts import exposed_secrets
-from trainkit.metrics import (
+from trainkit.launch.hardware import Compute
+from trainkit.launch.hostfile import exposed_secrets
+from trainkit.launch.library_noise import silence_library_noise
+from trainkit.launch.rank_exit import (
+    LostContact,
+    answer_roll_call,
+    end_process,
+    end_with_launcher,
+    keep_until_exit,
+    lost_contact,
+    outlive_its_terminal,
+    publish_failure,
+)
+from trainkit.models.activation_offload import offloading
+from trainkit.models.optimizer import build_optimizer, build_scheduler
+from trainkit.plan import Plan, estimate_report, make_plan
+from trainkit.run.checkpoint import Checkpointer, continue_from, data_states, export_final
+from trainkit.run.metrics import (
     MetricsLog,
     Throughput,
     close_progress_bars,
@@ -47,30 +62,15 @@ from trainkit.metrics import (
     state_bytes,
     summary_line,
 )
-from trainkit.offload import offloading
-from trainkit.optim import build_optimizer, build_scheduler
-from trainkit.plan import Plan, estimate_report, make_plan
-from trainkit.precompute import attach
-from trainkit.process import (
-    LostContact,
-    answer_roll_call,
-    end_process,
-    end_with_launcher,
-    keep_until_exit,
-    lost_contact,
-    outlive_its_terminal,
-    publish_failure,
-)
-from trainkit.quiet import silence_library_noise
-from trainkit.restarts import last_attempt_note, record_error
-from trainkit.run_folder import STOP_RECORD, check_folder_shared, clear_outputs, record_stop
+from trainkit.run.output_folder import STOP_RECORD, check_folder_shared, clear_outputs, record_stop
+from trainkit.run.restarts import last_attempt_note, record_error
+from trainkit.run.stopping import FiniteCheck, StopSignal
 from trainkit.step import train_step
-from trainkit.strategies import Engine
-from trainkit.stream import StreamedTrain, open_stream
+from trainkit.strategies.registry import Engine
 
 
 def main(argv: list[str] | None = None) -> int:
-    end_with_launcher()  # a rank never outlives the launcher that started it (trainkit/process.py)
+    end_with_launcher()  # a rank never outlives the launcher that started it (trainkit/launch/rank_exit.py)
     outlive_its_terminal()  # but it outlives its closed ssh session, to end a stop it was asked for
     silence_library_noise()
     options = None
@@ -113,7 +113,7 @@ def refuse(error: ConfigError | TrainingError, output_dir: Path | None) -> int:
     """Print the error lines once per launch. The ranks of a launch mostly refuse alike; rank 0 prints at once, the
     others only after a pause, by which time the launcher has ended them if rank 0 refused too (it stops every rank
     when one fails). A rank that alone saw the problem still prints it: never a silent failure. A cause is published
-    first, for the ranks that lose contact with this one to name it (trainkit/process.py)."""
+    first, for the ranks that lose contact with this one to name it (trainkit/launch/rank_exit.py)."""
     lines = error.lines()
     if not isinstance(error, LostContact):  # the cause: the ranks that lose contact with this one name it
         publish_failure(lines[0])
@@ -152,7 +152,7 @@ def build(plan: Plan) -> Run:
     options, cfg, recipe = plan.options, plan.cfg, plan.recipe
     engine = plan.strategy.engine(plan.strategy)
     accelerator = engine.build_accelerator(options.output_dir, options.report_to)
-    keep_until_exit(engine)  # freeing its process groups can hang a launched rank (trainkit/process.py)
+    keep_until_exit(engine)  # freeing its process groups can hang a launched rank (trainkit/launch/rank_exit.py)
     answer_roll_call()  # where this rank runs, for a lost peer's message to name a rank that went silent
     if (leak := exposed_secrets(os.environ, accelerator.is_local_main_process)) and accelerator.is_main_process:
         print(f"warning: {leak}", file=sys.stderr, flush=True)

@@ -7,7 +7,7 @@ One process trains the tiny transformer for STEPS steps with a checkpoint every 
 synchronous saves and once with --async_save, in turn, REPEATS times, at two sizes: the `cpu` preset (29M
 parameters) and the same with 14 layers (100M parameters; a checkpoint of weights and AdamW's two moments is 1.2 GB),
 that one also with a core left to the write (CASES).
-The loop's time in saves is metrics.jsonl's checkpoint_s (trainkit/checkpoint.py's Checkpointer.blocked: the save
+The loop's time in saves is metrics.jsonl's checkpoint_s (trainkit/run/checkpoint.py's Checkpointer.blocked: the save
 itself, a wait for the write before it, and the rename of a finished asynchronous write); a save blocks for the sum
 over the run divided by the number of saves. The last save's write, which the end of the run waits for, is outside
 the loop and not counted in either mode. The step's own time (its seconds minus checkpoint_s) says what the write
@@ -29,11 +29,11 @@ sys.path.insert(0, str(ROOT))
 
 from sections import replace_section  # noqa: E402
 
-from trainkit.compare import run_config  # noqa: E402
+from trainkit.launch.train_process import run_config  # noqa: E402
 
 STEPS, SAVE_EVERY = 7, 2  # saves after steps 2, 4 and 6; their blocking lands in steps 3, 5 and 7
 # (recipe flags, environment): the write thread shares the cores with the compute threads, so the 100M model runs
-# twice, on every core and on one core less than the machine has (TRAINKIT_CPU_THREADS, trainkit/hardware.py)
+# twice, on every core and on one core less than the machine has (TRAINKIT_CPU_THREADS, trainkit/launch/hardware.py)
 CASES = {"cpu preset (29M)": (["--size", "cpu"], {}),
          "100M (cpu preset, 14 layers)": (["--size", "cpu", "--layers", "14"], {}),
          "100M, one core left free": (["--size", "cpu", "--layers", "14"],

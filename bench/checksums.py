@@ -6,8 +6,8 @@
 One process holds a model of 100M fp32 parameters and AdamW's two moments (a 1.2 GB checkpoint, the size of
 bench/async_save.py's larger case) and, REPEATS times in turn:
 - writes it with torch.distributed.checkpoint, as trainkit/strategies/dcp_format.py does (`dcp.save`, which flushes
-  every file to disk), then lists the folder as the save does (trainkit/checkpoint.py's _file_table: size and xxh3_64
-  of every file, read back from the page cache);
+  every file to disk), then lists the folder as the save does (trainkit/run/checkpoint.py's _file_table: size and
+  xxh3_64 of every file, read back from the page cache);
 - checks the folder as a resume does before loading (_damage: every size, then every digest), then loads it
   (`dcp.load`).
 The ratios hash / write and check / load are taken within each round.
@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 from sections import replace_section  # noqa: E402
 
-from trainkit.checkpoint import _damage, _file_table  # noqa: E402
+from trainkit.run.checkpoint import _damage, _file_table  # noqa: E402
 
 WIDTH, LAYERS = 2048, 24  # 24 x 2048 x 2048 = 100.7M parameters
 START, END = "<!-- checksum table: written by bench/checksums.py -->", "<!-- end of checksum table -->"

@@ -35,9 +35,9 @@ sys.path.insert(0, str(ROOT))
 
 from sections import BENCHMARKS, bar_chart, replace_section  # noqa: E402
 
-from trainkit.compare import max_rel_diff, run_config  # noqa: E402
+from trainkit.launch.train_process import max_rel_diff, run_config  # noqa: E402
 from trainkit.recipes import load_recipe  # noqa: E402
-from trainkit.strategies import for_launch, shipped_strategies  # noqa: E402
+from trainkit.strategies.registry import for_launch, shipped_strategies  # noqa: E402
 
 STEPS, WARMUP = 10, 3  # tokens/s: the median of steps WARMUP + 1 .. STEPS
 ARGS = ["--recipe", "tiny_transformer", "--batch_size", "8", "--max_steps", str(STEPS), "--eval_every", "0",

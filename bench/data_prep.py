@@ -1,4 +1,4 @@
-"""Text preparation at 10M and 100M tokens: time and peak memory of trainkit/text.py against the code it replaced.
+"""Text preparation at 10M and 100M tokens: time and peak memory of trainkit/data/text.py against the code it replaced.
 
     python bench/data_prep.py                    # 15-30 minutes on 2 CPU cores (the baseline at 100M: 6-10 of
                                                  # them, and 6 GiB of memory), 3 GiB of free disk; writes
@@ -16,7 +16,7 @@ the proportional share of anonymous memory (Pss_Anon). The anonymous part is wha
 RSS is pages of the memory-mapped Arrow files that the kernel can drop at any time (they count in RSS while mapped).
 "Again" is the new code's second run on the same cache: it only reads the cached blocks.
 
-The baseline is a copy of the functions that trainkit/text.py had before, kept here only to be measured: it groups
+The baseline is a copy of the functions that trainkit/data/text.py had before, kept here only to be measured: it groups
 the whole tokenised corpus as one batch of Python lists and counts unigrams with a Counter.
 """
 
@@ -41,8 +41,8 @@ sys.path.insert(0, str(ROOT))
 
 from sections import BENCHMARKS, IMAGES, replace_section  # noqa: E402
 
-from trainkit import text  # noqa: E402
-from trainkit.hardware import cpu_cores  # noqa: E402
+from trainkit.data import text  # noqa: E402
+from trainkit.launch.hardware import cpu_cores  # noqa: E402
 
 START, END = "<!-- data preparation: written by bench/data_prep.py -->", "<!-- end of data preparation -->"
 PNG = IMAGES / "data_prep.png"
@@ -50,7 +50,7 @@ SEQ_LEN, VOCAB = 128, 1024
 GIB = 1 << 30
 
 
-# ---- baseline: trainkit/text.py's token_blocks and unigram_entropy before this benchmark's change, verbatim ----
+# ---- baseline: trainkit/data/text.py's token_blocks and unigram_entropy before this benchmark's change, verbatim ----
 def baseline_token_blocks(docs, tokenizer, seq_len: int):
     """Every document tokenised and followed by EOS, concatenated, and cut into blocks of seq_len tokens."""
 
@@ -254,7 +254,7 @@ def write_section(rows: list[dict], command: str) -> None:
                "bounded slice work: memory grows with the cores, not with the corpus. "
                "RSS also counts the pages of the memory-mapped Arrow files that "
                "were read, which the kernel drops under pressure. The baseline held the whole tokenised corpus as "
-               "Python lists: its memory grows with the corpus. trainkit/text.py now tokenises in slices of "
+               "Python lists: its memory grows with the corpus. trainkit/data/text.py now tokenises in slices of "
                "1 MiB of text (one process per core on corpora of 16 MiB of text or more) and packs about 2^20 "
                "tokens at a time with numpy, so its memory stays nearly flat; it drops at most 127 of each 2^20 "
                "tokens, so its block count can be a few below the baseline's. `again`: the second run reads the "

@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 from packing import FIRST, STEPS, run  # noqa: E402
 from sections import replace_section  # noqa: E402
 
-from trainkit.data import epoch_order  # noqa: E402
+from trainkit.data.batches import epoch_order  # noqa: E402
 
 START, END = "<!-- dpo peer: written by bench/dpo_peer.py -->", "<!-- end of dpo peer -->"
 ROUNDS, PAIRS, HELD_OUT, SEQ_LEN, SEED = 3, 8, 64, 128, 0

@@ -8,7 +8,7 @@
 2. `pytest -m gpu` (tests/test_gpu.py) at the same time: every config as one process on one GPU against the plain
    single-GPU run, bf16, fp16 with the loss scaler (torch's and DeepSpeed's); the multi-GPU checks skip on one GPU.
 3. Then alone on the device, for timings: the tiny transformer's gpt2-small preset (124M parameters, sequence 1024)
-   in bf16, eager and with --compile: tokens/s and MFU against the GPU's dense bf16 peak (trainkit/metrics.py).
+   in bf16, eager and with --compile: tokens/s and MFU against the GPU's dense bf16 peak (trainkit/run/metrics.py).
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ sys.path.insert(0, str(ROOT))
 
 from sections import BENCHMARKS, replace_section  # noqa: E402
 
-from trainkit.compare import run_config  # noqa: E402
-from trainkit.launch import shipped_configs  # noqa: E402
+from trainkit.launch.launcher import shipped_configs  # noqa: E402
+from trainkit.launch.train_process import run_config  # noqa: E402
 
 START, END = "<!-- gpu section: written by bench/gpu.py -->", "<!-- end of gpu section -->"
 GPT2 = ["--recipe", "tiny_transformer", "--size", "gpt2-small", "--batch_size", "16", "--max_steps", "40",

@@ -27,7 +27,7 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 from torch.profiler._memory_profiler import _EventType  # noqa: E402
 
 import train  # noqa: E402
-from trainkit.metrics import state_bytes  # noqa: E402
+from trainkit.run.metrics import state_bytes  # noqa: E402
 
 MEASURED_STEP = 2
 

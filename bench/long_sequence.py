@@ -1,6 +1,7 @@
 """Long sequences: a training step's peak memory with the whole logits and with the loss a chunk of positions at a
-time (trainkit/chunked_loss.py), the MLP in chunks (trainkit/tiled_mlp.py) and activation checkpointing, against the
-estimate (trainkit/estimate.py's activation_bytes); and, by that estimate, the longest sequence each fits in a budget.
+time (trainkit/losses/chunked_loss.py), the MLP in chunks (trainkit/models/tiled_mlp.py) and activation checkpointing,
+against the estimate (trainkit/estimate.py's activation_bytes); and, by that estimate, the longest sequence each fits in
+a budget.
 
     python bench/long_sequence.py       # about 15 minutes on 2 CPU cores; run it alone on the machine
 
@@ -35,7 +36,8 @@ import json, sys, time, torch
 sys.path.insert(0, {root!r})
 import trainkit.strategies
 from transformers import LlamaConfig, LlamaForCausalLM
-from trainkit import chunked_loss, tiled_mlp
+from trainkit.losses import chunked_loss
+from trainkit.models import tiled_mlp
 from trainkit.estimate import ModelShape, activation_bytes, decoder_shape, measured_activations
 mib, checkpointing, tiled, vocab, hidden, layers, tokens = {case!r}
 torch.manual_seed(0)
@@ -73,8 +75,8 @@ def longest(sps: tuple[int, ...] = (1,)) -> list[str]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import trainkit.strategies  # noqa: F401  (trainkit.estimate imports the strategies' base first)
-    from trainkit.chunked_loss import chunk_tokens
     from trainkit.estimate import ModelShape, activation_bytes, decoder_shape
+    from trainkit.losses.chunked_loss import chunk_tokens
 
     with torch.device("meta"):
         model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=4 * HIDDEN,
@@ -122,8 +124,9 @@ def measure() -> str:
         START, "## Long sequences: the loss and the MLP in chunks, activation checkpointing", "",
         f"`python bench/long_sequence.py`: a Llama built from a config (vocabulary {VOCAB:,}, hidden {HIDDEN}, "
         f"{LAYERS} layers, sdpa), one sequence of {TOKENS:,} tokens, fp32, the causal-LM recipe's loss "
-        "(trainkit/chunked_loss.py's next_token_losses), one step per case in a fresh process. The *measured peak* "
-        "is the peak of live tensor bytes over the loss and its backward (torch.profiler's memory timeline, less "
+        "(trainkit/losses/chunked_loss.py's next_token_losses), one step per case in a fresh process. "
+        "The *measured peak* is the peak of live tensor bytes over the loss and its backward (torch.profiler's memory "
+        "timeline, less "
         "what was live before); the estimate is what `--estimate` counts as activations. The whole logits of this "
         f"sequence take {logits / mib:,.0f} MiB in fp32, and the whole loss holds three tensors of that size at its "
         "peak (the logits, the softmax and the logits' gradient of its backward); a chunk holds its own three. "

@@ -20,9 +20,9 @@ sys.path.insert(0, str(ROOT))
 
 from sections import BENCHMARKS, bar_chart, replace_section  # noqa: E402
 
-from trainkit.compare import run_config  # noqa: E402
+from trainkit.launch.train_process import run_config  # noqa: E402
 from trainkit.recipes import load_recipe  # noqa: E402
-from trainkit.strategies import for_launch, shipped_strategies  # noqa: E402
+from trainkit.strategies.registry import for_launch, shipped_strategies  # noqa: E402
 
 RECIPES = {
     "mlp": ["--recipe", "mlp", "--batch_size", "8"],

@@ -3,7 +3,7 @@
     python bench/mfu.py               # about 19 minutes on 2 quiet CPU cores
     python bench/mfu.py --rounds 1    # the presets and the tries once each: about 5 minutes
 
-Measures the fp32 matmul peak with every core (trainkit/hardware.py, the measurement that the first CPU runs on a
+Measures the fp32 matmul peak with every core (trainkit/launch/hardware.py, the measurement that the first CPU runs on a
 machine make), then runs `python train.py --recipe tiny_transformer --size <preset> --max_steps 20` for the presets
 `tiny` and `cpu`, one process with every core, and reports the median tokens/s of steps 6-19 (the first steps warm
 up; the last one evaluates) and the MFU of that rate against the best of the peaks measured before each round and at
@@ -32,8 +32,8 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from sections import BENCHMARKS, bar_chart, replace_section  # noqa: E402
 
-from trainkit.compare import run_config  # noqa: E402
-from trainkit.hardware import cpu_cores, cpu_model, cpu_peak_flops, measure_matmul_peak  # noqa: E402
+from trainkit.launch.hardware import cpu_cores, cpu_model, cpu_peak_flops, measure_matmul_peak  # noqa: E402
+from trainkit.launch.train_process import run_config  # noqa: E402
 
 PRESETS = ("tiny", "cpu")
 # What else was tried for the `cpu` preset's goal: other shapes, and the Llama block at the preset's shape and at the
@@ -107,8 +107,8 @@ def main() -> None:
                f"{cpu_model()}, {cpu_cores()} cores; Python "
                f"{platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}, "
                f"accelerate {accelerate.__version__}. Peak: the fp32 matmul peak with {cpu_cores()} threads (the "
-               "best of square products of 256 to 2048, trainkit/hardware.py), measured before each round and at "
-               f"the end: {', '.join(f'{p / 1e9:.1f}' for p in peaks)} GFLOP/s; MFU is taken against the best, "
+               "best of square products of 256 to 2048, trainkit/launch/hardware.py), measured before each round "
+               f"and at the end: {', '.join(f'{p / 1e9:.1f}' for p in peaks)} GFLOP/s; MFU is taken against the best, "
                f"{max(peaks) / 1e9:.1f}. Each preset: `python train.py --recipe tiny_transformer --size <preset> "
                f"--max_steps {STEPS}`, one process with every core, fp32, AdamW; the median of steps "
                f"{MEDIAN_OF.start + 1}-{MEDIAN_OF.stop} of each run; each row runs once a round, the rows taking "

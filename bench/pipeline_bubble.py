@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT))
 
 from sections import IMAGES, replace_section  # noqa: E402
 
-from trainkit.compare import run_config  # noqa: E402
+from trainkit.launch.train_process import run_config  # noqa: E402
 
 MODEL = ["--recipe", "tiny_transformer", "--hidden", "256", "--layers", "4", "--seq_len", "128", "--batch_size", "4",
          "--max_steps", "12", "--eval_every", "0", "--pipeline_stages", "2"]

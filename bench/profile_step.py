@@ -27,7 +27,7 @@ from sections import bar_chart, replace_section  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 import train  # noqa: E402
-from trainkit.hardware import cpu_cores, cpu_model  # noqa: E402
+from trainkit.launch.hardware import cpu_cores, cpu_model  # noqa: E402
 
 STEPS = 10
 TOP = 12

@@ -44,7 +44,7 @@ def model_folder(folder: Path, cache_dir: Path) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from trainkit.text import load_documents, train_tokenizer
+    from trainkit.data.text import load_documents, train_tokenizer
 
     torch.manual_seed(0)
     LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=4 * HIDDEN,

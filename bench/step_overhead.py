@@ -44,10 +44,10 @@ def measure(argv: list[str], report: Path) -> None:
 
     import train
     from trainkit.command_line import parse_command_line
-    from trainkit.guards import FiniteCheck
-    from trainkit.metrics import MetricsLog, peak_memory_bytes, process_seconds
+    from trainkit.launch.library_noise import silence_library_noise
     from trainkit.plan import make_plan
-    from trainkit.quiet import silence_library_noise
+    from trainkit.run.metrics import MetricsLog, peak_memory_bytes, process_seconds
+    from trainkit.run.stopping import FiniteCheck
     from trainkit.step import train_step
 
     silence_library_noise()
@@ -109,8 +109,8 @@ def compared(data: dict, other: str) -> tuple[str, str, str]:
 
 
 def main() -> None:
-    from trainkit.compare import run_config
-    from trainkit.hardware import cpu_cores, cpu_model
+    from trainkit.launch.hardware import cpu_cores, cpu_model
+    from trainkit.launch.train_process import run_config
 
     rows = ["| config | processes x threads | trainkit step ms | Accelerate loop step ms | trainkit adds per step "
             "(quartiles) | trainkit adds / loop step |", "|---|---|---:|---:|---:|---:|"]
@@ -164,9 +164,9 @@ def main() -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "--worker":
-        from trainkit.process import end_process
+        from trainkit.launch.rank_exit import end_process
 
         measure(sys.argv[3:], Path(sys.argv[2]))
-        end_process(0)  # as train.py: a launched rank skips the teardown that can hang (trainkit/process.py)
+        end_process(0)  # as train.py: a launched rank skips the teardown that can hang (trainkit/launch/rank_exit.py)
     else:
         main()

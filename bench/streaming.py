@@ -1,4 +1,4 @@
-"""Streamed data (trainkit/stream.py) against preparing it first (trainkit/text.py), as the corpus grows.
+"""Streamed data (trainkit/data/stream.py) against preparing it first (trainkit/data/text.py), as the corpus grows.
 
     python bench/streaming.py                 # about 15 minutes on 2 CPU cores; 4 GiB of free disk for the 1B-token
                                               # corpus; writes BENCHMARKS.md's section
@@ -48,8 +48,8 @@ sys.path.insert(0, str(ROOT))
 from data_prep import run_watched  # noqa: E402
 from sections import BENCHMARKS, replace_section  # noqa: E402
 
-from trainkit import text  # noqa: E402
-from trainkit.hardware import cpu_cores  # noqa: E402
+from trainkit.data import text  # noqa: E402
+from trainkit.launch.hardware import cpu_cores  # noqa: E402
 
 START, END = "<!-- streaming: written by bench/streaming.py -->", "<!-- end of streaming -->"
 SEQ_LEN, VOCAB, GLOBAL, STEPS = 128, 1024, 32, 100
@@ -62,9 +62,9 @@ def child(kind: str, data: str, tokenizer_dir: Path, cache: Path, position: floa
     import torch
     from transformers import PreTrainedTokenizerFast
 
-    from trainkit.data import BatchLayout, TrainStream
-    from trainkit.rows import TextBlocks
-    from trainkit.stream import Streamed, StreamedTrain
+    from trainkit.data.batches import BatchLayout, TrainStream
+    from trainkit.data.stream import Streamed, StreamedTrain
+    from trainkit.data.stream_rows import TextBlocks
 
     torch.set_num_threads(1)
     layout, started = BatchLayout(GLOBAL, 1, 0, 1), time.perf_counter()

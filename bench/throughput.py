@@ -41,12 +41,13 @@ sys.path.insert(0, str(ROOT))
 
 from sections import replace_section  # noqa: E402
 
-from trainkit.compare import run_config, split_for  # noqa: E402
-from trainkit.hardware import cpu_cores  # noqa: E402
+from trainkit.launch.hardware import cpu_cores  # noqa: E402
+from trainkit.launch.train_process import run_config  # noqa: E402
 from trainkit.recipes import load_recipe  # noqa: E402
-from trainkit.strategies import for_launch, shipped_strategies  # noqa: E402
+from trainkit.strategies.registry import for_launch, shipped_strategies  # noqa: E402
+from trainkit.tools.compare import split_for  # noqa: E402
 
-CORES = cpu_cores()  # what trainkit divides among its processes (trainkit/hardware.py)
+CORES = cpu_cores()  # what trainkit divides among its processes (trainkit/launch/hardware.py)
 SEQ_LEN = 128  # the tiny transformer's default, stated in every section
 MICRO_BATCH = {"tiny_transformer": 16, "mlp": 32}  # per process, at 2 processes
 PEERS = Path("bench") / "peers"

@@ -6,9 +6,9 @@ Each document is cut into samples of seq_len tokens, the last piece padded with 
 of text when it has none); the loss of a step is the mean over every learned token of the global batch (padding
 masked out; the runner weighs each micro-batch by its learned tokens: loss_weight), so that every split of a global
 batch gives the same loss however unevenly the tokens fall. Instruction and chat data (prompt/completion,
-chat messages, Alpaca, ShareGPT: trainkit/sft.py) train one example per sample with the loss on the answers only.
+chat messages, Alpaca, ShareGPT: trainkit/data/sft.py) train one example per sample with the loss on the answers only.
 `--streaming` reads any of them as it trains, and mixtures with weights (`--data 'a-*.jsonl:0.7,b.jsonl:0.3'`) are
-always streamed (trainkit/stream.py). Reports eval_token_accuracy.
+always streamed (trainkit/data/stream.py). Reports eval_token_accuracy.
 Output: final/ loads with AutoModelForCausalLM / AutoTokenizer.from_pretrained exactly as the input did (the
 weights as safetensors; the tokenizer with its special tokens and chat template).
 
@@ -36,20 +36,22 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainkit import chunked_loss, decoder_stages, finetune, rows, sft, sources, text, tiled_mlp
-from trainkit.ask import TURN_ENDS
+from trainkit.data import sft, stream_rows, stream_sources, text
+from trainkit.data.stream import Streamed
+from trainkit.data.stream_sources import BadRecord
 from trainkit.errors import ConfigError, Problem
-from trainkit.finetune import FineTuneConfig, tokenizer_of
-from trainkit.sources import BadRecord
-from trainkit.stream import Streamed
+from trainkit.losses import chunked_loss, router
+from trainkit.models import finetune, tiled_mlp
+from trainkit.models.finetune import FineTuneConfig, tokenizer_of
+from trainkit.strategies import pipeline_decoder
 
 
 @dataclass(kw_only=True, slots=True)
-class Config(FineTuneConfig):  # the model's settings: trainkit/finetune.py
+class Config(FineTuneConfig):  # the model's settings: trainkit/models/finetune.py
     # Data
     data: str = "pydoc"
     text_field: str = "text"
-    # The records' layout (trainkit/sft.py): auto (from the first record's fields), text, prompt_completion,
+    # The records' layout (trainkit/data/sft.py): auto (from the first record's fields), text, prompt_completion,
     # messages, alpaca or sharegpt. Every layout but text learns only the answers unless train_on is "all".
     data_format: str = "auto"
     train_on: str = "answers"  # answers | all (prompts, system and user turns too)
@@ -63,7 +65,7 @@ class Config(FineTuneConfig):  # the model's settings: trainkit/finetune.py
     # tokens as it learns); "samples", the mean over its examples of each one's own mean (a short answer weighs as
     # much as a long one), another objective. Either way every split of the global batch gives the same loss.
     loss_average: str = "tokens"
-    # auto | true | false: read the data as it trains (trainkit/stream.py); auto streams mixtures (`a.jsonl:0.7,
+    # auto | true | false: read the data as it trains (trainkit/data/stream.py); auto streams mixtures (`a.jsonl:0.7,
     # b.jsonl:0.3`) and local files past 1 GiB. bad_lines: a streamed record that cannot be read stops the run, or skip
     streaming: str = "auto"
     bad_lines: str = "stop"
@@ -73,10 +75,11 @@ class Config(FineTuneConfig):  # the model's settings: trainkit/finetune.py
     max_new_tokens: int = 32
     preview: int = 0  # which example --dry_run shows as the model reads it (from 0)
     # The loss computes the logits of at most this many MiB (fp32) at a time, chunks of positions through the head
-    # and the cross entropy, each made again in backward (trainkit/chunked_loss.py): a long micro-batch never holds
-    # its whole logits. A micro-batch whose logits fit is computed whole; 0: always whole
+    # and the cross entropy, each made again in backward (trainkit/losses/chunked_loss.py): a long micro-batch never
+    # holds its whole logits. A micro-batch whose logits fit is computed whole; 0: always whole
     loss_chunk_mib: float = chunked_loss.CHUNK_MIB
-    # Each decoder layer's MLP a chunk of `hidden` positions at a time, recomputed in backward (trainkit/tiled_mlp.py)
+    # Each decoder layer's MLP a chunk of `hidden` positions at a time, recomputed in backward
+    # (trainkit/models/tiled_mlp.py)
     tiled_mlp: bool = False
 
     may_change_on_resume = FineTuneConfig.may_change_on_resume | {"preview", "loss_chunk_mib", "tiled_mlp"}
@@ -158,7 +161,7 @@ def _samples(cfg: Config, layout: str, data: str, cache_dir: Path, split: str = 
         return _rows(cfg, _encoded(cfg, layout, _records(cfg, layout, data, cache_dir, split), data))
     docs = text.load_documents(data, cfg.data_config, cfg.text_field, cache_dir, split, cfg.flag_of(data))
     tokenizer = tokenizer_of(cfg)
-    pieces = rows.TextPieces(tokenizer, cfg.seq_len, cfg.loss_average == "samples", cfg.packing)
+    pieces = stream_rows.TextPieces(tokenizer, cfg.seq_len, cfg.loss_average == "samples", cfg.packing)
     columns = ["input_ids", *(["labels"] if cfg.packing else ["attention_mask"]), *(["weight"] * pieces.weights)]
 
     def cut(batch):  # documents to their pieces: padded rows, or with --packing the pieces to pack
@@ -171,19 +174,19 @@ def _samples(cfg: Config, layout: str, data: str, cache_dir: Path, split: str = 
 
 
 def _streamed(cfg: Config, layout: str, cache_dir: Path) -> tuple[Streamed, list]:
-    """The data read as it trains: the same rows as below, made in the data workers (trainkit/rows.py)."""
+    """The data read as it trains: the same rows as below, made in the data workers (trainkit/data/stream_rows.py)."""
     streamed = Streamed.open(text.streamed_data(cfg.data, cache_dir), cfg.text_field, cfg.data_config,
                              cfg.eval_fraction, cfg.bad_lines, None if layout == "text" else sft.FIELDS[layout])
     tokenizer, weights = tokenizer_of(cfg), cfg.loss_average == "samples"
-    streamed = streamed.with_rows(rows.TextPieces(tokenizer, cfg.seq_len, weights, cfg.packing) if layout == "text" else
-                                  _maker(cfg, layout, cfg.packing))
+    streamed = streamed.with_rows(stream_rows.TextPieces(tokenizer, cfg.seq_len, weights, cfg.packing)
+                                  if layout == "text" else _maker(cfg, layout, cfg.packing))
     return streamed, streamed.held_out()
 
 
-def _maker(cfg: Config, layout: str, packing: bool = False) -> rows.Examples:
+def _maker(cfg: Config, layout: str, packing: bool = False) -> stream_rows.Examples:
     """What makes instruction and chat records into examples: the tokenizer, its template, what is learned."""
     tokenizer = tokenizer_of(cfg)
-    return rows.Examples(tokenizer, cfg.seq_len, layout, sft.chat_template(tokenizer, cfg.chat_template),
+    return stream_rows.Examples(tokenizer, cfg.seq_len, layout, sft.chat_template(tokenizer, cfg.chat_template),
                          cfg.train_on == "all", cfg.loss_average == "samples", packing,
                          tuple(sft.parse_role_map(cfg.role_map).items()))
 
@@ -242,7 +245,8 @@ def preview(cfg: Config, cache_dir: Path) -> str | None:
         return None
     data = text.streamed_data(cfg.data, cache_dir)
     if text.streams(cfg.data, cfg.streaming):
-        number, records = 0, [sources.first_record(sources.parse_data(data, cfg.text_field, cfg.data_config)[0])[1]]
+        source = stream_sources.parse_data(data, cfg.text_field, cfg.data_config)[0]
+        number, records = 0, [stream_sources.first_record(source)[1]]
     else:
         loaded = _records(cfg, layout, cfg.data, cache_dir)
         if cfg.preview >= len(loaded):
@@ -277,30 +281,31 @@ def _learned(batch: dict) -> torch.Tensor:
     return batch["labels"][:, 1:] != sft.IGNORE if "labels" in batch else batch["attention_mask"][:, 1:].bool()
 
 
-def _token_losses(model: nn.Module, batch: dict,
-                  top_guess: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Every position's next-token loss, whether it is learned, and (top_guess) whether the model's top guess is
-    right."""
+def _token_losses(model: nn.Module, batch: dict, top_guess: bool = False
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Every position's next-token loss, whether it is learned, (top_guess) whether the model's top guess is right,
+    and the model's own auxiliary loss (a mixture of experts' router balance) or None."""
     if "shift_labels" in batch:  # a sequence-parallel shard: its targets made before the cut, no mask of its own
         targets = batch["shift_labels"]
-        token_loss, guess = chunked_loss.next_token_losses(model, top_guess, targets, input_ids=batch["input_ids"],
-                                                           position_ids=batch["position_ids"], use_cache=False)
-        return token_loss, targets != sft.IGNORE, guess == targets if top_guess else None
+        token_loss, guess, aux = chunked_loss.next_token_losses(model, top_guess, targets,
+                                                                input_ids=batch["input_ids"],
+                                                                position_ids=batch["position_ids"], use_cache=False)
+        return token_loss, targets != sft.IGNORE, guess == targets if top_guess else None, aux
     ids, mask, positions = batch["input_ids"], batch["attention_mask"], batch.get("position_ids")
     if "segment" in batch:  # packed rows: each example attends only to itself
         attention = _attention_of(model)
         # flash attention's variable-length path finds the examples from the restarting position_ids alone
         mask = None if attention.startswith("flash") else sft.block_mask(batch["segment"], attention == "eager")
     # No KV cache: in training it would only copy every layer's keys and values (generate() still uses one).
-    token_loss, guess = chunked_loss.next_token_losses(model, top_guess, input_ids=ids, attention_mask=mask,
-                                                       position_ids=positions, use_cache=False)
-    return token_loss, _learned(batch), guess == ids[:, 1:] if top_guess else None
+    token_loss, guess, aux = chunked_loss.next_token_losses(model, top_guess, input_ids=ids, attention_mask=mask,
+                                                            position_ids=positions, use_cache=False)
+    return token_loss, _learned(batch), guess == ids[:, 1:] if top_guess else None, aux
 
 
 def _weights(batch: dict) -> torch.Tensor:
     """What each next-token loss weighs in the micro-batch's mean: 1 per learned token, or (loss_average samples)
     the batch's `weight`, each example's learned positions summing to 1."""
-    if "shift_labels" in batch:  # a sequence-parallel shard (trainkit/sequence_parallel.py)
+    if "shift_labels" in batch:  # a sequence-parallel shard (trainkit/strategies/sequence_parallel.py)
         return batch["shift_weight"].float() if "shift_weight" in batch else \
             (batch["shift_labels"] != sft.IGNORE).float()
     return batch["weight"][:, 1:].float() if "weight" in batch else _learned(batch).float()
@@ -313,13 +318,15 @@ def _attention_of(model: nn.Module) -> str:
     return getattr(getattr(extract_model_from_parallel(model), "config", None), "_attn_implementation", "sdpa")
 
 
-def loss(model: nn.Module, batch: dict) -> torch.Tensor:
+def loss(model: nn.Module, batch: dict) -> torch.Tensor | tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The micro-batch's weighed mean (_weights): over its learned tokens, or over its examples of each one's mean.
     With loss_weight the runner makes a step's loss that mean over the whole global batch, however it falls across
-    micro-batches and ranks."""
-    token_loss, _, _ = _token_losses(model, batch)
+    micro-batches and ranks. A mixture of experts whose config asks for its router logits adds its balancing loss
+    times its coefficient, and reports it as aux_loss (trainkit/losses/router.py)."""
+    token_loss, _, _, aux = _token_losses(model, batch)
     weight = _weights(batch)
-    return (token_loss * weight).sum() / weight.sum().clamp(min=1e-12)
+    mean = (token_loss * weight).sum() / weight.sum().clamp(min=1e-12)
+    return router.with_router_loss(model, mean, aux, token_loss.shape[0])
 
 
 def loss_weight(cfg: Config, batch: dict) -> float:
@@ -327,22 +334,24 @@ def loss_weight(cfg: Config, batch: dict) -> float:
     return float(_weights(batch).sum())
 
 
-# Sequence and context parallelism (a YAML's parallelism_config_sp_size or _cp_size; trainkit/sequence_parallel.py):
-# _token_losses reads the parts of each row the runner cuts (shift_labels, the whole row's position_ids).
+# Sequence and context parallelism (a YAML's parallelism_config_sp_size or _cp_size;
+# trainkit/strategies/sequence_parallel.py): _token_losses reads the parts of each row the runner cuts (shift_labels,
+# the whole row's position_ids).
 sequence_parallel = True
 
 
 # Pipeline parallelism (--pipeline_stages): any transformers decoder of the standard layout (embeddings, a ModuleList
-# of layers, a final norm, a head) is cut into stages by trainkit/decoder_stages.py, which refuses another model
-# naming it. The runner weighs each micro-batch's mean by its learned tokens (loss_weight) as it does without stages.
-pipeline_layers = decoder_stages.layers
-pipeline_stage = decoder_stages.stage
-pipeline_loss = decoder_stages.loss
+# of layers, a final norm, a head) is cut into stages by trainkit/strategies/pipeline_decoder.py, which refuses another
+# model naming it. The runner weighs each micro-batch's mean by its learned tokens (loss_weight) as it does without
+# stages.
+pipeline_layers = pipeline_decoder.layers
+pipeline_stage = pipeline_decoder.stage
+pipeline_loss = pipeline_decoder.loss
 
 
 def eval_metrics(model: nn.Module, batch: dict) -> dict[str, torch.Tensor]:
     """Each sample's share of its learned tokens that the model's top guess predicts, summed over the batch."""
-    _, real, right = _token_losses(model, batch, top_guess=True)
+    _, real, right, _ = _token_losses(model, batch, top_guess=True)
     return {"token_accuracy": ((right & real).sum(dim=1) / real.sum(dim=1).clamp(min=1)).sum()}
 
 
@@ -366,7 +375,8 @@ def generate(model: nn.Module, cfg: Config, eval_set) -> list[dict[str, str]]:
         end = cut + next((i for i, j in enumerate(learned) if j != cut + i), len(learned)) if learned else len(ids)
         output = model.generate(torch.tensor([ids[:cut]], device=device), max_new_tokens=cfg.max_new_tokens,
                                 do_sample=False, pad_token_id=sft.pad_id(tokenizer), tokenizer=tokenizer,
-                                stop_strings=TURN_ENDS, synced_gpus=dist.is_initialized() and dist.get_world_size() > 1)
+                                stop_strings=sft.TURN_ENDS,
+                                synced_gpus=dist.is_initialized() and dist.get_world_size() > 1)
         answers.append({"prompt": tokenizer.decode(ids[:cut]), "answer": tokenizer.decode(output[0, cut:]),
                         "expected": tokenizer.decode(ids[cut:end])})
     return answers

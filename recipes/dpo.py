@@ -2,7 +2,7 @@
 
 Trains: the model that --model_name_or_path names (a causal_lm run's final/, or a Hub id) on pairs of answers to one
 prompt, the chosen one preferred to the rejected one, in TRL's layouts (prompt/chosen/rejected as strings, or as
-lists of chat messages; trainkit/preference.py). --loss_type picks the objective: sigmoid (DPO), ipo, hinge, simpo
+lists of chat messages; trainkit/data/preference.py). --loss_type picks the objective: sigmoid (DPO), ipo, hinge, simpo
 or orpo (the last two need no reference model); --beta its strength. Reports TRL's metrics: rewards/chosen,
 rewards/rejected, rewards/accuracies, rewards/margins, logps/chosen, logps/rejected (eval_ prefixed on the held-out
 pairs; eval_loss is the objective's).
@@ -13,7 +13,7 @@ The reference model is the policy as it starts. Under LoRA it is the same weight
 second copy); in a full fine-tune a frozen copy inside the model this recipe builds, so that every strategy holds it
 as it holds the policy (ZeRO-3 partitions it, FSDP2 shards it, offload offloads it; --estimate and state_bytes count
 it). With --precompute_ref_logps, a full fine-tune holds no copy: the reference's log-probabilities of every pair
-are computed once before the first step (trainkit/precompute.py). The policy starts as the reference, so the first
+are computed once before the first step (trainkit/data/precompute.py). The policy starts as the reference, so the first
 step's loss is ln 2 for DPO whatever the data.
 
     python train.py --recipe dpo --model_name_or_path runs/sft/final --data pairs.jsonl --lora_r 16
@@ -30,14 +30,17 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from trainkit import chunked_loss, finetune, preference, tiled_mlp
+from trainkit.data import preference
+from trainkit.data.preference import PairsConfig
 from trainkit.errors import Problem
-from trainkit.preference import PairsConfig
+from trainkit.losses import chunked_loss, router
+from trainkit.losses import dpo as dpo_loss
+from trainkit.models import finetune, tiled_mlp
 
 
 @dataclass(kw_only=True, slots=True)
-class Config(PairsConfig):  # the model's settings and the pairs': trainkit/finetune.py, trainkit/preference.py
-    # The objective (trainkit/preference.py has each formula and its paper): sigmoid (DPO), ipo, hinge; simpo and
+class Config(PairsConfig):  # settings: trainkit/models/finetune.py (model), trainkit/data/preference.py (pairs)
+    # The objective (trainkit/losses/dpo.py has each formula and its paper): sigmoid (DPO), ipo, hinge; simpo and
     # orpo without a reference model. beta: how far from the reference the policy may go (ORPO: the weight of its
     # odds-ratio term); label_smoothing: cDPO's share of pairs taken to be mislabelled (sigmoid only);
     # simpo_gamma: SimPO's target margin.
@@ -47,20 +50,22 @@ class Config(PairsConfig):  # the model's settings and the pairs': trainkit/fine
     simpo_gamma: float = 0.5
     # The reference's log-probabilities of every pair computed once, before the first step, with the model as it
     # starts: a full fine-tune then keeps no reference copy (half the weights), and no step runs the reference's
-    # forward. The values travel with their pairs and with every checkpoint (trainkit/precompute.py).
+    # forward. The values travel with their pairs and with every checkpoint (trainkit/data/precompute.py).
     precompute_ref_logps: bool = False
-    # The log-probabilities from at most this many MiB of logits (fp32) at a time (trainkit/chunked_loss.py); 0: whole
+    # The log-probabilities from at most this many MiB of logits (fp32) at a time (trainkit/losses/chunked_loss.py); 0:
+    # whole
     loss_chunk_mib: float = chunked_loss.CHUNK_MIB
-    # Each decoder layer's MLP a chunk of `hidden` positions at a time, recomputed in backward (trainkit/tiled_mlp.py)
+    # Each decoder layer's MLP a chunk of `hidden` positions at a time, recomputed in backward
+    # (trainkit/models/tiled_mlp.py)
     tiled_mlp: bool = False
     lr: float = 5e-6
 
     may_change_on_resume = PairsConfig.may_change_on_resume | {"loss_chunk_mib", "tiled_mlp"}
 
     def check(self) -> list[Problem]:
-        problems = PairsConfig.check(self) + preference.problems(self.loss_type, self.beta, self.label_smoothing)
+        problems = PairsConfig.check(self) + dpo_loss.loss_problems(self.loss_type, self.beta, self.label_smoothing)
         problems += chunked_loss.problems(self.loss_chunk_mib)
-        if self.precompute_ref_logps and self.loss_type in preference.REFERENCE_FREE:
+        if self.precompute_ref_logps and self.loss_type in dpo_loss.REFERENCE_FREE:
             problems.append(Problem(f"--loss_type {self.loss_type} uses no reference model, so there are no "
                                     "reference log-probabilities to precompute", "--precompute_ref_logps",
                                     "drop --precompute_ref_logps"))
@@ -106,15 +111,20 @@ class Preference(nn.Module):
         policy = self._scores(self.policy, ids, attention, mask)
         reference = None
         if ref_chosen_logps is not None:
-            reference = preference.Sequences(ref_chosen_logps, ref_rejected_logps, policy.chosen_tokens,
-                                             policy.rejected_tokens)
-        elif self.loss_type not in preference.REFERENCE_FREE:
+            reference = dpo_loss.Sequences(ref_chosen_logps, ref_rejected_logps, policy.chosen_tokens,
+                                           policy.rejected_tokens)
+        elif self.loss_type not in dpo_loss.REFERENCE_FREE:
             reference = self._reference(ids, attention, mask)
-        losses, metrics = preference.pair_losses(self.loss_type, self.beta, policy, reference, self.label_smoothing,
-                                                 self.gamma)
-        return losses.mean(), {name: values.sum() for name, values in metrics.items()}
+        losses, metrics = dpo_loss.pair_losses(self.loss_type, self.beta, policy, reference, self.label_smoothing,
+                                               self.gamma)
+        sums = {name: values.sum() for name, values in metrics.items()}
+        if policy.aux_loss is None:
+            return losses.mean(), sums
+        # a mixture of experts' router balance, over the policy's forward (trainkit/losses/router.py)
+        objective, reported = router.with_router_loss(self.policy, losses.mean(), policy.aux_loss, len(losses))
+        return objective, {**sums, **reported}
 
-    def _reference(self, ids: torch.Tensor, attention: torch.Tensor, mask: torch.Tensor) -> preference.Sequences:
+    def _reference(self, ids: torch.Tensor, attention: torch.Tensor, mask: torch.Tensor) -> dpo_loss.Sequences:
         """The reference's scores: its frozen copy, the policy with its adapters off, or (a full fine-tune that
         precomputes them) the policy itself, which is the reference only before the first step."""
         lora_off = self.policy.disable_adapter() if self.reference is None and self.lora else nullcontext()
@@ -123,12 +133,13 @@ class Preference(nn.Module):
 
     @staticmethod
     def _scores(model: nn.Module, ids: torch.Tensor, attention: torch.Tensor,
-                mask: torch.Tensor) -> preference.Sequences:
-        losses, _ = chunked_loss.next_token_losses(model, input_ids=ids, attention_mask=attention, use_cache=False)
-        logps, tokens = preference.sequence_logps(losses, mask)
+                mask: torch.Tensor) -> dpo_loss.Sequences:
+        losses, _, aux_loss = chunked_loss.next_token_losses(model, input_ids=ids, attention_mask=attention,
+                                                             use_cache=False)
+        logps, tokens = dpo_loss.sequence_logps(losses, mask)
         chosen, rejected = logps.chunk(2)
         chosen_tokens, rejected_tokens = tokens.chunk(2)
-        return preference.Sequences(chosen, rejected, chosen_tokens, rejected_tokens)
+        return dpo_loss.Sequences(chosen, rejected, chosen_tokens, rejected_tokens, aux_loss)
 
 
 def build_model(cfg: Config) -> nn.Module:
@@ -138,7 +149,7 @@ def build_model(cfg: Config) -> nn.Module:
         model = finetune.build(cfg, AutoModelForCausalLM)
         return chunked_loss.configure(tiled_mlp.tile(model) if cfg.tiled_mlp else model, cfg.loss_chunk_mib)
 
-    if cfg.lora_r or cfg.precompute_ref_logps or cfg.loss_type in preference.REFERENCE_FREE:
+    if cfg.lora_r or cfg.precompute_ref_logps or cfg.loss_type in dpo_loss.REFERENCE_FREE:
         return Preference(causal_lm(), None, cfg)
     return Preference(causal_lm(), causal_lm().requires_grad_(False), cfg)
 
@@ -164,10 +175,11 @@ def reference_logps(model: nn.Module, batch: dict) -> dict[str, torch.Tensor]:
 
 
 tokens_per_sample = preference.tokens_per_pair
+preview = preference.preview  # --dry_run: a pair as the model reads it, the pairs left out counted
 
 
 def export(model: Preference, state_dict: dict, cfg: Config, cache_dir: Path, out_dir: Path) -> None:
-    """final/: the policy as causal_lm exports it (trainkit/finetune.py), without the reference."""
+    """final/: the policy as causal_lm exports it (trainkit/models/finetune.py), without the reference."""
     from transformers import AutoModelForCausalLM
 
     policy = {key.removeprefix("policy."): value for key, value in state_dict.items() if key.startswith("policy.")}

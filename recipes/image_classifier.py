@@ -8,7 +8,7 @@ the loss (the `eval_metrics` hook). Output: `final/model.safetensors` and `final
     model = recipe.build_model(recipe.Config(**json.load(open("final/config.json"))))
     safetensors.torch.load_model(model, "final/model.safetensors")
 
-To classify your own images, copy this file (`python -m trainkit.catalog cp image_classifier my_images.py`) and
+To classify your own images, copy this file (`python -m trainkit.tools.catalog cp image_classifier my_images.py`) and
 change `build_datasets` to return your (image, label) pairs (any map-style dataset of equal-shaped tensors), `Config`
 (classes, image size) and, if you like, `build_model`. GroupNorm rather than BatchNorm: its statistics are each
 sample's own, so every strategy computes the same thing (BatchNorm normalises with each rank's micro-batch).

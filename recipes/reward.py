@@ -3,7 +3,7 @@
 The model is AutoModelForSequenceClassification with one output: a scoring head on the pretrained transformer.
 
 Trains: the model that --model_name_or_path names (its new head initialised by transformers), on the same pairs as
-recipes/dpo.py (TRL's layouts: trainkit/preference.py), each answer scored after its prompt. The loss is the
+recipes/dpo.py (TRL's layouts: trainkit/data/preference.py), each answer scored after its prompt. The loss is the
 Bradley-Terry model's (Bradley and Terry 1952; Ouyang et al. 2022, eq. 1): -log sigmoid(r_chosen - r_rejected), the
 mean over the pairs of the global batch. Reports TRL's RewardTrainer metrics: accuracy (the share of pairs scored the
 right way round), margin (r_chosen - r_rejected) and mean_reward, on the held-out pairs as eval_<name>.
@@ -26,13 +26,14 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
-from trainkit import finetune, preference, sft
-from trainkit.finetune import tokenizer_of
-from trainkit.preference import PairsConfig
+from trainkit.data import preference, sft
+from trainkit.data.preference import PairsConfig
+from trainkit.models import finetune
+from trainkit.models.finetune import tokenizer_of
 
 
 @dataclass(kw_only=True, slots=True)
-class Config(PairsConfig):  # the model's settings and the pairs': trainkit/finetune.py, trainkit/preference.py
+class Config(PairsConfig):  # settings: trainkit/models/finetune.py (model), trainkit/data/preference.py (pairs)
     lr: float = 1e-5
 
 
@@ -61,10 +62,11 @@ def loss(model: nn.Module, batch: dict) -> tuple[torch.Tensor, dict[str, torch.T
 
 
 tokens_per_sample = preference.tokens_per_pair
+preview = preference.preview  # --dry_run: a pair as the model reads it, the pairs left out counted
 
 
 def export(model: nn.Module, state_dict: dict, cfg: Config, cache_dir: Path, out_dir: Path) -> None:
-    """final/ as AutoModelForSequenceClassification.from_pretrained loads it (trainkit/finetune.py)."""
+    """final/ as AutoModelForSequenceClassification.from_pretrained loads it (trainkit/models/finetune.py)."""
     from transformers import AutoModelForSequenceClassification
 
     finetune.export(model, state_dict, cfg, out_dir, AutoModelForSequenceClassification)

@@ -23,11 +23,14 @@ from typing import Any, ClassVar
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from trainkit import chunked_loss, decoder_stages, sft, text, tiled_mlp
 from trainkit.config import TrainConfig
+from trainkit.data import sft, text
+from trainkit.data.stream import Streamed
+from trainkit.data.stream_rows import TextBlocks
 from trainkit.errors import Problem
-from trainkit.rows import TextBlocks
-from trainkit.stream import Streamed
+from trainkit.losses import chunked_loss
+from trainkit.models import tiled_mlp
+from trainkit.strategies import pipeline_decoder
 
 
 @dataclass(kw_only=True, slots=True)
@@ -46,16 +49,16 @@ class Config(TrainConfig):
     tie_embeddings: bool = True  # one matrix for input and output embeddings (Llama-2 and GPT-2 sizes: false / true)
     dropout: float = 0.0  # attention dropout (llama); embedding, residual and attention dropout (gpt2)
     gradient_checkpointing: bool = False  # recompute activations in backward: less memory, ~30% more compute
-    # The loss computes the logits of at most this many MiB (fp32) at a time (trainkit/chunked_loss.py); 0: whole
+    # The loss computes the logits of at most this many MiB (fp32) at a time (trainkit/losses/chunked_loss.py); 0: whole
     loss_chunk_mib: float = chunked_loss.CHUNK_MIB
-    # Each layer's MLP a chunk of `hidden` positions at a time, recomputed in backward (trainkit/tiled_mlp.py)
+    # Each layer's MLP a chunk of `hidden` positions at a time, recomputed in backward (trainkit/models/tiled_mlp.py)
     tiled_mlp: bool = False
     # Data
     data: str = "pydoc"  # "pydoc" (built in), local files "a.txt,b.txt", or a Hugging Face dataset name
     data_config: str = ""  # the Hugging Face dataset's configuration, if it has several (e.g. wikitext-2-raw-v1)
     text_field: str = "text"
     eval_fraction: float = 0.05  # the last blocks of the corpus are held out (streamed: its last pieces)
-    # auto | true | false: read the data as it trains (trainkit/stream.py) instead of tokenising it all first; auto
+    # auto | true | false: read the data as it trains (trainkit/data/stream.py) instead of tokenising it all first; auto
     # streams a mixture, and local files past 1 GiB
     streaming: str = "auto"
     bad_lines: str = "stop"  # a streamed line that cannot be read: stop naming it, or skip (counted in metrics.jsonl)
@@ -133,10 +136,10 @@ def build_model(cfg: Config) -> torch.nn.Module:
 
 
 # Pipeline parallelism (--pipeline_stages): where the model can be cut, and each stage's part of it, for either
-# architecture (trainkit/decoder_stages.py, which cuts any transformers decoder of the standard layout).
-pipeline_layers = decoder_stages.layers
-pipeline_stage = decoder_stages.stage
-pipeline_loss = decoder_stages.loss
+# architecture (trainkit/strategies/pipeline_decoder.py, which cuts any transformers decoder of the standard layout).
+pipeline_layers = pipeline_decoder.layers
+pipeline_stage = pipeline_decoder.stage
+pipeline_loss = pipeline_decoder.loss
 
 
 def _data_dir(cfg: Config, cache_dir: Path) -> Path:
@@ -173,14 +176,14 @@ def loss(model: torch.nn.Module, batch: dict) -> torch.Tensor:
     # No KV cache: in training it would only copy every layer's keys and values (generate() still uses one).
     if "shift_labels" in batch:  # a sequence-parallel shard: its part of every block, the targets made before the cut
         targets = batch["shift_labels"]
-        losses, _ = chunked_loss.next_token_losses(model, targets=targets, input_ids=batch["input_ids"],
-                                                   position_ids=batch["position_ids"], use_cache=False)
+        losses, _, _ = chunked_loss.next_token_losses(model, targets=targets, input_ids=batch["input_ids"],
+                                                      position_ids=batch["position_ids"], use_cache=False)
         return losses.sum() / (targets != sft.IGNORE).sum().clamp(min=1)  # the runner weighs it by those targets
     return chunked_loss.next_token_losses(model, input_ids=batch["input_ids"], use_cache=False)[0].mean()
 
 
-# Sequence and context parallelism (a YAML's parallelism_config_sp_size or _cp_size; trainkit/sequence_parallel.py):
-# the loss above reads the parts of each row the runner cuts.
+# Sequence and context parallelism (a YAML's parallelism_config_sp_size or _cp_size;
+# trainkit/strategies/sequence_parallel.py): the loss above reads the parts of each row the runner cuts.
 sequence_parallel = True
 
 

@@ -32,8 +32,8 @@ from conftest import (
     max_rel_diff,
     tmpfs,
 )
-from trainkit.compare import run_config
 from trainkit.errors import write_failure
+from trainkit.launch.train_process import run_config
 
 MLP = ["--recipe", "mlp", "--max_steps", "12", "--eval_every", "0", "--batch_size", "8"]
 # GPT-2 style with dropout on: the resume must also restore every rank's RNG exactly.
@@ -153,7 +153,7 @@ def test_a_killed_or_frozen_rank_restarts_and_the_run_continues_exactly(never_re
     assert proc.returncode == 0, output[-3000:]
     assert f"note: --resume auto: continuing from {out / 'checkpoints' / f'step_{save_every}'}" in output
     assert "note: attempt 2 of this launch (a rank was started again): the ranks joined anew" in output
-    # the rank that went silent is named by the one that waited for it (the roll call, trainkit/process.py)
+    # the rank that went silent is named by the one that waited for it (the roll call, trainkit/launch/rank_exit.py)
     assert re.search(rf"error: rank \d lost contact with the other processes \(.*\); rank \d on {socket.gethostname()} "
                      rf"\(machine 0\), pid {victim.pid} did not answer within 3 s", output), output[-3000:]
     lines = [json.loads(line) for line in metrics.read_text().splitlines()]
@@ -680,8 +680,8 @@ def test_the_dcp_format_moves_optimizer_state_between_a_whole_model_and_its_pipe
 def test_each_format_has_one_name_and_the_deepspeed_one_says_which_moves_it_restores():
     from types import SimpleNamespace
 
-    from trainkit.strategies import REGISTRY, for_format
     from trainkit.strategies.deepspeed import DeepSpeedFormat
+    from trainkit.strategies.registry import REGISTRY, for_format
 
     formats = {cls.engine.format for cls in REGISTRY}
     assert len({f.name for f in formats}) == len(formats) and len({f.folder for f in formats}) == 2

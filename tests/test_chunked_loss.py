@@ -1,4 +1,5 @@
-"""The loss in chunks (trainkit/chunked_loss.py): the whole logits never held, the numbers those of the whole loss.
+"""The loss in chunks (trainkit/losses/chunked_loss.py): the whole logits never held, the numbers those of the whole
+loss.
 
 In process: every architecture of the fine-tuning tests, LoRA and bf16 autocast, chunked against whole, the loss
 and every parameter's gradient. Launched: the causal-LM recipe (chat data, packed) and the tiny transformer chunked
@@ -12,8 +13,8 @@ import pytest
 import torch
 
 from conftest import LM, PARITY_BOUND, architecture, launch, max_rel_diff
-from trainkit import chunked_loss
 from trainkit.errors import ConfigError
+from trainkit.losses import chunked_loss
 
 ARCHITECTURES = ["llama", "qwen2", "mistral", "gpt2", "gpt_neox", "phi3", "gemma", "olmo", "granite", "starcoder2",
                  "opt"]
@@ -23,7 +24,7 @@ def losses_and_grads(model, ids, chunk, autocast=False):
     model.zero_grad()
     model.loss_chunk_tokens = chunk
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        losses, guesses = chunked_loss.next_token_losses(model, True, input_ids=ids, use_cache=False)
+        losses, guesses, _ = chunked_loss.next_token_losses(model, True, input_ids=ids, use_cache=False)
         losses.mean().backward()
     return losses.detach(), guesses, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 

@@ -252,7 +252,7 @@ def test_output_dir_that_is_a_file_is_refused(check_only, tmp_path):
 
 
 def test_data_names_a_dataset_or_a_file_without_guessing_from_a_dot():
-    from trainkit.text import local_files
+    from trainkit.data.text import local_files
 
     assert local_files("org/name-1.0") is None and local_files("wikitext") is None  # Hugging Face names
     assert local_files("missing.txt") == [Path("missing.txt")]  # a file (refused later: it does not exist)
@@ -283,20 +283,21 @@ def test_an_output_dir_on_a_read_only_mount_is_refused_with_the_fix_for_it(check
 
 def test_an_output_dir_that_cannot_be_written_is_refused(check_only, tmp_path, monkeypatch):
     """Faked (the tests may run as root, for whom every folder is writable): os.access says no."""
-    import trainkit.checkpoint
+    import trainkit.run.checkpoint
 
-    monkeypatch.setattr(trainkit.checkpoint.os, "access", lambda path, mode: False)
+    monkeypatch.setattr(trainkit.run.checkpoint.os, "access", lambda path, mode: False)
     assert_refused(check_only(tmp_path / "new" / "run", "--recipe", "mlp"),
                    f"cannot write in {tmp_path} (--output_dir): pass a folder you can write to, or fix its permissions")
 
 
 @pytest.mark.parametrize(("warmup", "total", "floor"), [(20, 300, 0.1), (2, 8, 0.0), (10, 10, 0.5), (0, 1, 0.1)])
 def test_the_schedule_is_transformers_cosine_with_warmup_to_the_bit(warmup, total, floor):
-    """trainkit/optim.py writes the schedule itself (importing transformers.optimization costs every process 2.7 s):
+    """trainkit/models/optimizer.py writes the schedule itself (importing transformers.optimization costs every process
+    2.7 s):
     every step's learning rate equals get_cosine_with_min_lr_schedule_with_warmup's exactly."""
     from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
-    from trainkit.optim import build_scheduler
+    from trainkit.models.optimizer import build_scheduler
 
     def rates(make):
         optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=3e-3)

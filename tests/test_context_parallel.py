@@ -1,5 +1,5 @@
 """Context parallelism (an FSDP YAML's parallelism_config_cp_size, accelerate_configs/fsdp_cp.yaml; torch's
-`context_parallel` with FSDP2, trainkit/strategies/mesh.py): each sequence cut between the ranks of a cp group.
+`context_parallel` with FSDP2, trainkit/strategies/fsdp.py): each sequence cut between the ranks of a cp group.
 
 Its ring attention has CUDA kernels only, so on a CPU the plan refuses it with the reason; tests/test_gpu.py runs
 fsdp_cp.yaml on GPUs. Here, the launched runs go through tests/helpers/context_parallel_on_cpu.py: the runner's
@@ -26,11 +26,12 @@ from conftest import (
     max_rel_diff,
     write_yaml,
 )
-from trainkit import sequence_parallel, sft
-from trainkit.compare import run_config
-from trainkit.launch import shipped_configs
+from trainkit.data import sft
+from trainkit.launch.launcher import shipped_configs
+from trainkit.launch.train_process import run_config
 from trainkit.recipes import load_recipe
-from trainkit.strategies import for_launch
+from trainkit.strategies import sequence_parallel
+from trainkit.strategies.registry import for_launch
 
 CP = "fsdp_cp"
 
@@ -70,13 +71,13 @@ def test_the_attention_the_ring_replaces_is_the_models_own_on_rows_padded_on_the
     batch = {key: torch.stack([train[i][key] for i in range(4)]) for key in train[0]}
     assert (batch["attention_mask"] == 0).any()  # rows padded on the right
     token_losses = sys.modules["recipe_causal_lm"]._token_losses
-    masked, learned, _ = token_losses(model.eval(), batch)
+    masked, learned, _, _ = token_losses(model.eval(), batch)
     whole = sequence_parallel.rows(batch, 1)
     core = ALL_ATTENTION_FUNCTIONS["sdpa"]
     try:
         ALL_ATTENTION_FUNCTIONS["sdpa"] = sequence_parallel.causal_sdpa(core)
-        in_eval, _, _ = token_losses(model, whole)
-        in_training, _, _ = token_losses(model.train(), whole)
+        in_eval, _, _, _ = token_losses(model, whole)
+        in_training, _, _, _ = token_losses(model.train(), whole)
     finally:
         ALL_ATTENTION_FUNCTIONS["sdpa"] = core
     for losses in (in_eval, in_training):

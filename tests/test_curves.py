@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from conftest import ROOT, TEST_ENV, launch, max_rel_diff
-from trainkit.text import default_corpus
+from trainkit.data.text import default_corpus
 
 # One process, fp32, the recipe's own defaults; --stop_at keeps the schedule of the full run (max_steps).
 CURVES = {

@@ -16,8 +16,8 @@ import torch
 from torch.utils.data import TensorDataset
 
 from conftest import assert_refused, error_lines, launch
-from trainkit import text
-from trainkit.data import BatchLayout, GlobalBatchSampler, TrainStream
+from trainkit.data import text
+from trainkit.data.batches import BatchLayout, GlobalBatchSampler, TrainStream
 
 NUM_SAMPLES, GLOBAL = 100, 8
 
@@ -80,7 +80,7 @@ def test_iterating_does_not_consume_the_global_rng():
     assert torch.equal(before, torch.get_rng_state())
 
 
-# ---- text preparation (trainkit/text.py) ----
+# ---- text preparation (trainkit/data/text.py) ----
 SEQ_LEN = 32
 
 
@@ -212,7 +212,7 @@ def test_every_held_out_sample_is_evaluated_once_on_any_layout(held_out, micro_b
     """The ranks' real micro-batches cover the first samples (all, or eval_batches global batches' worth) once each,
     in one micro-batch size that divides them; every rank runs the same number of micro-batches, grad_accum a round
     (a pipeline's schedule), and the copies that fill the last round are marked as such."""
-    from trainkit.data import EvalLayout
+    from trainkit.data.batches import EvalLayout
 
     for global_batches in (0, 1, 2):
         dealt = [list(EvalLayout.of(BatchLayout(micro_batch, grad_accum, rank, world_size), held_out,
@@ -246,7 +246,7 @@ def test_a_small_held_out_split_gives_one_process_eval_loss(run_dir):
 def test_the_cache_key_changes_with_the_code_that_fills_it_and_the_corpus(monkeypatch):
     """A tokenizer cached by older code (another CACHE_VERSION) or from another Python's pydoc topics is not read as
     this one's: each gets a folder of its own."""
-    from trainkit import text
+    from trainkit.data import text
 
     key = text.data_key("pydoc", "", "text", 1024)
     monkeypatch.setattr(text, "CACHE_VERSION", text.CACHE_VERSION + 1)

@@ -40,8 +40,8 @@ NOT_HERE = {
     "accelerate_configs/fsdp_cp.yaml": "GPUs: torch's ring attention has CUDA kernels only "
                                        "(tests/test_context_parallel.py runs it with a CPU stand-in for them, "
                                        "tests/test_gpu.py on 2 GPUs)",
-    "my_model": "the user's own recipe file (tests/test_recipes.py copies one with trainkit.catalog and runs these "
-                "steps on it)",
+    "my_model": "the user's own recipe file (tests/test_recipes.py copies one with trainkit.tools.catalog and runs "
+                "these steps on it)",
 }
 # What a training command gets on top of what the page prints: few steps, with an evaluation among them.
 LIMIT = ["--max_steps", "2", "--eval_every", "2", "--report_to", "none"]
@@ -61,7 +61,7 @@ def documented_commands() -> list[tuple[str, str]]:
                     found.append((name, " ".join(line.split())))
         prose = re.sub(r"\s*\n\s*", " ", re.sub(r"```.*?```", "", text, flags=re.S))
         for inline in re.findall(r"`((?:python train\.py|accelerate launch|python -m trainkit\.)[^`]*)`", prose):
-            whole = "--recipe" in inline or inline.startswith("python -m trainkit.catalog")
+            whole = "--recipe" in inline or inline.startswith("python -m trainkit.tools.catalog")
             if whole and not PLACEHOLDER.search(inline):
                 found.append((name, " ".join(inline.split())))
     first = {}  # a command printed on several pages runs once, on the first
@@ -103,7 +103,7 @@ def prepared(page_commands: list[str], tmp: Path) -> list[tuple[str, list[str] |
             if runs_training(args):
                 resumed_later = any("--resume" in later for later in page_commands[i + 1:])
                 args += ["--max_steps", "4"] if resumes else [*LIMIT, *(["--stop_at", "2"] if resumed_later else [])]
-        if args[:3] == ["python", "-m", "trainkit.compare"] and "--png" not in args:
+        if args[:3] == ["python", "-m", "trainkit.tools.compare"] and "--png" not in args:
             cut = args.index("--") if "--" in args else len(args)  # after "--" come train.py's flags
             args[cut:cut] = ["--png", str(tmp / "loss_curves.png")]
         result.append((command, args, ""))
@@ -118,8 +118,8 @@ def chains(prepared_page: list[tuple[str, list[str] | None, str]]) -> list[list[
     for command, args, _ in prepared_page:
         if args is None:
             continue
-        reads = any(arg.startswith(folder) for arg in args for folder in written)  # trainkit.ask /tmp/chat/final
-        if reads or "--resume" in args or args[:3] == ["python", "-m", "trainkit.plot"]:
+        reads = any(arg.startswith(folder) for arg in args for folder in written)  # trainkit.tools.ask /tmp/chat/final
+        if reads or "--resume" in args or args[:3] == ["python", "-m", "trainkit.tools.plot"]:
             result = [[step for chain in result for step in chain] + [(command, args)]]
         else:
             result.append([(command, args)])

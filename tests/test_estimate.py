@@ -11,7 +11,7 @@ from conftest import ROOT
 from trainkit.command_line import parse_bytes
 from trainkit.estimate import Estimate, ModelShape, model_shape
 from trainkit.recipes import load_recipe
-from trainkit.strategies import for_launch, shipped_strategies
+from trainkit.strategies.registry import for_launch, shipped_strategies
 
 STRATEGIES = shipped_strategies()
 
@@ -225,16 +225,16 @@ def test_the_estimate_recommends_only_what_the_dry_run_accepts(check_only, chat,
 @pytest.mark.slow
 @pytest.mark.parametrize("mib, head_trains", [(0.0, True), (16.0, True), (16.0, False)])
 def test_the_estimate_counts_one_chunk_of_logits(mib, head_trains):
-    """The loss in chunks (trainkit/chunked_loss.py) holds one chunk's logit-sized tensors, not the sequence's, and
-    (where the head trains) the buffer in which autograd sums the chunks' gradients of its weight: the estimate within
-    10% of the measured peak with the whole logits (750 MiB of them at the peak) and in chunks of 131 positions
+    """The loss in chunks (trainkit/losses/chunked_loss.py) holds one chunk's logit-sized tensors, not the sequence's,
+    and (where the head trains) the buffer in which autograd sums the chunks' gradients of its weight: the estimate
+    within 10% of the measured peak with the whole logits (750 MiB of them at the peak) and in chunks of 131 positions
     (16 MiB of fp32 logits each), with the head trained and frozen (LoRA's), a Llama at vocabulary 32,000, 2 x 512
     tokens."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from trainkit import chunked_loss
     from trainkit.estimate import ModelShape, activation_bytes, decoder_shape, measured_activations
+    from trainkit.losses import chunked_loss
 
     torch.manual_seed(0)
     model = chunked_loss.configure(LlamaForCausalLM(LlamaConfig(

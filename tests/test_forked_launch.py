@@ -27,8 +27,8 @@ from conftest import (
     processes,
     strategy_of,
 )
-from trainkit.compare import run_config
-from trainkit.strategies import shipped_strategies
+from trainkit.launch.train_process import run_config
+from trainkit.strategies.registry import shipped_strategies
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not forked_launch.available(),
                                                   reason="runs are not forked where CUDA is (the real commands run)")]

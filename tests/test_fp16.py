@@ -4,8 +4,8 @@ the code a GPU run uses: the skipped-step accounting, the finite checks' fp16 ru
 across a skipped step, the scaler's state in checkpoints.
 
 The overflow is forced at a known step: tests/zoo/fp16_overflow.py multiplies the loss of chosen training samples
-by a boost, and the test picks one sample of step OVERFLOW_STEP's global batch (trainkit/data.py's epoch_order). A
-first loss scale of 1024 leaves the MLP no overflow of its own, so that step is the only one skipped.
+by a boost, and the test picks one sample of step OVERFLOW_STEP's global batch (trainkit/data/batches.py's epoch_order).
+A first loss scale of 1024 leaves the MLP no overflow of its own, so that step is the only one skipped.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from conftest import assert_refused, launch, max_rel_diff, write_yaml
-from trainkit.data import epoch_order
+from trainkit.data.batches import epoch_order
 
 RECIPE = ["--recipe", "tests/zoo/fp16_overflow.py", "--loss_scale", "1024"]  # 12 steps, evaluated at the end
 GLOBAL_BATCH = 64

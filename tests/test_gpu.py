@@ -33,7 +33,7 @@ def test_single_gpu_run_uses_the_device_and_reports_mfu(run_dir):
     run = launch(run_dir("out"), *LM, "--batch_size", "16", config="single",
                  extra_launch=("--mixed_precision", "bf16")).check()
     last = run.metrics[-1]
-    assert last["mfu"] is not None and 0 < last["mfu"] < 1  # a known GPU: its peak is in trainkit.hardware
+    assert last["mfu"] is not None and 0 < last["mfu"] < 1  # a known GPU: its peak is in trainkit.launch.hardware
     assert last["peak_mem_bytes"] > 0 and run.losses[-1] < run.losses[0]
 
 
@@ -119,7 +119,8 @@ LONG = ["--recipe", "tiny_transformer", "--max_steps", "5", "--eval_every", "0",
 
 
 def test_the_loss_in_chunks_cuts_the_peak_by_more_than_the_logits(run_dir):
-    """trainkit/chunked_loss.py on a GPU: the curve of the whole loss, the peak lower by more than the logits' size."""
+    """trainkit/losses/chunked_loss.py on a GPU: the curve of the whole loss, the peak lower by more than the logits'
+    size."""
     whole = launch(run_dir("whole"), *LONG, "--loss_chunk_mib", "0", config="single").check()
     chunked = launch(run_dir("chunked"), *LONG, "--loss_chunk_mib", "16", config="single").check()
     assert max_rel_diff(chunked.losses, whole.losses) <= PARITY_BOUND
@@ -128,7 +129,8 @@ def test_the_loss_in_chunks_cuts_the_peak_by_more_than_the_logits(run_dir):
 
 
 def test_activation_offload_cuts_the_peak_and_trains_the_same_curve(run_dir):
-    """trainkit/offload.py: the saved activations in host memory, the same curve, a lower peak (the logits' part of
+    """trainkit/models/activation_offload.py: the saved activations in host memory, the same curve, a lower peak (the
+    logits' part of
     it stays: chunked here so that the layers' activations are what is left)."""
     flags = [*LONG, "--loss_chunk_mib", "16"]
     kept = launch(run_dir("kept"), *flags, config="single").check()

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import ROOT, assert_refused, write_yaml, zero2_json
-from trainkit.launch import shipped_configs
+from trainkit.launch.launcher import shipped_configs
 
 
 @pytest.mark.parametrize("json_changes, message, fix", [
@@ -146,7 +146,7 @@ def test_a_yaml_whose_processes_accelerate_would_not_start_is_refused(check_only
     (["accelerate", "launch", "--no-such-flag", "train.py"], None),
 ])
 def test_the_launchers_process_count_is_read_from_its_command_line(argv, asked):
-    from trainkit.launch import requested_processes
+    from trainkit.launch.launcher import requested_processes
 
     ddp = str(ROOT / "accelerate_configs" / "ddp.yaml")
     fill = lambda text: text.format(ddp=ddp)  # noqa: E731
@@ -184,7 +184,7 @@ def test_dry_run_runs_deepspeeds_own_validation(check_only, tmp_path):
 
 def test_every_shipped_config_passes_the_dry_run(check_only, tmp_path):
     from trainkit.recipes import load_recipe
-    from trainkit.strategies import for_launch
+    from trainkit.strategies.registry import for_launch
 
     for name, launch in shipped_configs().items():
         if name == "deepspeed_hostfile":  # its example hosts do not exist; test_multinode.py dry-runs it over ssh

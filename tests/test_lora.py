@@ -102,7 +102,7 @@ def test_one_process_lora_trains_the_adapters_alone_and_exports_both_forms(chat,
             assert (merged(ids).logits - tuned(ids).logits).abs().max() > 1e-2
     from transformers import AutoTokenizer
 
-    from trainkit.ask import answer
+    from trainkit.tools.ask import answer
 
     final = run.output_dir / "final"  # the run's ChatML went along with the tokenizer: ask renders the question so
     assert "<|im_start|>" in (final / "chat_template.jinja").read_text()
@@ -245,9 +245,10 @@ def test_the_estimate_counts_no_gradients_or_optimizer_states_for_a_frozen_base(
 
 def test_an_adapter_names_its_base_wherever_it_is_loaded_from(chat, test_env, tmp_path, monkeypatch, capsys):
     """A relative --model_name_or_path is written into adapter_config.json as the folder's absolute path, so that
-    peft and trainkit.ask load the adapter from any directory; an adapter whose base is not found is refused naming
+    peft and trainkit.tools.ask load the adapter from any directory; an adapter whose base is not found is refused
+    naming
     --base, which then answers (after a --system turn too)."""
-    from trainkit import ask
+    from trainkit.tools import ask
 
     folder = chat[0]
     monkeypatch.chdir(folder.parent)

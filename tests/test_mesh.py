@@ -1,7 +1,7 @@
 """The one device mesh and its application, in process (milliseconds, no launch): the sizes every shipped config
-and flag product gets (trainkit/strategies/dims.py), what they refuse naming the fields, the fixed order in which
-trainkit/strategies/parallelize.py applies them, and the one training step's order (trainkit/step.py). The launched
-runs that show the same at parity are in tests/test_pipeline.py, tests/test_tensor_parallel.py and
+and flag product gets (trainkit/strategies/parallel_dims.py), what they refuse naming the fields, the fixed order in
+which trainkit/strategies/parallelize.py applies them, and the one training step's order (trainkit/step.py). The
+launched runs that show the same at parity are in tests/test_pipeline.py, tests/test_tensor_parallel.py and
 tests/test_strategies.py.
 """
 
@@ -12,10 +12,10 @@ import dataclasses
 import pytest
 
 from conftest import LAUNCHES, strategy_of
-from trainkit.launch import shipped_configs
+from trainkit.launch.launcher import shipped_configs
 from trainkit.recipes import load_recipe
-from trainkit.strategies import for_launch
-from trainkit.strategies.dims import ParallelDims
+from trainkit.strategies.parallel_dims import ParallelDims
+from trainkit.strategies.registry import for_launch
 
 # (pp, dp_replicate, dp_shard, cp, tp) of every shipped torch config and flag product (conftest's FLAG_STRATEGIES), its
 # data-parallel size and the strategy's name and label.
@@ -99,7 +99,7 @@ def test_one_training_step_calls_the_engine_in_order(monkeypatch):
     backward, the clip, one collective, the finite checks (before the optimizer step), the optimizer step, the
     engine's metrics; DeepSpeed's engine owns its step."""
     from trainkit import step as one_step
-    from trainkit.guards import FiniteCheck
+    from trainkit.run.stopping import FiniteCheck
     from trainkit.step import StepResult, train_step
 
     calls = []
@@ -134,8 +134,8 @@ def test_each_role_is_its_own_object_the_plan_builds_nothing():
     """docs/strategies.md#adding-a-strategy: a strategy (plan time) names its engine, the engine names its checkpoint
     format; the plan-time objects hold nothing built (no Accelerator, model or optimizer, notes they cannot grow)
     and none of the engine's methods, so a plan's checks cannot depend on what a build did."""
-    from trainkit.strategies import REGISTRY, Engine, Strategy
     from trainkit.strategies.dcp_format import CheckpointFormat
+    from trainkit.strategies.registry import REGISTRY, Engine, Strategy
 
     built = {name for name in vars(Engine) if not name.startswith("__")} - {"data_parallel_size",
                                                                              "sequence_parallel_size"}
@@ -152,11 +152,11 @@ def test_each_role_is_its_own_object_the_plan_builds_nothing():
 def test_context_parallelism_is_a_field_and_its_place_in_the_order():
     """docs/strategies.md#adding-a-strategy, as context parallelism was added: a field and its place in `names`
     (torchtitan's: between dp_shard and tp) give the sizes from the YAML, the product rule, the data-parallel size
-    and the mesh; FSDP2 shards over dp_shard x cp flattened (strategies/dims.py's data_mesh)."""
+    and the mesh; FSDP2 shards over dp_shard x cp flattened (strategies/parallel_dims.py's data_mesh)."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from trainkit.strategies.dims import data_mesh
+    from trainkit.strategies.parallel_dims import data_mesh
 
     fsdp_tp = shipped_configs()["fsdp_tp"]
     launch = dataclasses.replace(fsdp_tp, world_size=8, parallelism={"dp_shard": 2, "cp": 2, "tp": 2})

@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from conftest import ROOT, TEST_ENV, assert_refused, launch
-from trainkit import hardware
 from trainkit.config import build_config, config_dict, field_sources
 from trainkit.errors import ConfigError
 from trainkit.estimate import meta_model
-from trainkit.metrics import count_flops
+from trainkit.launch import hardware
 from trainkit.recipes import load_recipe
+from trainkit.run.metrics import count_flops
 
 TINY_LM = ["--recipe", "tiny_transformer", "--hidden", "64", "--layers", "2", "--seq_len", "64"]
 
@@ -139,7 +139,7 @@ def test_bad_thread_count_is_refused():
 
 
 def test_threads_are_set_only_to_change_them(monkeypatch):
-    """torch.set_num_threads also pins MKL's threads and turns its own choice off (trainkit/hardware.py: a slower
+    """torch.set_num_threads also pins MKL's threads and turns its own choice off (trainkit/launch/hardware.py: a slower
     step on small products), so the runner calls it only when the count changes."""
     calls = []
     monkeypatch.setattr(torch, "set_num_threads", calls.append)
@@ -151,7 +151,7 @@ def test_threads_are_set_only_to_change_them(monkeypatch):
 
 KEEP_FREED = """
 import resource, sys, torch
-from trainkit.hardware import keep_freed_memory
+from trainkit.launch.hardware import keep_freed_memory
 kept = keep_freed_memory() if sys.argv[1] == "keep" else None
 model = torch.nn.Sequential(torch.nn.Linear(256, 2048), torch.nn.GELU(), torch.nn.Linear(2048, 256))
 x = torch.randn(2048, 256)  # activations of 2-16 MiB, allocated and freed in every step

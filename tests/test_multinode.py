@@ -28,8 +28,8 @@ import torch
 from torch.utils.cpp_extension import get_default_build_root
 
 from conftest import LAUNCH_TIMEOUT, RESTARTED, ROOT, TEST_ENV, Run, kill_tree, launch, max_rel_diff
-from trainkit.hosts import check_hosts
-from trainkit.launch import Launch
+from trainkit.launch.hostfile import check_hosts
+from trainkit.launch.launcher import Launch
 
 MLP = ["--recipe", "mlp", "--max_steps", "15", "--eval_every", "0", "--batch_size", "8"]
 ENV = {**os.environ, **TEST_ENV}
@@ -177,7 +177,8 @@ def test_a_dead_machine_stops_the_other(tmp_path):
 @pytest.mark.slow
 def test_a_launcher_killed_alone_takes_its_ranks_and_the_other_machine_stops(tmp_path):
     """SIGKILL to machine 1's `accelerate launch` only (torchrun started its rank in a session of its own, out of
-    the launcher's reach): the rank ends with its launcher (trainkit/process.py, end_with_launcher), and machine 0
+    the launcher's reach): the rank ends with its launcher (trainkit/launch/rank_exit.py, end_with_launcher), and
+    machine 0
     loses contact and fails within seconds instead of training beside an orphan and waiting at the exit barrier."""
     import psutil
 
@@ -216,7 +217,7 @@ def test_a_silent_machine_stops_the_other_within_the_timeout(tmp_path):
     assert run.returncode != 0
     assert f"error: rank 0 lost contact with the other processes (Timed out waiting {timeout * 1000}ms" in run.stderr, \
         run.stderr[-3000:]
-    # named by the roll call in the store machine 0 holds (trainkit/process.py)
+    # named by the roll call in the store machine 0 holds (trainkit/launch/rank_exit.py)
     assert re.search(rf"; rank 1 on {socket.gethostname()} \(machine 1\), pid \d+ did not answer within 3 s "
                      r"\(dead, frozen or cut off\)", run.stderr), run.stderr[-3000:]
     assert elapsed >= timeout * 0.5  # it was the timeout that ended it (the run may have been mid-collective)
@@ -471,11 +472,12 @@ def ssh_env(sshd, tmp_path: Path) -> dict[str, str]:
 
 def start_hosts_launch(sshd, tmp_path: Path, args: list[str],
                        launch_args: tuple[str, ...] = ()) -> tuple[subprocess.Popen, Path]:
-    """`python -m trainkit.hosts` of deepspeed_hostfile.yaml on the two loopback hosts, one rank each, in a session
+    """`python -m trainkit.launch.hostfile` of deepspeed_hostfile.yaml on the two loopback hosts, one rank each, in a
+    session
     of its own (a scheduler signals its process group), its output in one pipe; and the run's output folder."""
     hostfile = write_hostfile(tmp_path / "hostfile", f"{HOSTS[0]} slots=1", f"{HOSTS[1]} slots=1")
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "trainkit.hosts",
+    cmd = [sys.executable, "-m", "trainkit.launch.hostfile",
            "--config_file", str(ROOT / "accelerate_configs" / "deepspeed_hostfile.yaml"), *launch_args,
            "--deepspeed_hostfile", str(hostfile), "--main_process_ip", HOSTS[0],
            "--main_process_port", str(free_port()), "train.py", "--output_dir", str(out), "--report_to", "none",
@@ -524,32 +526,34 @@ def test_hostfile_yaml_over_ssh_matches_ddp(sshd, ddp_reference, tmp_path):
     diff = check_deepspeed_run(run, ddp_reference)
     print(f"\ndeepspeed_hostfile.yaml over ssh (2 hosts x 1) vs ddp.yaml: max relative loss difference {diff:.2e}")
     assert_both_hosts_reached(sshd, log_start)
-    assert "warning: this hostfile launch did not come through `python -m trainkit.hosts`, so the launching shell's " \
-           "HF_TOKEN went to every host" in run.stderr, run.stderr[-3000:]
-    assert f"in {here / '.deepspeed_env'} (mode 644; removed now)" in run.stderr and "python -m trainkit.hosts " \
-        "--config_file" in run.stderr
+    assert "warning: this hostfile launch did not come through `python -m trainkit.launch.hostfile`, so the " \
+           "launching shell's HF_TOKEN went to every host" in run.stderr, run.stderr[-3000:]
+    assert f"in {here / '.deepspeed_env'} (mode 644; removed now)" in run.stderr \
+        and "python -m trainkit.launch.hostfile --config_file" in run.stderr
     assert not (here / ".deepspeed_env").exists() and run.stderr.count("warning: this hostfile launch") == 1
 
 
 def test_hosts_launcher_names_a_leftover_env_file(tmp_path, monkeypatch, capsys):
-    """A ./.deepspeed_env left by an earlier habit launch holds secrets in plain text: trainkit.hosts says so."""
-    from trainkit import hosts
+    """A ./.deepspeed_env left by an earlier habit launch holds secrets in plain text: trainkit.launch.hostfile says
+    so."""
+    from trainkit.launch import hostfile
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / ".deepspeed_env").write_text("PATH=/usr/bin\nWANDB_API_KEY=abc123\n")
     started = []
-    monkeypatch.setattr(hosts, "launch_passing_signals", lambda cmd, env, argv: started.append(env) or 0)
-    assert hosts.main(["--config_file", "cluster.yaml", "train.py"]) == 0
+    monkeypatch.setattr(hostfile, "launch_passing_signals", lambda cmd, env, argv: started.append(env) or 0)
+    assert hostfile.main(["--config_file", "cluster.yaml", "train.py"]) == 0
     err = capsys.readouterr().err
     assert f"note: {tmp_path / '.deepspeed_env'} is left from an earlier `accelerate launch` of a hostfile YAML and " \
            f"holds WANDB_API_KEY in plain text" in err and "abc123" not in err
-    assert started[0][hosts.HOSTS_LAUNCH] == "1"  # what tells the ranks the launch came through it
+    assert started[0][hostfile.HOSTS_LAUNCH] == "1"  # what tells the ranks the launch came through it
 
 
 @pytest.mark.slow
 def test_hosts_launcher_sends_the_hosts_no_secret(sshd, ddp_reference, tmp_path):
-    """python -m trainkit.hosts: the hostfile launch with a fake token and key planted in the shell. Neither reaches
-    a file or a host's command line (accelerate launch alone wrote the shell's 47 lines into ./.deepspeed_env and
+    """python -m trainkit.launch.hostfile: the hostfile launch with a fake token and key planted in the shell. Neither
+    reaches a file or a host's command line (accelerate launch alone wrote the shell's 47 lines into ./.deepspeed_env
+    and
     onto every pdsh command line); what ~/.deepspeed_env lists still travels; the private env file is gone after."""
     token, key = "hf_fake_secret_123", "key_fake_456"
     hostfile = write_hostfile(tmp_path / "hostfile", f"{HOSTS[0]} slots=1", f"{HOSTS[1]} slots=1")
@@ -571,12 +575,12 @@ def test_hosts_launcher_sends_the_hosts_no_secret(sshd, ddp_reference, tmp_path)
     env.pop("DS_ENV_FILE", None)
     out = tmp_path / "out"
     before = (ROOT / ".deepspeed_env").read_text() if (ROOT / ".deepspeed_env").exists() else None
-    cmd = [sys.executable, "-m", "trainkit.hosts",
+    cmd = [sys.executable, "-m", "trainkit.launch.hostfile",
            "--config_file", str(ROOT / "accelerate_configs" / "deepspeed_hostfile.yaml"),
            "--deepspeed_hostfile", str(hostfile), "--main_process_ip", HOSTS[0],
            "--main_process_port", str(free_port()), "train.py", "--output_dir", str(out), "--report_to", "none", *MLP]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=110)
-    check_deepspeed_run(Run("trainkit.hosts", proc.returncode, proc.stdout, proc.stderr, out), ddp_reference)
+    check_deepspeed_run(Run("trainkit.launch.hostfile", proc.returncode, proc.stdout, proc.stderr, out), ddp_reference)
     assert "not sent to the hosts, among them HF_TOKEN, MY_API_KEY" in proc.stderr
     sent = ssh_args.read_text()
     assert "export TRAINKIT_MARK=from_home" in sent and "export ACCELERATE_USE_DEEPSPEED=true" in sent
@@ -589,11 +593,12 @@ def test_hosts_launcher_sends_the_hosts_no_secret(sshd, ddp_reference, tmp_path)
 
 @pytest.mark.slow
 def test_hosts_launcher_stopped_by_a_scheduler_over_ssh_exits_0_with_the_stop_recorded(sshd, tmp_path):
-    """SIGTERM to `python -m trainkit.hosts`'s process group, as a scheduler sends it, over real ssh: DeepSpeed's pdsh
-    runner closes the hosts' ssh sessions a second after passing the signal on, and each host's launcher then stops
-    its ranks. The ranks outlive their closed sessions (trainkit/process.py, outlive_its_terminal: before, the next
-    print ended them mid-checkpoint, exit 241, nothing recorded), stop at one step with a checkpoint, record it, and
-    trainkit.hosts exits 0; its private env file is removed after the launch, not before."""
+    """SIGTERM to `python -m trainkit.launch.hostfile`'s process group, as a scheduler sends it, over real ssh:
+    DeepSpeed's pdsh runner closes the hosts' ssh sessions a second after passing the signal on, and each host's
+    launcher then stops its ranks. The ranks outlive their closed sessions (trainkit/launch/rank_exit.py,
+    outlive_its_terminal: before, the next print ended them mid-checkpoint, exit 241, nothing recorded), stop at one
+    step with a checkpoint, record it, and
+    trainkit.launch.hostfile exits 0; its private env file is removed after the launch, not before."""
     proc, out = start_hosts_launch(sshd, tmp_path, [*MLP[:2], "--max_steps", "100000", "--eval_every", "0",
                                                     "--batch_size", "8"])
     metrics = out / "metrics.jsonl"
@@ -619,9 +624,10 @@ def test_hosts_launcher_stopped_by_a_scheduler_over_ssh_exits_0_with_the_stop_re
 
 @pytest.mark.slow
 def test_hosts_launcher_restarts_a_launch_that_lost_a_rank(sshd, tmp_path):
-    """`python -m trainkit.hosts --max_restarts 1 ... --resume auto` over real ssh (DeepSpeed's pdsh launcher, which
-    has no restarts of its own): one host's rank SIGKILLed between two checkpoints, the other loses contact, the launch
-    fails and trainkit.hosts starts it again; the run continues from the newest checkpoint and ends with each step
+    """`python -m trainkit.launch.hostfile --max_restarts 1 ... --resume auto` over real ssh (DeepSpeed's pdsh launcher,
+    which has no restarts of its own): one host's rank SIGKILLed between two checkpoints, the other loses contact, the
+    launch fails and trainkit.launch.hostfile starts it again; the run continues from the newest checkpoint and ends
+    with each step
     once and the curve of one uninterrupted DDP launch (ZeRO-2 against DDP: within 1e-5)."""
     import psutil
 
@@ -635,7 +641,7 @@ def test_hosts_launcher_restarts_a_launch_that_lost_a_rank(sshd, tmp_path):
         while killed is None and time.time() < deadline and proc.poll() is None:
             if (len(metrics.read_text().splitlines()) if metrics.exists() else 0) >= save_every + 5:
                 ranks = [p for p in psutil.process_iter(["cmdline"]) if str(out) in " ".join(p.info["cmdline"] or [])
-                         and "train.py" in p.info["cmdline"] and "trainkit.hosts" not in p.info["cmdline"]]
+                         and "train.py" in p.info["cmdline"] and "trainkit.launch.hostfile" not in p.info["cmdline"]]
                 killed = len(metrics.read_text().splitlines())
                 max(ranks, key=lambda p: p.pid).kill()
             time.sleep(0.01)
@@ -664,14 +670,15 @@ time.sleep(60)
 
 
 def test_hosts_launcher_passes_a_schedulers_sigterm_on_to_the_launchers_and_exits_0_on_a_recorded_stop(tmp_path):
-    """trainkit.hosts gets SIGTERM (a scheduler's preemption): it passes it on to `accelerate launch` (here a stand-in
-    that, like it, has no handler and ends at once) and to the launcher that one started (DeepSpeed's runner, here a
-    stand-in that records the stop as the ranks do), waits for the record, and exits 0; before, the signal ended
-    trainkit.hosts at once, leaving the launch and its private env file behind. The same over real ssh is the test
+    """trainkit.launch.hostfile gets SIGTERM (a scheduler's preemption): it passes it on to `accelerate launch` (here a
+    stand-in that, like it, has no handler and ends at once) and to the launcher that one started (DeepSpeed's runner,
+    here a stand-in that records the stop as the ranks do), waits for the record, and exits 0; before, the signal ended
+    trainkit.launch.hostfile at once, leaving the launch and its private env file behind. The same over real ssh is the
+    test
     above."""
     import threading
 
-    from trainkit.hosts import launch_passing_signals
+    from trainkit.launch.hostfile import launch_passing_signals
 
     record = tmp_path / "out" / "stopped.json"
     record.parent.mkdir()
@@ -699,7 +706,7 @@ def test_dry_run_of_a_hostfile_launch_warns_of_secrets_in_the_shell(check_only, 
                          .replace("deepspeed_hostfile: hostfile", f"deepspeed_hostfile: {tmp_path / 'missing'}"))
     run = check_only(tmp_path / "out", "--recipe", "mlp", "--dry_run", "--accelerate_config", str(yaml_file))
     assert "note: this shell holds HF_TOKEN: `accelerate launch` with" in run.stderr
-    assert "launch with `python -m trainkit.hosts --config_file" in run.stderr
+    assert "launch with `python -m trainkit.launch.hostfile --config_file" in run.stderr
     assert "hf_fake_secret_123" not in run.stderr
 
 

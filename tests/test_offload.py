@@ -1,4 +1,5 @@
-"""--activation_offload (trainkit/offload.py): on a CPU the activations already are in host memory, so the run is the
+"""--activation_offload (trainkit/models/activation_offload.py): on a CPU the activations already are in host memory, so
+the run is the
 same run, said so; the memory it saves on a GPU is measured by tests/test_gpu.py."""
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ import torch
 
 from conftest import FLAG_STRATEGIES, LM, PARITY_BOUND, ROOT, architecture, entry, launch, max_rel_diff, processes
 from trainkit.errors import ConfigError
-from trainkit.strategies.dims import ParallelDims
-from trainkit.strategies.stages import balanced_cuts
+from trainkit.strategies.parallel_dims import ParallelDims
+from trainkit.strategies.pipeline_stages import balanced_cuts
 
 DDP = str(ROOT / "accelerate_configs" / "ddp.yaml")
 LM4 = [*LM, "--layers", "4"]  # interleaved: 4 stages on 2 processes, a layer each
@@ -212,7 +212,8 @@ def test_stages_are_balanced_by_parameter_count():
     assert balanced_cuts([10] * 8, 4, first_extra=5, last_extra=5) == [0, 2, 4, 6, 8]
 
 
-# --- any transformers decoder into stages (trainkit/decoder_stages.py) ---------------------------------------------
+# --- any transformers decoder into stages (trainkit/strategies/pipeline_decoder.py)
+# ---------------------------------------------
 
 @pytest.mark.parametrize("stages", [2, 4])
 @pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "qwen3", "gpt_neox", "gpt2", "phi3", "gemma", "olmo",
@@ -221,13 +222,13 @@ def test_a_transformers_decoder_cut_into_stages_computes_the_whole_model(name, s
     """The stages chained (each stage's output the next one's input, as the schedules send them) give the model's
     own logits and loss, whatever the cut; the stages hold the model's own modules, so each parameter keeps its
     name and tied embeddings stay one parameter held by the first and last stage."""
-    from trainkit import decoder_stages
+    from trainkit.strategies import pipeline_decoder
 
     torch.manual_seed(0)
     model = architecture(name, layers=4).eval()
-    n = len(decoder_stages.layers(model))
+    n = len(pipeline_decoder.layers(model))
     cuts = balanced_cuts([1] * n, stages, 0, 0)
-    parts = [decoder_stages.stage(model, range(cuts[i], cuts[i + 1]), i == 0, i == stages - 1) for i in range(stages)]
+    parts = [pipeline_decoder.stage(model, range(cuts[i], cuts[i + 1]), i == 0, i == stages - 1) for i in range(stages)]
     ids = torch.randint(0, 400, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         hidden = ids
@@ -235,7 +236,7 @@ def test_a_transformers_decoder_cut_into_stages_computes_the_whole_model(name, s
             hidden = part(hidden)
         whole = model(input_ids=ids, labels=ids)
     assert torch.allclose(hidden, whole.logits, rtol=0, atol=1e-6)
-    assert decoder_stages.loss(hidden, ids).item() == pytest.approx(whole.loss.item(), rel=1e-6)
+    assert pipeline_decoder.loss(hidden, ids).item() == pytest.approx(whole.loss.item(), rel=1e-6)
     held = {id(p) for part in parts for p in part.parameters()}
     assert held == {id(p) for p in model.parameters()}  # every parameter in some stage
     if model.config.tie_word_embeddings:
@@ -245,7 +246,7 @@ def test_a_transformers_decoder_cut_into_stages_computes_the_whole_model(name, s
 def test_a_model_without_the_layout_is_refused_naming_it():
     """A model whose layers are not a ModuleList its forward loops over (here an nn.Sequential): refused before
     anything is built, naming the class, what it lacks and what a recipe declares instead."""
-    from trainkit import decoder_stages
+    from trainkit.strategies import pipeline_decoder
 
     class Blocks(torch.nn.Module):
         def __init__(self) -> None:
@@ -260,13 +261,13 @@ def test_a_model_without_the_layout_is_refused_naming_it():
             return self.head
 
     with pytest.raises(ConfigError) as refused:
-        decoder_stages.layers(Blocks())
+        pipeline_decoder.layers(Blocks())
     assert "Blocks is not a decoder layout the runner can cut into pipeline stages (no ModuleList of decoder " \
            "layers)" in str(refused.value.problems[0])
     assert "declare pipeline_layers, pipeline_stage and pipeline_loss in a recipe of your own" in \
            str(refused.value.problems[0])
     with pytest.raises(ConfigError, match="Sequential is not a decoder layout .* no input embeddings and output head"):
-        decoder_stages.layers(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+        pipeline_decoder.layers(torch.nn.Sequential(torch.nn.Linear(4, 4)))
 
 
 # Launched: the causal-LM recipe on architectures it was not written for (Qwen2 and Llama with tied embeddings on

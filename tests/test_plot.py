@@ -1,4 +1,5 @@
-"""python -m trainkit.plot and trainkit.compare's picture: what each panel holds, checked against the metrics it was
+"""python -m trainkit.tools.plot and trainkit.tools.compare's picture: what each panel holds, checked against the
+metrics it was
 drawn from (run folders written here, nothing launched); the refusals of bad input."""
 
 from __future__ import annotations
@@ -11,9 +12,9 @@ import pytest
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
-import trainkit.compare
-from trainkit.compare import Run
-from trainkit.plot import DIFF_FLOOR, main, plot_runs, read_run
+import trainkit.tools.compare
+from trainkit.launch.train_process import Run
+from trainkit.tools.plot import DIFF_FLOOR, main, plot_runs, read_run
 
 MiB = 1024 ** 2
 
@@ -62,7 +63,7 @@ def test_each_panel_holds_the_runs_metrics(tmp_path):
     b = write_run(tmp_path / "b", other, resolved={"strategy": "ddp", "recipe": "/repo/recipes/mlp.py"})
     figure = plot_runs([read_run(tmp_path / "a"), read_run(tmp_path / "b")], "two runs")
 
-    loss = figure.axes[0]  # trainkit.compare's test relies on the loss panel coming first
+    loss = figure.axes[0]  # trainkit.tools.compare's test relies on the loss panel coming first
     assert loss.get_title().startswith("training loss") and [ln.get_label() for ln in loss.lines] == ["single/mlp",
                                                                                                       "ddp/mlp"]
     for line, metrics in zip(loss.lines, [a, b], strict=True):
@@ -174,7 +175,8 @@ def test_labels_must_match_the_runs(tmp_path, capsys):
 
 
 def test_compare_plots_while_the_runs_exist(tmp_path, monkeypatch, capsys):
-    """trainkit.compare with its runs faked (no launch): each run writes its metrics into the temporary folder that
+    """trainkit.tools.compare with its runs faked (no launch): each run writes its metrics into the temporary folder
+    that
     compare gives it; the picture must hold them, so it has to be drawn before that folder is removed."""
     offsets = {None: 0.0, "ddp": 1e-7, "fsdp": 3e-7}
     written: dict[str, list[dict]] = {}
@@ -194,12 +196,12 @@ def test_compare_plots_while_the_runs_exist(tmp_path, monkeypatch, capsys):
         figures.append(plot(curves, path, title))
         return figures[-1]
 
-    plot = trainkit.compare.plot
-    monkeypatch.setattr(trainkit.compare, "run_config", fake_run)
-    monkeypatch.setattr(trainkit.compare, "split_for", lambda *args: (2, 8))
-    monkeypatch.setattr(trainkit.compare, "plot", plot_and_keep)
+    plot = trainkit.tools.compare.plot
+    monkeypatch.setattr(trainkit.tools.compare, "run_config", fake_run)
+    monkeypatch.setattr(trainkit.tools.compare, "split_for", lambda *args: (2, 8))
+    monkeypatch.setattr(trainkit.tools.compare, "plot", plot_and_keep)
     png = tmp_path / "loss_curves.png"
-    assert trainkit.compare.main(["--recipe", "mlp", "--configs", "ddp,fsdp", "--max_steps", "5",
+    assert trainkit.tools.compare.main(["--recipe", "mlp", "--configs", "ddp,fsdp", "--max_steps", "5",
                                   "--png", str(png)]) == 0
     out = capsys.readouterr().out
     assert png.read_bytes()[:4] == b"\x89PNG" and f"loss curves: {png}" in out

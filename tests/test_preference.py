@@ -1,5 +1,5 @@
-"""Preference tuning (recipes/dpo.py, trainkit/preference.py): each loss against its formula computed by hand, pairs
-in TRL's layouts as the model reads them, the first step's exact loss, TRL's metric names, the eval loss of the
+"""Preference tuning (recipes/dpo.py, trainkit/data/preference.py): each loss against its formula computed by hand,
+pairs in TRL's layouts as the model reads them, the first step's exact loss, TRL's metric names, the eval loss of the
 exported model against its base, mistakes named; launched (slow): the one-process curve under the shipped configs,
 LoRA and full fine-tuning, on architectures the recipe was not written for, and an exact resume."""
 
@@ -8,12 +8,14 @@ from __future__ import annotations
 import json
 import math
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import PARITY_BOUND, architecture, assert_refused, launch, max_rel_diff
-from trainkit import preference
+from trainkit.data import preference
+from trainkit.losses import dpo as dpo_loss
 from trainkit.recipes import load_recipe
 
 
@@ -26,15 +28,16 @@ def logsig(x: float) -> float:
     ("simpo", 2.0, 0.0, 0.5), ("orpo", 0.1, 0.0, 0.0)])
 def test_each_loss_is_its_papers_formula(loss_type, beta, smoothing, gamma):
     """Two pairs of made-up log-probs: each loss and reward computed here by hand with math, from the formulas of
-    trainkit/preference.py's docstring (DPO eq. 7 with cDPO, IPO eq. 17 on token averages, SLiC's hinge, SimPO eq. 6,
+    trainkit/losses/dpo.py's docstring (DPO eq. 7 with cDPO, IPO eq. 17 on token averages, SLiC's hinge, SimPO eq.
+    6,
     ORPO eqs. 4-7)."""
     pc, pr, rc, rr = [-12.0, -30.0], [-15.0, -28.0], [-13.0, -29.0], [-14.0, -27.5]
     nc, nr = [4.0, 10.0], [5.0, 8.0]
 
-    def seq(c: list[float], r: list[float]) -> preference.Sequences:
-        return preference.Sequences(torch.tensor(c), torch.tensor(r), torch.tensor(nc), torch.tensor(nr))
+    def seq(c: list[float], r: list[float]) -> dpo_loss.Sequences:
+        return dpo_loss.Sequences(torch.tensor(c), torch.tensor(r), torch.tensor(nc), torch.tensor(nr))
 
-    losses, metrics = preference.pair_losses(loss_type, beta, seq(pc, pr), seq(rc, rr), smoothing, gamma)
+    losses, metrics = dpo_loss.pair_losses(loss_type, beta, seq(pc, pr), seq(rc, rr), smoothing, gamma)
     for i in range(2):
         d = (pc[i] - rc[i]) - (pr[i] - rr[i])
         ac, ar = pc[i] / nc[i], pr[i] / nr[i]
@@ -46,13 +49,13 @@ def test_each_loss_is_its_papers_formula(loss_type, beta, smoothing, gamma):
             "orpo": -ac - beta * logsig((ac - ar) - (math.log(1 - math.exp(ac)) - math.log(1 - math.exp(ar)))),
         }[loss_type]
         assert losses[i].item() == pytest.approx(expected, rel=1e-6)
-        free = loss_type in preference.REFERENCE_FREE
+        free = loss_type in dpo_loss.REFERENCE_FREE
         reward_c, reward_r = (beta * ac, beta * ar) if free else (beta * (pc[i] - rc[i]), beta * (pr[i] - rr[i]))
         assert metrics["rewards/chosen"][i].item() == pytest.approx(reward_c, rel=1e-6)
         assert metrics["rewards/margins"][i].item() == pytest.approx(reward_c - reward_r, rel=1e-6)
         assert metrics["rewards/accuracies"][i].item() == float(reward_c > reward_r)
         assert metrics["logps/rejected"][i].item() == pr[i]
-    assert tuple(metrics) == preference.METRICS
+    assert tuple(metrics) == dpo_loss.METRICS
 
 
 def test_pairs_in_trls_layouts_are_what_the_model_reads(chat):
@@ -62,7 +65,7 @@ def test_pairs_in_trls_layouts_are_what_the_model_reads(chat):
     drops the pair."""
     from transformers import PreTrainedTokenizerFast
 
-    from trainkit import sft
+    from trainkit.data import sft
 
     tokenizer = PreTrainedTokenizerFast.from_pretrained(chat[0])
     template, pad = sft.TEMPLATES["chatml"], sft.pad_id(tokenizer)
@@ -84,7 +87,7 @@ def test_pairs_in_trls_layouts_are_what_the_model_reads(chat):
     implicit = preference.encode_pair({"chosen": prompt + answer["chosen"], "rejected": prompt + answer["rejected"]},
                                       tokenizer, template, 64, pad)
     assert implicit == conversational
-    assert preference.encode_pair({"prompt": prompt, **answer}, tokenizer, template, 8, pad) is None
+    assert preference.encode_pair({"prompt": prompt, **answer}, tokenizer, template, 8, pad) == "prompt"
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +128,7 @@ def test_the_first_step_is_exact_when_the_policy_starts_as_the_reference(check_o
     record = json.loads((tmp_path / "out" / "metrics.jsonl").read_text().splitlines()[0])
     assert record["loss"] == pytest.approx(first, rel=1e-7)
     assert record["rewards/chosen"] == record["rewards/margins"] == 0.0
-    assert {*preference.METRICS, *(f"eval_{name}" for name in preference.METRICS)} <= set(record)
+    assert {*dpo_loss.METRICS, *(f"eval_{name}" for name in dpo_loss.METRICS)} <= set(record)
 
 
 def test_the_eval_loss_is_the_exported_models_against_its_base(check_only, chat, pairs, tmp_path):
@@ -150,7 +153,7 @@ def test_the_eval_loss_is_the_exported_models_against_its_base(check_only, chat,
         mask = torch.cat([batch["chosen_mask"], batch["rejected_mask"]])
         policy, base = (scores(AutoModelForCausalLM.from_pretrained(path).eval(), ids, attention, mask)
                         for path in (out / "final", chat[0]))
-        losses, _ = preference.pair_losses("sigmoid", 0.1, policy, base)
+        losses, _ = dpo_loss.pair_losses("sigmoid", 0.1, policy, base)
     assert losses.mean().item() == pytest.approx(eval_loss, rel=1e-5)
     assert abs(eval_loss - math.log(2)) > 1e-4  # it trained
 
@@ -234,6 +237,91 @@ def test_a_record_that_is_not_a_pair_is_named_at_its_line(check_only, chat, pair
     args = dpo_args(chat, pairs, "--dry_run")
     args[args.index("--data") + 1] = str(broken)
     assert_refused(check_only(tmp_path / "out", *args), f"{broken}:3 has no rejected field")
+
+
+def with_data(args: list[str], path: Path) -> list[str]:
+    args[args.index("--data") + 1] = str(path)
+    return args
+
+
+def written(tmp_path: Path, name: str, records: list) -> Path:
+    path = tmp_path / name
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
+    return path
+
+
+def chat_pair(i: int, chosen_role: str = "assistant", chosen: str | None = None, rejected: str | None = None):
+    a, b = i % 7 + 2, i % 5 + 3
+    return {"prompt": [{"role": "user", "content": f"What is {a} plus {b}?"}],
+            "chosen": [{"role": chosen_role, "content": f"{a + b}." if chosen is None else chosen}],
+            "rejected": [{"role": "assistant", "content": f"{a + b + 1}." if rejected is None else rejected}]}
+
+
+@pytest.mark.parametrize("bad, message", [
+    (lambda: chat_pair(3, chosen_role="user"),
+     ":3 has a chosen answer in the 'user' role: a completion is the "
+                                               "assistant's turn"),
+    (lambda: chat_pair(3, chosen=""), ":3 has an empty chosen answer"),
+    (lambda: {"prompt": "What is 2 plus 3?", "chosen": " 5.", "rejected": " 6."},
+     ":3 is a standard pair while the first record is a conversational one"),
+    (lambda: "{not json", ":3 is not valid JSON"),
+])
+def test_a_pair_that_cannot_teach_is_named_at_its_line(check_only, chat, pairs, tmp_path, bad, message):
+    """A chosen answer in the user's role, an empty answer, a file mixing layouts, a line that is not JSON: the dry
+    run names the file and line, and the fix shows a pair (not the plain-text layout)."""
+    path = written(tmp_path, "bad.jsonl", [chat_pair(1), chat_pair(2), bad(), chat_pair(4)])
+    run = check_only(tmp_path / "out", *with_data(dpo_args(chat, pairs, "--dry_run"), path))
+    assert_refused(run, f"{path}{message}")
+    assert '{"text"' not in run.stderr and ("chosen" in run.stderr.split("): ", 1)[-1]), run.stderr
+
+
+def test_an_empty_pairs_file_is_refused_showing_a_pair(check_only, chat, pairs, tmp_path):
+    path = written(tmp_path, "empty.jsonl", ["", ""])
+    run = check_only(tmp_path / "out", *with_data(dpo_args(chat, pairs, "--dry_run"), path))
+    assert_refused(run, f"{path} holds only blank lines (--data {path}): pass a file of records such as "
+                        '{"prompt": "...", "chosen": "...", "rejected": "..."}')
+
+
+def test_pairs_with_nothing_to_learn_are_refused_or_counted(check_only, chat, pairs, tmp_path):
+    """Every chosen answer equal to its rejected one: refused by the dry run (before: trained at ln 2 with accuracy 0
+    while weight decay moved the weights). Some of them, and some prompts that fill --seq_len: the dry run (which
+    encodes the pairs as the run does) and the run say how many were left out and the first record of each kind."""
+    same = written(tmp_path, "same.jsonl", [chat_pair(i, rejected=f"{i % 7 + 2 + i % 5 + 3}.") for i in range(8)])
+    assert_refused(check_only(tmp_path / "out", *with_data(dpo_args(chat, pairs, "--dry_run"), same)),
+                   f"every pair of {same} has the same chosen and rejected answer: nothing to prefer")
+    long_prompt = {**chat_pair(5), "prompt": [{"role": "user", "content": "What is 2 plus 3? " * 20}]}
+    mixed = [chat_pair(i) for i in range(40)]
+    mixed[3] = chat_pair(3, chosen="6.", rejected="6.")
+    mixed[9] = chat_pair(9, chosen="7.", rejected="7.")
+    mixed[6] = long_prompt
+    path = written(tmp_path, "mixed.jsonl", mixed)
+    run = check_only(tmp_path / "dry", *with_data(dpo_args(chat, pairs, "--dry_run", "--preview", "1"), path))
+    assert run.returncode == 0, run.stderr
+    assert (f"note: 3 of the 40 pairs of {path} are left out: 1 whose prompt fills --seq_len (pass a larger "
+            "--seq_len), the first record 7; 2 whose chosen answer equals its rejected one (nothing to prefer), the "
+            "first record 4") in run.stderr, run.stderr
+    shown = run.stderr.split("pair 1 of 37 as the model reads it, between [[ and ]] what is compared:\n")[1]
+    assert shown.startswith("chosen (") and "\nrejected (" in shown and "What is 3 plus 4?" in shown, shown
+    assert "assistant\n[[7.<|im_end|>\n]]" in shown and "assistant\n[[8.<|im_end|>\n]]" in shown, shown
+    every_long = written(tmp_path, "long.jsonl", [long_prompt] * 4)
+    assert_refused(check_only(tmp_path / "out2", *with_data(dpo_args(chat, pairs, "--dry_run"), every_long)),
+                   f"none of the 4 pairs of {every_long} has anything to learn: 4 whose prompt fills --seq_len")
+
+
+def test_trls_implicit_prompt_strings_are_the_standard_pair(chat):
+    """{"chosen": "The sky is blue.", "rejected": "The sky is green."}: the prompt is what both begin with, cut at
+    the space before the first difference (TRL's extract_prompt), and the pair is the standard one."""
+    from transformers import PreTrainedTokenizerFast
+
+    from trainkit.data import sft
+
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(chat[0])
+    pad = sft.pad_id(tokenizer)
+    implicit = {"chosen": "What is 2 plus 3? 5.", "rejected": "What is 2 plus 3? 6."}
+    assert preference.split_pair(implicit) == {"prompt": "What is 2 plus 3?", "chosen": " 5.", "rejected": " 6."}
+    assert preference.layout(implicit) == "implicit" and preference.record_problem(implicit) is None
+    assert preference.encode_pair(implicit, tokenizer, None, 32, pad) == preference.encode_pair(
+        {"prompt": "What is 2 plus 3?", "chosen": " 5.", "rejected": " 6."}, tokenizer, None, 32, pad)
 
 
 # Launched: the one-process curve (10 steps) under the shipped configs, full fine-tuning (its reference a frozen copy
@@ -339,8 +427,8 @@ def test_precomputed_values_resume_under_another_config(one_process, tmp_path):
 
 @pytest.mark.slow
 def test_log_probabilities_in_chunks_train_the_whole_logits_curve(one_process, tmp_path):
-    """The policy's and the reference's log-probabilities from chunks of 6 positions (trainkit/chunked_loss.py), a
-    full fine-tune under ZeRO-3 (the reference copy gathered chunk by chunk too), against the whole logits in one
+    """The policy's and the reference's log-probabilities from chunks of 6 positions (trainkit/losses/chunked_loss.py),
+    a full fine-tune under ZeRO-3 (the reference copy gathered chunk by chunk too), against the whole logits in one
     process."""
     args, whole = one_process("qwen2", ())
     chunked = launch(tmp_path / "out", *args, "--batch_size", "4", "--loss_chunk_mib", "0.01",

@@ -15,10 +15,10 @@ import torch
 from safetensors.torch import load_model
 
 from conftest import PARITY_BOUND, ROOT, TEST_ENV, assert_refused, launch, max_rel_diff
-from trainkit.catalog import main as catalog
 from trainkit.errors import ConfigError
-from trainkit.launch import shipped_configs
+from trainkit.launch.launcher import shipped_configs
 from trainkit.recipes import load_recipe, shipped_recipes
+from trainkit.tools.catalog import main as catalog
 
 
 def test_catalog_lists_every_recipe_and_config_with_its_description(capsys):

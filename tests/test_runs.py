@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_model
 
 from conftest import ROOT, TEST_ENV, assert_refused, entry, launch, max_rel_diff
-from trainkit.compare import run_config
+from trainkit.launch.train_process import run_config
 from trainkit.recipes import load_recipe
 
 SMALL_LM = ["--hidden", "64", "--layers", "2", "--seq_len", "64"]
@@ -118,7 +118,7 @@ def test_a_second_run_in_a_folder_a_run_is_writing_is_refused(check_only, run_di
     out = run_dir("out")
     launch(out, "--recipe", "mlp", "--max_steps", "4", "--save_every", "2").check()
     before = sorted(p.relative_to(out) for p in out.rglob("*"))
-    with open(out / ".trainkit.lock", "a+") as held:  # as trainkit.run_folder.lock_output_dir takes it
+    with open(out / ".trainkit.lock", "a+") as held:  # as trainkit.run.output_folder.lock_output_dir takes it
         fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
         held.truncate(0)
         held.write("pid 12345 on elsewhere\n")
@@ -188,7 +188,7 @@ def test_under_fp16_only_a_loss_that_stays_non_finite_stops_the_run():
     """fp16's loss scaler skips a step with a non-finite loss or gradient and the run goes on; 3 non-finite losses in
     a row stop it (tests/test_fp16.py runs it: forced overflows on a CPU)."""
     from trainkit.errors import TrainingError
-    from trainkit.guards import FiniteCheck
+    from trainkit.run.stopping import FiniteCheck
 
     fp32 = FiniteCheck(fp16=False)
     with pytest.raises(TrainingError, match=r"non-finite loss at step 4 \(nan\); the optimizer step was not taken"):
@@ -218,7 +218,7 @@ def test_a_launched_rank_exits_with_its_code_after_the_atexit_handlers(tmp_path)
     """end_process skips only interpreter finalization (where gloo's threads can abort a finished rank): the exit
     status and everything registered with atexit (logging, the libraries' own clean-ups) still happen."""
     marker = tmp_path / "atexit-ran"
-    script = ("import atexit, pathlib; from trainkit.process import end_process\n"
+    script = ("import atexit, pathlib; from trainkit.launch.rank_exit import end_process\n"
               f"atexit.register(pathlib.Path({str(marker)!r}).write_text, 'yes')\n"
               "print('flushed', end=''); end_process(3)")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT,
@@ -231,7 +231,8 @@ def test_a_launched_rank_outlives_the_reader_of_its_output(tmp_path):
     nothing and ends as it would have, exit status and atexit handlers included; a process that is not a launched
     rank keeps Python's behaviour (the print raises BrokenPipeError)."""
     marker = tmp_path / "atexit-ran"
-    script = ("import atexit, pathlib, sys, time; from trainkit.process import end_process, outlive_its_terminal\n"
+    script = ("import atexit, pathlib, sys, time\n"
+              "from trainkit.launch.rank_exit import end_process, outlive_its_terminal\n"
               "outlive_its_terminal()\n"
               f"atexit.register(pathlib.Path({str(marker)!r}).write_text, 'yes')\n"
               "print('ready', flush=True); sys.stdin.readline()\n"  # the reader is gone once this returns
@@ -265,7 +266,7 @@ def test_metrics_lines_are_strict_json(tmp_path):
     `Infinity` that json.dumps would (jq, pandas and other strict parsers reject it)."""
     from types import SimpleNamespace
 
-    from trainkit.metrics import MetricsLog
+    from trainkit.run.metrics import MetricsLog
 
     logged = []
     accelerator = SimpleNamespace(is_main_process=True, log=lambda values, step: logged.append(values))
@@ -302,7 +303,7 @@ def test_a_resume_keeps_every_earlier_line_on_disk_from_the_moment_it_opens_the_
     """A resume from step 5 cuts the redone steps' lines (and a line that a kill cut short) off in place: read from
     the disk before anything else is written (a SIGKILL then flushes nothing), steps 1-5 are all there. Rewriting the
     file kept them in memory until the first new step: a launch killed in that window lost them for good."""
-    from trainkit.metrics import _continued
+    from trainkit.run.metrics import _continued
 
     path = tmp_path / name
     path.write_text("".join(json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in range(1, 11)) + '{"step": 1')

@@ -1,5 +1,5 @@
-"""Sequence parallelism (a DeepSpeed YAML's parallelism_config_sp_size, trainkit/sequence_parallel.py): each sequence
-cut between the ranks of a group, the one-process curve whatever the architecture, packing or adapters.
+"""Sequence parallelism (a DeepSpeed YAML's parallelism_config_sp_size, trainkit/strategies/sequence_parallel.py): each
+sequence cut between the ranks of a group, the one-process curve whatever the architecture, packing or adapters.
 
 The shipped configs (deepspeed_zero3_sp.yaml, deepspeed_zero2_sp.yaml) also run the strategy matrix of
 tests/test_strategies.py with the tiny transformer (the one-process curve, the export, the estimate) and every other
@@ -22,8 +22,9 @@ from conftest import (
     max_rel_diff,
     write_yaml,
 )
-from trainkit import sequence_parallel, sft
+from trainkit.data import sft
 from trainkit.recipes import load_recipe
+from trainkit.strategies import sequence_parallel
 
 SP = "deepspeed_zero3_sp"
 
@@ -66,7 +67,7 @@ def test_the_gathered_positions_of_packed_rows_isolate_their_examples(chat, tmp_
     batch = {key: torch.stack([train[i][key] for i in range(2)]) for key in train[0]}
     assert (batch["position_ids"][:, 1:] == 0).any()  # more than one example in a row
     token_losses = sys.modules["recipe_causal_lm"]._token_losses
-    masked, learned, _ = token_losses(model, batch)
+    masked, learned, _, _ = token_losses(model, batch)
     gathered = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"],
                 "shift_labels": sequence_parallel.shard(batch, 0, 1)["shift_labels"]}
     core = ALL_ATTENTION_FUNCTIONS["sdpa"]
@@ -74,7 +75,7 @@ def test_the_gathered_positions_of_packed_rows_isolate_their_examples(chat, tmp_
         for attention, isolated in ((sequence_parallel.packed_attention(core), True), (core, False)):
             ALL_ATTENTION_FUNCTIONS["sdpa"] = lambda module, q, k, v, mask, *a, f=attention, **kw: f(
                 module, q, k, v, None, *a, **kw)
-            unmasked, _, _ = token_losses(model, gathered)
+            unmasked, _, _, _ = token_losses(model, gathered)
             gap = (unmasked[:, :-1][learned] - masked[learned]).abs().max()
             assert (gap <= 1e-6 * masked[learned].abs().max()) == isolated, gap
     finally:

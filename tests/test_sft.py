@@ -1,5 +1,5 @@
-"""Instruction and chat data (trainkit/sft.py through recipes/causal_lm.py): every layout learns exactly its answers,
-the dry run shows them, mistakes are named, and a chat fine-tune trains under DDP like one process.
+"""Instruction and chat data (trainkit/data/sft.py through recipes/causal_lm.py): every layout learns exactly its
+answers, the dry run shows them, mistakes are named, and a chat fine-tune trains under DDP like one process.
 
 The model is a Qwen2 built from a config, with a byte-level BPE tokenizer trained here on the conversations: it has
 no chat template of its own, so the runs pass `--chat_template chatml`, and ChatML's markers are plain text to it.
@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from conftest import EXAMPLES, PARITY_BOUND, architecture, assert_refused, conversation, entry, launch, max_rel_diff
-from trainkit import sft
+from trainkit.data import sft
 from trainkit.errors import ConfigError
 from trainkit.recipes import load_recipe
 
@@ -270,14 +270,14 @@ def test_packed_examples_see_only_themselves(chat, test_env, tmp_path, name, att
     model = recipe.build_model(recipe.Config(**settings)).eval()
     with torch.no_grad():
         for row in rows[:3]:
-            losses, real, _ = token_losses(model, {k: v[None] for k, v in row.items()})
+            losses, real, _, _ = token_losses(model, {k: v[None] for k, v in row.items()})
             for number in range(1, int(row["segment"].max()) + 1):
                 where = (row["segment"] == number).nonzero().flatten()
                 start, end = int(where[0]), int(where[-1]) + 1
                 ids = row["input_ids"][start:end]
                 match = next(e for e in examples if torch.equal(e["input_ids"][:end - start], ids)
                              and int(e["attention_mask"].sum()) == end - start)
-                own, own_real, _ = token_losses(model, {k: v[None] for k, v in match.items()})
+                own, own_real, _, _ = token_losses(model, {k: v[None] for k, v in match.items()})
                 n = end - start - 1  # predictions inside the example; its last one is the next example's
                 assert torch.equal(real[0, start:start + n], own_real[0, :n])
                 assert (losses[0, start:start + n] - own[0, :n]).abs().max() < 1e-6
@@ -300,7 +300,7 @@ def test_the_samples_average_is_the_mean_of_each_examples_own_mean(chat, test_en
     torch.manual_seed(0)
     model = recipe.build_model(samples).eval()
     with torch.no_grad():
-        token_loss, real, _ = module._token_losses(model, batch)
+        token_loss, real, _, _ = module._token_losses(model, batch)
         owner = batch["segment"][:, 1:] if packing else torch.ones_like(real, dtype=torch.long)
         means = [token_loss[b][real[b] & (owner[b] == k)].mean() for b in range(len(real))
                  for k in owner[b][real[b]].unique()]
@@ -398,7 +398,7 @@ def test_plain_text_documents_pack_and_learn_the_same_tokens(chat, test_env, tmp
     order the documents come) learn as many tokens."""
     import torch
 
-    from trainkit.rows import TextPieces
+    from trainkit.data.stream_rows import TextPieces
 
     folder, _ = chat
     docs = tmp_path / "docs.txt"
@@ -418,7 +418,7 @@ def test_plain_text_documents_pack_and_learn_the_same_tokens(chat, test_env, tmp
     with torch.no_grad():
         for name, rows in (("padded", padded), ("packed", packed)):
             batch = {key: torch.stack([r[key] for r in rows]) for key in rows[0]}
-            losses, learned, _ = module._token_losses(model, batch)
+            losses, learned, _, _ = module._token_losses(model, batch)
             totals[name] = (float((losses * learned).sum()), int(learned.sum()))
     assert totals["packed"][1] == totals["padded"][1], totals
     assert totals["packed"][0] == pytest.approx(totals["padded"][0], rel=1e-5), totals

@@ -37,11 +37,11 @@ from conftest import (
     yaml_of,
     zero2_json,
 )
-from trainkit.compare import main as compare_main
 from trainkit.estimate import meta_model
-from trainkit.launch import shipped_configs
+from trainkit.launch.launcher import shipped_configs
 from trainkit.recipes import load_recipe
-from trainkit.strategies import REGISTRY, shipped_strategies
+from trainkit.strategies.registry import REGISTRY, shipped_strategies
+from trainkit.tools.compare import main as compare_main
 
 pytestmark = pytest.mark.slow
 
@@ -144,8 +144,8 @@ def test_mlp_matches_one_process_with_accumulation(mlp_run, mlp_reference):
     assert len(run.losses) == 12 and len(set(mlp_reference.losses)) == 12  # a real curve, not a constant
     assert max_rel_diff(run.losses, mlp_reference.losses) <= PARITY_BOUND
     assert_estimate_within_10_percent(run)
-    # trainkit/quiet.py's list: DeepSpeed's deprecated collectives (hundreds of lines a run), its CPU notice in each
-    # rank (the launcher's own process, which the runner does not control, may still print it once)
+    # trainkit/launch/library_noise.py's list: DeepSpeed's deprecated collectives (hundreds of lines a run), its CPU
+    # notice in each rank (the launcher's own process, which the runner does not control, may still print it once)
     assert "is deprecated" not in run.stderr and run.stderr.count("Setting accelerator to CPU") <= 1
 
 
@@ -268,11 +268,11 @@ def test_deepspeed_without_a_gradient_norm_trains(run_dir, tmp_path):
 
 
 def test_compare_tool_reports_and_plots(tmp_path, capsys, test_env, monkeypatch):
-    import trainkit.compare
+    import trainkit.tools.compare
 
     png = tmp_path / "curves.png"
     mine = write_yaml(tmp_path, "fsdp")  # a user's own YAML, by path
-    plotted, plot = [], trainkit.compare.plot
+    plotted, plot = [], trainkit.tools.compare.plot
 
     def plot_and_look(curves, path, title):  # what the figure holds, while the runs' files are still there
         figure = plot(curves, path, title)
@@ -280,7 +280,7 @@ def test_compare_tool_reports_and_plots(tmp_path, capsys, test_env, monkeypatch)
                                                                                      strict=True))
         return figure
 
-    monkeypatch.setattr(trainkit.compare, "plot", plot_and_look)
+    monkeypatch.setattr(trainkit.tools.compare, "plot", plot_and_look)
     assert compare_main(["--recipe", "mlp", "--configs", f"ddp,{mine}", "--max_steps", "5", "--png", str(png)]) == 0
     assert len(plotted) == 3 and all(len(ys) == 5 and ys == losses for ys, losses in plotted)  # not a blank plot
     out = capsys.readouterr().out

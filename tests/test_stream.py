@@ -1,6 +1,6 @@
 """Streamed data (--streaming, mixtures in --data): pieces that cover every record once, the global batches that
 depend only on the seed, the global batch size and the sources, a resume that reads on from recorded positions on any
-number of processes, the mixture's shares, and bad input named. The in-process tests drive trainkit/stream.py's
+number of processes, the mixture's shares, and bad input named. The in-process tests drive trainkit/data/stream.py's
 StreamedTrain rank by rank, as data.py's tests drive TrainStream; the launched ones train the tiny transformer."""
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ import pytest
 import torch
 
 from conftest import assert_refused, launch, max_rel_diff
-from trainkit import sources, text
-from trainkit.data import BatchLayout
+from trainkit.data import stream_sources, text
+from trainkit.data.batches import BatchLayout
+from trainkit.data.stream import Streamed, StreamedTrain
+from trainkit.data.stream_rows import TextBlocks
 from trainkit.errors import ConfigError, TrainingError
-from trainkit.rows import TextBlocks
-from trainkit.stream import Streamed, StreamedTrain
 
 WORDS = "the a cat dog sat on mat ran far away quickly slowly red blue green under over into house tree".split()
 GLOBAL = 16
@@ -77,10 +77,10 @@ def mixture(corpus: Path) -> str:
 
 @pytest.mark.parametrize("pattern", ["a-*.jsonl", "b.txt", "c-*.jsonl.gz", "d.parquet"])
 def test_the_pieces_give_every_record_once_and_any_position_reads_on_from_there(corpus, pattern, monkeypatch):
-    monkeypatch.setattr(sources, "MIN_PIECE", 97)  # pieces shorter than many lines: most start inside one
-    source = sources.parse_data(str(corpus / pattern), "text")[0]
-    pieces = sources.pieces(source)
-    read = [(piece, record, at) for piece in pieces for record, at in sources.records(source, piece, None)]
+    monkeypatch.setattr(stream_sources, "MIN_PIECE", 97)  # pieces shorter than many lines: most start inside one
+    source = stream_sources.parse_data(str(corpus / pattern), "text")[0]
+    pieces = stream_sources.pieces(source)
+    read = [(piece, record, at) for piece in pieces for record, at in stream_sources.records(source, piece, None)]
     expected = [json.loads(line)["text"] for f in source.files for line in
                 (gzip.open(f, "rt") if f.endswith(".gz") else open(f)).read().splitlines()] \
         if source.kind == "json" else [d + "\n" for d in documents(10, 300, shout=True)] \
@@ -90,7 +90,7 @@ def test_the_pieces_give_every_record_once_and_any_position_reads_on_from_there(
     assert len(pieces) == {"c-*.jsonl.gz": 40, "d.parquet": 40}.get(pattern, max(len(pieces), len(read) + 1))
     for piece, record, at in read[::37]:  # a recorded position gives that record and the rest of its piece
         rest = [r for p, r, _ in read if p == piece]
-        assert [r for r, _ in sources.records(source, piece, at)] == rest[rest.index(record):]
+        assert [r for r, _ in stream_sources.records(source, piece, at)] == rest[rest.index(record):]
 
 
 # --- the invariant -------------------------------------------------------------------------------------------------
@@ -108,7 +108,7 @@ def test_streamed_global_batches_depend_only_on_the_seed_the_global_batch_and_th
 
 
 def test_a_resume_reads_on_from_the_lanes_states_on_any_process_count(corpus, monkeypatch):
-    monkeypatch.setattr(sources, "MIN_PIECE", 301)  # lanes go from piece to piece after a resume, many times
+    monkeypatch.setattr(stream_sources, "MIN_PIECE", 301)  # lanes go from piece to piece after a resume, many times
     data = streamed(corpus, mixture(corpus))
     uninterrupted, _ = global_batches(data, 2, 1, steps=60)
     _, stopped = global_batches(data, 2, 1, steps=24)
@@ -122,7 +122,7 @@ def test_a_resume_reads_on_from_the_lanes_states_on_any_process_count(corpus, mo
 def test_a_resumed_lane_reads_every_later_piece_from_its_start(corpus, monkeypatch):
     """Only the piece a lane resumes in starts at the recorded position: the pieces after it, of every source, are
     read from their starts, at whatever round the lane's other sources stand."""
-    monkeypatch.setattr(sources, "MIN_PIECE", 301)
+    monkeypatch.setattr(stream_sources, "MIN_PIECE", 301)
     data = streamed(corpus, f"{corpus}/a-[0-2].jsonl:1,{corpus}/a-[3-5].jsonl:1")  # alike: their rounds meet
     far = [{"lanes": {str(lane): {"0": [3, None, 0], "1": [3, None, 0]} for lane in range(GLOBAL)},
             "rows_of_sources": [0, 0]}]  # both sources' lanes in their round 3
@@ -137,14 +137,14 @@ def test_a_resume_reads_only_what_comes_after_its_position(corpus, monkeypatch):
     _, stopped = global_batches(data, 1, 1, steps=40)
     states = [s.rank_state() for s in stopped]
     lines = []
-    real = sources._byte_range
+    real = stream_sources._byte_range
 
     def counted(*args):
         for item in real(*args):
             lines.append(item)
             yield item
 
-    monkeypatch.setattr(sources, "_byte_range", counted)
+    monkeypatch.setattr(stream_sources, "_byte_range", counted)
     global_batches(data, 1, 1, steps=2)
     fresh = len(lines)
     lines.clear()
@@ -239,14 +239,14 @@ def test_an_unreadable_line_mid_stream_stops_the_run_naming_it_or_is_counted_and
 def test_streamed_chat_examples_are_packed_in_the_order_they_come_and_keep_the_invariant(chat, tmp_path):
     from transformers import PreTrainedTokenizerFast
 
-    from trainkit import rows, sft
+    from trainkit.data import sft, stream_rows
 
     folder, data = chat
     (tmp_path / "chat.jsonl").write_text(data.read_text() * 10)  # 1,200 conversations: 80 pieces
     tokenizer = PreTrainedTokenizerFast.from_pretrained(str(folder))
     opened = Streamed.open(str(tmp_path / "chat.jsonl"), "text", "", 0.05, "stop", sft.FIELDS["messages"])
-    one_each = opened.with_rows(rows.Examples(tokenizer, 192, "messages", sft.CHATML))
-    packed = opened.with_rows(rows.Examples(tokenizer, 192, "messages", sft.CHATML, packing=True))
+    one_each = opened.with_rows(stream_rows.Examples(tokenizer, 192, "messages", sft.CHATML))
+    packed = opened.with_rows(stream_rows.Examples(tokenizer, 192, "messages", sft.CHATML, packing=True))
 
     ids, _ = global_batches(packed, 1, 1, steps=3)
     assert all(torch.equal(a, b) for a, b in zip(global_batches(packed, 2, 2, steps=3)[0], ids, strict=True))
@@ -293,7 +293,7 @@ def test_a_streamed_mixture_trains_one_curve_on_1_2_4_processes_and_2_machines_a
     data = ["--data", mixture(corpus)]
     one = launch(tmp_path / "one", *LM, *data, "--batch_size", "16").check()
     assert one.resolved["streaming"] == "auto" and "--data streamed" in one.stderr
-    assert set(one.metrics[-1]["data_share"]) == {s.spec for s in sources.parse_data(mixture(corpus), "text")}
+    assert set(one.metrics[-1]["data_share"]) == {s.spec for s in stream_sources.parse_data(mixture(corpus), "text")}
     two = launch(tmp_path / "two", *LM, *data, "--batch_size", "4", "--grad_accum", "2", "--data_workers", "2",
                  config="ddp").check()
     four = launch(tmp_path / "four", *LM, *data, "--batch_size", "4", "--stop_at", "4", config="ddp",
@@ -323,7 +323,7 @@ def test_a_mixture_cannot_be_prepared_first(check_only, corpus, tmp_path):
 def test_a_mixture_weight_mistake_is_named_and_its_fix_applied_as_printed_reads(data):
     """A weight that is not a number is said as such (it was called "without a weight", and the fix printed,
     books/*.txt:abc:1, was refused again); the fix as printed parses as the mixture meant."""
-    from trainkit.sources import _comma_entries
+    from trainkit.data.stream_sources import _comma_entries
 
     _, (problem,) = _comma_entries(data, "text", "")
     assert problem.what == ("books/*.txt:abc (its weight 'abc' is not a number)" if ":abc" in data else
@@ -337,7 +337,7 @@ def test_a_mixture_weight_mistake_is_named_and_its_fix_applied_as_printed_reads(
 
 def test_a_mixture_is_never_advised_to_train_without_streaming(tmp_path):
     """A mixture is streamed whatever --streaming says: the one-piece refusal offers only what works for it."""
-    from trainkit.stream import Streamed
+    from trainkit.data.stream import Streamed
 
     (tmp_path / "a.jsonl.gz").write_bytes(gzip.compress(b'{"text": "one piece"}\n' * 20))
     (tmp_path / "b.jsonl.gz").write_bytes(gzip.compress(b'{"text": "another"}\n' * 20))

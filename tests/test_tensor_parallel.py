@@ -1,4 +1,4 @@
-"""Tensor parallelism, FSDP2 + TP and HSDP from Accelerate's parallelism_config (trainkit/strategies/mesh.py).
+"""Tensor parallelism, FSDP2 + TP and HSDP from Accelerate's parallelism_config (trainkit/strategies/fsdp.py).
 
 Launched (slow): each shipped mesh YAML trains the tiny transformer like one process at the same global batch, with
 its gradient norms, resumes exactly, and holds its share of the model (final/ is checked with every other config's in
@@ -17,11 +17,11 @@ import pytest
 import torch
 
 from conftest import LM, PARITY_BOUND, ROOT, architecture, assert_refused, entry, launch, max_rel_diff, write_yaml
-from trainkit.launch import Launch, shipped_configs
+from trainkit.launch.launcher import Launch, shipped_configs
 from trainkit.recipes import load_recipe
-from trainkit.strategies import for_launch
-from trainkit.strategies.dims import ParallelDims
-from trainkit.strategies.mesh import Mesh
+from trainkit.strategies.fsdp import FSDP
+from trainkit.strategies.parallel_dims import ParallelDims
+from trainkit.strategies.registry import for_launch
 
 # config -> (dp_replicate, dp_shard, tp). The runs are the strategy matrix's (conftest's lm_runs: the transformer with
 # its real defaults, global batch 8, a checkpoint at step 5), shared with tests/test_strategies.py.
@@ -47,7 +47,7 @@ def test_trains_like_one_process_and_holds_its_share(lm_runs, lm_reference, conf
     estimated, held = resolved["estimated_state_bytes"], run.metrics[-1]["state_bytes"]
     assert abs(estimated - held) <= 0.1 * held, (estimated, held)
     assert held == pytest.approx(SHARES[config] * reference.metrics[-1]["state_bytes"], rel=0.1)
-    assert "redistributing" not in run.stderr  # trainkit/quiet.py: DTensor's two-step gather note
+    assert "redistributing" not in run.stderr  # trainkit/launch/library_noise.py: DTensor's two-step gather note
 
 
 # hsdp.yaml resumes in tests/test_strategies.py with every other data-parallel config (the MLP, the zoo).
@@ -100,9 +100,9 @@ def test_the_registry_picks_the_mesh_strategies_and_leaves_fsdp_as_it_was():
     picked = {name: for_launch(shipped[name], cfg, {}) for name in [*MESHES, "fsdp", "fsdp_offload"]}
     # One class: the mesh's sizes name the strategy and its label
     assert {name: (type(s), s.name, s.label, s.data_parallel_size) for name, s in picked.items()} == {
-        "tp": (Mesh, "tp", "tp", 1), "fsdp_tp": (Mesh, "tp", "fsdp_tp", 2), "hsdp": (Mesh, "hsdp", "hsdp", 4),
-        "hsdp_tp": (Mesh, "tp", "hsdp_tp", 4),
-        "fsdp": (Mesh, "fsdp", "fsdp", 2), "fsdp_offload": (Mesh, "fsdp", "fsdp_offload", 2)}
+        "tp": (FSDP, "tp", "tp", 1), "fsdp_tp": (FSDP, "tp", "fsdp_tp", 2), "hsdp": (FSDP, "hsdp", "hsdp", 4),
+        "hsdp_tp": (FSDP, "tp", "hsdp_tp", 4),
+        "fsdp": (FSDP, "fsdp", "fsdp", 2), "fsdp_offload": (FSDP, "fsdp", "fsdp_offload", 2)}
     assert {name: s.splits_model for name, s in picked.items()} == {
         "tp": True, "fsdp_tp": True, "hsdp": False, "hsdp_tp": True, "fsdp": False, "fsdp_offload": False}
     hsdp_tp = dataclasses.replace(shipped["hsdp"], world_size=8, parallelism={"dp_replicate": 2, "dp_shard": 2,
@@ -259,7 +259,7 @@ def test_gradient_clipping_and_adamw_over_parameters_on_different_meshes():
     plain = recipe.build_model(cfg)
     plain.load_state_dict(model.state_dict())
     one = dataclasses.replace(shipped_configs()["tp"], world_size=1, parallelism={"tp": 1})
-    strategy = Mesh(one, cfg, {})
+    strategy = FSDP(one, cfg, {})
     strategy = strategy.engine(strategy)  # the engine, built by hand: a fake Accelerator, the model below
     strategy.accelerator = type("Accelerator", (), {"unscale_gradients": lambda self: None})()
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -286,9 +286,9 @@ def test_gradient_clipping_and_adamw_over_parameters_on_different_meshes():
 
 
 def test_the_compare_tool_gives_each_mesh_the_reference_global_batch():
-    """python -m trainkit.compare: the micro-batch follows the data-parallel size, and a YAML whose parallelism
+    """python -m trainkit.tools.compare: the micro-batch follows the data-parallel size, and a YAML whose parallelism
     sizes fix its process count runs with that count (not --num_processes)."""
-    from trainkit.compare import split_for
+    from trainkit.tools.compare import split_for
 
     assert {c: split_for(c, "tiny_transformer", 2, 16, 1) for c in ("ddp", "tp", "fsdp_tp", "hsdp")} == \
         {"ddp": (2, 8), "tp": (2, 16), "fsdp_tp": (4, 8), "hsdp": (4, 4)}

@@ -1,4 +1,5 @@
-"""--tiled_mlp (trainkit/tiled_mlp.py): each decoder layer's MLP a chunk of `hidden` positions at a time, the numbers
+"""--tiled_mlp (trainkit/models/tiled_mlp.py): each decoder layer's MLP a chunk of `hidden` positions at a time, the
+numbers
 those of the whole MLP, its intermediates never held for the whole sequence."""
 
 from __future__ import annotations
@@ -7,8 +8,8 @@ import pytest
 import torch
 
 from conftest import LM, PARITY_BOUND, architecture, launch, max_rel_diff
-from trainkit import tiled_mlp
 from trainkit.errors import ConfigError
+from trainkit.models import tiled_mlp
 
 ARCHITECTURES = ["llama", "qwen2", "mistral", "gpt2", "gpt_neox", "phi3", "gemma", "olmo", "granite", "starcoder2"]
 
@@ -46,8 +47,8 @@ def test_the_estimate_counts_no_mlp_intermediates():
     MLP's 4 x ffn elements a token and layer (156 -> 92 MiB), and the estimate is within 10% of both."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from trainkit import chunked_loss
     from trainkit.estimate import ModelShape, activation_bytes, decoder_shape, measured_activations
+    from trainkit.losses import chunked_loss
 
     peaks = {}
     for tiled in (False, True):

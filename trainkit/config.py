@@ -55,7 +55,8 @@ class TrainConfig:
     # (trainkit/strategies/engine.py, Engine.compile_model); a strategy it does not work under refuses it at plan time.
     compile: bool = False
     # The activations a forward saves for backward kept in pinned host memory until backward, the parameters excepted
-    # (trainkit/offload.py): device memory for the copies' time. On a CPU run they already are in host memory.
+    # (trainkit/models/activation_offload.py): device memory for the copies' time. On a CPU run they already are in host
+    # memory.
     activation_offload: bool = False
 
     # What a resumed run may set anew (--resume restores every other field from the checkpoint and refuses a flag that

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-from trainkit.chunked_loss import chunk_tokens
 from trainkit.config import TrainConfig
+from trainkit.losses.chunked_loss import chunk_tokens
 from trainkit.recipes import Recipe
 from trainkit.strategies.tp_plan import cut_plan
 
@@ -160,8 +160,8 @@ def activation_bytes(shape: ModelShape, micro_batch: int, seq_len: int | None, p
     """The peak of activation memory in a training step, per rank, for one micro-batch of a decoder
     (ModelShape.decoder) of seq_len tokens: what the forward keeps for backward, and the loss's backward on top; with
     gradient checkpointing each layer's input, plus one layer's own while backward recomputes it; with the loss in
-    chunks of `loss_chunk` positions, one chunk's logits; with the MLP in chunks (trainkit/tiled_mlp.py), none of its
-    intermediates (measured: 4 x ffn elements a token less in a Llama layer). Other models: every Linear output
+    chunks of `loss_chunk` positions, one chunk's logits; with the MLP in chunks (trainkit/models/tiled_mlp.py), none of
+    its intermediates (measured: 4 x ffn elements a token less in a Llama layer). Other models: every Linear output
     twice (pre- and post-activation) at the model's hidden width."""
     # Bytes per element: autocast computes the matrix products in 16 bits but keeps the residual stream, the norms
     # and their inputs in fp32; measured on a Llama block, 2.9 bytes per element counted here (BENCHMARKS.md)
@@ -188,7 +188,7 @@ def activation_bytes(shape: ModelShape, micro_batch: int, seq_len: int | None, p
 
 def loss_bytes(vocab: int, tokens: int) -> int:
     """The logit-sized tensors of a step's peak, for the tokens whose logits exist at once (all of the micro-batch's,
-    or one chunk's: trainkit/chunked_loss.py): the logits, and the loss's softmax and the logits' gradient in its
+    or one chunk's: trainkit/losses/chunked_loss.py): the logits, and the loss's softmax and the logits' gradient in its
     backward, each in fp32 whatever the precision: the loss upcasts the logits first (measured in bf16 at
     vocabularies of 32,000 and 128,256: the same peak as fp32, BENCHMARKS.md's memory section)."""
     return 3 * 4 * vocab * tokens

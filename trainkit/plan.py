@@ -18,10 +18,9 @@ from typing import Any
 
 import torch
 
-from trainkit.checkpoint import Found, auto_resume, find_checkpoint, resume_problems
 from trainkit.command_line import RESUMED_OPTIONS, RunOptions, restore_run_options, run_flags, run_option_values
 from trainkit.config import TrainConfig, build_config, config_dict, field_sources
-from trainkit.data import global_batch_size
+from trainkit.data.batches import global_batch_size
 from trainkit.errors import ConfigError, Problem
 from trainkit.estimate import (
     PRECISION_NAMES,
@@ -35,13 +34,14 @@ from trainkit.estimate import (
     report,
     run_activations,
 )
-from trainkit.hosts import check_hosts, environment_note, rendezvous_note
-from trainkit.launch import Launch, check_machine, check_yaml
-from trainkit.metrics import FlopCount, check_trackers, count_flops
-from trainkit.pretrained import sizing
+from trainkit.launch.hostfile import check_hosts, environment_note, rendezvous_note
+from trainkit.launch.launcher import Launch, check_machine, check_yaml
+from trainkit.models.pretrained import sizing
 from trainkit.recipes import Recipe, load_recipe
-from trainkit.run_folder import check_output_dir, lock_output_dir
-from trainkit.strategies import Strategy, for_launch, shipped_strategies
+from trainkit.run.checkpoint import Found, auto_resume, find_checkpoint, resume_problems
+from trainkit.run.metrics import FlopCount, check_trackers, count_flops
+from trainkit.run.output_folder import check_output_dir, lock_output_dir
+from trainkit.strategies.registry import Strategy, for_launch, shipped_strategies
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +63,7 @@ class Plan:
 
 def make_plan(options: RunOptions, overrides: list[tuple[str, str, str]]) -> Plan:
     """The plan for this command line and launch, or a ConfigError with every problem found. --estimate sizes a
-    pretrained model from its config alone (trainkit/pretrained.py's sizing): no weights or tokenizer needed."""
+    pretrained model from its config alone (trainkit/models/pretrained.py's sizing): no weights or tokenizer needed."""
     with sizing(options.estimate):
         return _plan(options, overrides)
 
@@ -181,7 +181,7 @@ def resolved_config(recipe: Recipe, cfg: TrainConfig, sources: dict[str, str], l
     sources["global_batch_size"] = "batch_size x grad_accum x data_parallel_size"
     sources["data_parallel_size"] = "world_size / the ranks that split one model (pipeline stages, tensor parallel)"
     sources["estimated_state_bytes"] = "trainkit.estimate"
-    sources.update(dict.fromkeys(flops.resolved(), "trainkit.metrics.count_flops"))
+    sources.update(dict.fromkeys(flops.resolved(), "trainkit.run.metrics.count_flops"))
     resolved["sources"] = sources
     return resolved
 

@@ -7,7 +7,7 @@ A recipe is one Python file. It defines:
     build_model(cfg)                -> torch.nn.Module. Also called under `torch.device("meta")` to count parameters
                                     for --estimate and --dry_run: build from the config, load no weights there
     build_datasets(cfg, cache_dir)  -> (train, eval) map-style datasets of equal-shaped samples; the train split may
-                                    be a trainkit.stream.Streamed instead (data read as it trains)
+                                    be a trainkit.data.stream.Streamed instead (data read as it trains)
     loss(model, batch)              -> scalar tensor: the mean loss over the micro-batch; or (that loss, {name: the
                                     sum over the micro-batch's samples of a per-sample value}): each reported in
                                     metrics.jsonl as the mean over the step's global batch, and at evaluation as
@@ -38,14 +38,14 @@ and optionally (the defaults are `Recipe`'s):
                                     micro-batch}: run once over every sample of both splits with the model as it
                                     starts (prepared by the strategy, eval mode, no_grad), before the first step;
                                     each sample then carries its values under those names in every batch, and the
-                                    checkpoints keep them (trainkit/precompute.py; recipes/dpo.py's
+                                    checkpoints keep them (trainkit/data/precompute.py; recipes/dpo.py's
                                     --precompute_ref_logps); default None
 
 and, to train under sequence parallelism (a DeepSpeed YAML's parallelism_config_sp_size; on GPUs an FSDP YAML's
 parallelism_config_cp_size, context parallelism):
 
     sequence_parallel = True        the loss reads the parts of token rows the runner cuts
-                                    (trainkit/sequence_parallel.py's rows): input_ids, position_ids and
+                                    (trainkit/strategies/sequence_parallel.py's rows): input_ids, position_ids and
                                     shift_labels (the next token of each position, -100 where nothing is learned),
                                     all 1/sp (1/cp) of each row's positions; the runner weighs each part by its
                                     learned targets. A transformers model, whose attention Ulysses (or torch's ring)
@@ -163,7 +163,7 @@ class Recipe:
     def make_datasets(self, cfg: TrainConfig, cache_dir: Path) -> tuple[Any, Any]:
         from torch.utils.data import default_collate
 
-        from trainkit.stream import Streamed
+        from trainkit.data.stream import Streamed
 
         splits = self.build_datasets(cfg, cache_dir)
         if not (isinstance(splits, tuple | list) and len(splits) == 2):

@@ -13,7 +13,7 @@ parallel mesh, the pipeline); where engines differ, the step calls the engine (e
    (engine.clip_grad_norm);
 5. one collective: the loss over the whole global batch (engine.loss_holders: the ranks that compute one), whether
    any rank was asked to stop, the engine's own numbers (a pipeline's idle time): agree;
-6. the finite checks: a non-finite loss or gradient norm stops the run before the optimizer step (guards.py);
+6. the finite checks: a non-finite loss or gradient norm stops the run before the optimizer step (run/stopping.py);
 7. the optimizer and schedule step, and whether fp16's loss scaler skipped it (optimizer_step); then the engine's
    own metrics (engine.step_metrics).
 
@@ -30,7 +30,7 @@ from typing import Any, Protocol
 
 import torch
 
-from trainkit.guards import FiniteCheck
+from trainkit.run.stopping import FiniteCheck
 
 __all__ = ["StepEngine", "StepResult", "agree", "loss_weights", "optimizer_step", "train_step"]
 

@@ -58,7 +58,8 @@ def build_model(recipe, cfg) -> torch.nn.Module:
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Weight decay on matrices only, as trainkit/optim.py (and the Trainer, for this model: no biases, 1-d norms)."""
+    """Weight decay on matrices only, as trainkit/models/optimizer.py (and the Trainer, for this model: no biases, 1-d
+    norms)."""
     params = [p for p in model.parameters() if p.requires_grad]
     return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]

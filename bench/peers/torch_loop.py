@@ -20,7 +20,8 @@ def main() -> None:
     recipe, cfg, train_set = recipe_setup(args)
     set_seed(cfg.seed)
     model = build_model(recipe, cfg)
-    optimizer = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, fused=True)  # trainkit/optim.py's
+    # trainkit/models/optimizer.py's
+    optimizer = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, fused=True)
     scheduler = get_cosine_with_min_lr_schedule_with_warmup(optimizer, cfg.warmup_steps, cfg.max_steps,
                                                             min_lr_rate=cfg.min_lr_ratio)
     loader = DataLoader(train_set, batch_size=cfg.batch_size, shuffle=True, drop_last=True)

@@ -18,7 +18,7 @@ from torch.utils.data import SequentialSampler
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback, set_seed
 from trl import DPOConfig, DPOTrainer
 
-from trainkit.sft import CHATML
+from trainkit.data.sft import CHATML
 
 
 class Record(TrainerCallback):

@@ -24,7 +24,7 @@ from peft import LoraConfig
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback, set_seed
 from trl import SFTConfig, SFTTrainer
 
-from trainkit.sft import CHATML
+from trainkit.data.sft import CHATML
 
 
 class Record(TrainerCallback):

@@ -3,14 +3,15 @@ parallelism whole, with only the ring attention's kernels, which are CUDA's, rep
 
     accelerate launch --config_file accelerate_configs/fsdp_cp.yaml tests/helpers/context_parallel_on_cpu.py ARGS
 
-torch's own `context_parallel` still runs (trainkit/strategies/mesh.py's ring_context): it cuts the rows in place
+torch's own `context_parallel` still runs (trainkit/strategies/fsdp.py's ring_context): it cuts the rows in place
 with its load balancer and puts its ring in place of F.scaled_dot_product_attention. Inside it, F.scaled_dot_product_
 attention is replaced once more, by `gathered_attention`: the keys and values of the cp group all-gathered (autograd's
 all_gather, whose backward sums each gradient back to its rank), causal attention over the whole row by position
-(trainkit/sequence_parallel.py's head_tail says which positions each rank holds; tests/test_context_parallel.py
-checks it against torch's cut), the result of torch's CPU attention. That is what the ring computes, in another order
-of additions. Everything else is the runner's: the mesh with its cp dimension, FSDP2 over dp_shard x cp, the parts'
-weights, the gradient correction, the loss reported, evaluation, checkpoints. tests/test_gpu.py runs the real ring.
+(trainkit/strategies/sequence_parallel.py's head_tail says which positions each rank holds;
+tests/test_context_parallel.py checks it against torch's cut), the result of torch's CPU attention. That is what the
+ring computes, in another order of additions. Everything else is the runner's: the mesh with its cp dimension, FSDP2
+over dp_shard x cp, the parts' weights, the gradient correction, the loss reported, evaluation, checkpoints.
+tests/test_gpu.py runs the real ring.
 """
 
 from __future__ import annotations
@@ -29,14 +30,13 @@ from torch.nn import functional as F
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from trainkit import sequence_parallel  # noqa: E402
-from trainkit.strategies import mesh  # noqa: E402
+from trainkit.strategies import fsdp, sequence_parallel  # noqa: E402
 
 CPU_ATTENTION = F.scaled_dot_product_attention  # before any context replaces it
 # deprecated for torch.distributed._functional_collectives; kept for its backward over gloo (an all-to-all, as gloo
 # has no reduce-scatter), which tests/test_context_parallel.py's curves check
 warnings.filterwarnings("ignore", message="torch.distributed.nn.functional.all_gather is deprecated")
-RING_CONTEXT = mesh.ring_context
+RING_CONTEXT = fsdp.ring_context
 
 
 def gathered_attention(cp_mesh: Any) -> Callable[..., torch.Tensor]:
@@ -74,8 +74,8 @@ def gathered_context(cp_mesh: Any, parts: list[torch.Tensor]) -> Iterator[None]:
             F.scaled_dot_product_attention = ring  # torch's exit restores the original from its ring
 
 
-mesh.context_parallel_refusal = lambda: None
-mesh.ring_context = gathered_context
+fsdp.context_parallel_refusal = lambda: None
+fsdp.ring_context = gathered_context
 
 if __name__ == "__main__":
     import train

@@ -52,8 +52,8 @@ RUN_TIME_ENV = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_R
                 "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                 "PYTORCH_NVML_BASED_CUDA_CHECK", "TORCHINDUCTOR_CACHE_DIR",
                 # set by a run itself, and so left in the tests' process by a run inside it: CPU as DeepSpeed's
-                # accelerator (trainkit/quiet.py; the server's DeepSpeed found the same), the tokenizer's threads off
-                # in data workers (trainkit/stream.py)
+                # accelerator (trainkit/launch/library_noise.py; the server's DeepSpeed found the same), the tokenizer's
+                # threads off in data workers (trainkit/data/stream.py)
                 "DS_ACCELERATOR", "TOKENIZERS_PARALLELISM"}
 RUN_TIME_PREFIXES = ("TORCHELASTIC_", "TORCH_NCCL_", "ACCELERATE_", "FSDP_", "PARALLELISM_CONFIG_", "TRAINKIT_",
                      "PYTEST_")
@@ -259,10 +259,11 @@ def _line(conn: socket.socket) -> str:
 def launch(args: list[str], cwd: Path, env: dict[str, str], timeout: float | None,
            server_env: dict[str, str]) -> tuple[int, str, str]:
     """(exit status, stdout, stderr) of `python -m accelerate.commands.launch ARGS`; a launch still going after
-    `timeout` seconds is killed with every process under it (trainkit.compare.kill_tree) and reads as failed."""
+    `timeout` seconds is killed with every process under it (trainkit.launch.train_process.kill_tree) and reads as
+    failed."""
     import psutil
 
-    from trainkit.compare import kill_tree
+    from trainkit.launch.train_process import kill_tree
 
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err, \
             socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
@@ -287,7 +288,7 @@ def launch(args: list[str], cwd: Path, env: dict[str, str], timeout: float | Non
 def train(args: list[str], cwd: Path, env: dict[str, str], timeout: float | None,
           server_env: dict[str, str]) -> tuple[int, str, str]:
     """(exit status, stdout, stderr) of `python train.py ARGS`, as launch() for the rest."""
-    from trainkit.compare import kill_tree
+    from trainkit.launch.train_process import kill_tree
 
     with subprocess.Popen([sys.executable, __file__, "--rank", server(server_env), str(TRAIN), *args], cwd=cwd,
                           env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -302,7 +303,7 @@ def train(args: list[str], cwd: Path, env: dict[str, str], timeout: float | None
 
 
 def killed_after(timeout: float | None) -> str:
-    """What a run killed for its time says (the words of trainkit.compare.run_config)."""
+    """What a run killed for its time says (the words of trainkit.launch.train_process.run_config)."""
     return f"\nkilled after {timeout:.0f} s: the launch had not ended\n"
 
 

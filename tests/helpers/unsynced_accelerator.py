@@ -9,9 +9,9 @@ from accelerate import Accelerator
 
 from trainkit.config import TrainConfig
 from trainkit.errors import ConfigError
-from trainkit.launch import Launch
+from trainkit.launch.launcher import Launch
 from trainkit.strategies import accelerator as built
-from trainkit.strategies import for_launch
+from trainkit.strategies.registry import for_launch
 
 accelerator = Accelerator()
 try:

@@ -2,8 +2,8 @@
 
 The loss of each sample is multiplied by its factor: 1 for every sample but those listed in `overflow_samples`
 (indices into the training set), whose `boost` no fp16 loss scale survives. The test that picks the indices of one
-global batch (trainkit/data.py's epoch_order) so knows the step at which the loss scaler must skip; a boost of inf
-makes the loss itself non-finite, which the run must stop on when it stays so.
+global batch (trainkit/data/batches.py's epoch_order) so knows the step at which the loss scaler must skip; a boost of
+inf makes the loss itself non-finite, which the run must stop on when it stays so.
 """
 
 from __future__ import annotations

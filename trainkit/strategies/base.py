@@ -21,7 +21,7 @@ import torch
 from trainkit.config import TrainConfig
 from trainkit.errors import Problem
 from trainkit.estimate import Estimate, ModelShape
-from trainkit.launch import Launch
+from trainkit.launch.launcher import Launch
 from trainkit.recipes import Recipe
 from trainkit.strategies.engine import Engine
 

@@ -2,7 +2,7 @@
 the format of the torch engines (one process, DDP, the FSDP2 / tensor-parallel mesh, the pipeline):
 torch.distributed.checkpoint, each rank writing its own shards, reshardable across world sizes and these strategies.
 
-An engine names its format class (`Engine.format`); trainkit/checkpoint.py's Checkpointer makes the one instance
+An engine names its format class (`Engine.format`); trainkit/run/checkpoint.py's Checkpointer makes the one instance
 of a run and is the only caller. The step folder around it (trainer_state.json, every rank's RNG, the atomic rename)
 is the Checkpointer's and the same for every format.
 
@@ -45,7 +45,8 @@ class CheckpointFormat:
 
     def save(self, step_dir: Path) -> Future | None:
         """Write this rank's part of the trained state into the step folder; with a writer, only copy it and return
-        the write's future (its result: every rank's part is on disk, trainkit/checkpoint.py's Checkpointer.poll)."""
+        the write's future (its result: every rank's part is on disk: trainkit/run/checkpoint.py's
+        Checkpointer.poll)."""
         raise NotImplementedError
 
     def load(self, step_dir: Path) -> None:
@@ -112,10 +113,10 @@ class Writer:
     def make(cls) -> Writer:
         import torch.distributed as dist
 
-        from trainkit.process import keep_until_exit
+        from trainkit.launch.rank_exit import keep_until_exit
 
         group = dist.new_group(backend="gloo") if dist.is_initialized() else None
-        keep_until_exit(group)  # freed at exit, a gloo group can hang its rank (trainkit/process.py)
+        keep_until_exit(group)  # freed at exit, a gloo group can hang its rank (trainkit/launch/rank_exit.py)
         return cls(group)
 
     def write(self, state: dict, folder: Path) -> Future:

@@ -12,7 +12,7 @@ import torch
 from trainkit.config import TrainConfig
 from trainkit.errors import TrainingError
 from trainkit.estimate import OPTIMIZER_BYTES, Estimate, ModelShape
-from trainkit.launch import Launch
+from trainkit.launch.launcher import Launch
 from trainkit.strategies.base import Strategy
 from trainkit.strategies.engine import Engine, LossFn
 

@@ -9,7 +9,8 @@ ZeRO-1/2 one to the other of the two stages) through DeepSpeed's universal check
 
 Sequence parallelism (a YAML's parallelism_config_sp_size; deepspeed_zero3_sp.yaml): Accelerate's ParallelismConfig
 makes DeepSpeed's Ulysses groups and attention; the engine deals one micro-batch to each group, cuts it per rank
-(trainkit/sequence_parallel.py), weighs each shard by its learned tokens, and corrects ZeRO-3's gradient average.
+(trainkit/strategies/sequence_parallel.py), weighs each shard by its learned tokens, and corrects ZeRO-3's gradient
+average.
 
 CPU-only machines: without a backend DeepSpeed forms a world of N while Accelerate sees one process (the data would
 not be sharded), and with `cpu=True` Accelerate would silently train plain DDP instead: this strategy passes
@@ -31,14 +32,14 @@ from typing import Any
 
 import torch
 
-from trainkit import sequence_parallel
 from trainkit.config import TrainConfig
 from trainkit.errors import ConfigError, Problem
 from trainkit.estimate import OPTIMIZER_BYTES, Estimate, ModelShape
-from trainkit.guards import FiniteCheck
-from trainkit.launch import PARALLELISM_KEY, Launch, is_true
+from trainkit.launch.launcher import PARALLELISM_KEY, Launch, is_true
 from trainkit.recipes import Recipe
+from trainkit.run.stopping import FiniteCheck
 from trainkit.step import StepResult, agree, loss_weights, optimizer_step
+from trainkit.strategies import sequence_parallel
 from trainkit.strategies.base import Strategy
 from trainkit.strategies.dcp_format import CheckpointFormat, load_trained_weights
 from trainkit.strategies.deepspeed_config import fill_bucket_sizes, persistence_threshold, resolve
@@ -219,7 +220,7 @@ class ZeroEngine(Engine):
             from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
             # What Ulysses will call once it has gathered the whole sequence: the model's attention, with the mask of
-            # packed rows made from the whole row's positions (trainkit/sequence_parallel.py)
+            # packed rows made from the whole row's positions (trainkit/strategies/sequence_parallel.py)
             config = getattr(model, "get_base_model", lambda: model)().config
             attention, text = config._attn_implementation, config.get_text_config()
             if getattr(text, "num_key_value_heads", None) is None:  # GPT-2, GPT-NeoX: DeepSpeed reads it regardless
@@ -269,7 +270,7 @@ class ZeroEngine(Engine):
             else 1.0
 
     def split_sequences(self, micro_batches: list) -> list:
-        """This rank's positions of every row (trainkit/sequence_parallel.py's shard)."""
+        """This rank's positions of every row (trainkit/strategies/sequence_parallel.py's shard)."""
         if self.sequence_parallel_size == 1:
             return micro_batches
         rank = self.accelerator.process_index % self.sequence_parallel_size  # DeepSpeed's groups: neighbours
@@ -287,7 +288,7 @@ class ZeroEngine(Engine):
         Accumulation costs ZeRO-2/3 communication on every micro-batch, by design of their gradient partitioning:
         a rank keeps only its own partition of the gradients, so each micro-batch's gradients are reduce-scattered
         (in buckets, during backward) into the partitions' owners and added there, instead of being held whole
-        until the last micro-batch as DDP and FSDP2 do (strategies/mesh.py). ZeRO-3 also gathers every layer's
+        until the last micro-batch as DDP and FSDP2 do (strategies/fsdp.py). ZeRO-3 also gathers every layer's
         parameters again in each micro-batch's forward and backward."""
         accelerator, model = self.accelerator, self.model
         micro_batches = self.split_sequences(micro_batches)
@@ -368,7 +369,8 @@ class DeepSpeed(Strategy):
                  recipe: Recipe | None = None) -> None:
         super().__init__(launch, cfg, sources, recipe)
         # Ulysses sequence parallelism (parallelism_config_sp_size): groups of sp neighbouring ranks share each
-        # micro-batch, 1/sp of its positions each (trainkit/sequence_parallel.py); ZeRO partitions over every rank
+        # micro-batch, 1/sp of its positions each (trainkit/strategies/sequence_parallel.py); ZeRO partitions over every
+        # rank
         self.sp = launch.parallelism_size("sp")
         self.resolved = resolve(launch, cfg, sources, self.data_parallel_size)
         self.config = self.resolved.config  # the filled JSON that the engine gets

@@ -25,10 +25,10 @@ from typing import Any
 import torch
 
 from trainkit.config import TrainConfig
-from trainkit.data import global_batch_size
+from trainkit.data.batches import global_batch_size
 from trainkit.errors import Problem
 from trainkit.estimate import hidden_size
-from trainkit.launch import Launch, is_true
+from trainkit.launch.launcher import Launch, is_true
 
 # Keys of the YAML's deepspeed_config block that say how to launch, not how to train: they may stand next to a JSON.
 LAUNCH_KEYS = ("deepspeed_config_file", "zero3_init_flag", "deepspeed_hostfile", "deepspeed_multinode_launcher",

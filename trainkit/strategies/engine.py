@@ -19,14 +19,13 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 
-from trainkit import sequence_parallel
 from trainkit.config import TrainConfig
-from trainkit.guards import FiniteCheck
-from trainkit.launch import Launch
-from trainkit.metrics import model_state_tensors
+from trainkit.launch.launcher import Launch
 from trainkit.recipes import Recipe
+from trainkit.run.metrics import model_state_tensors
+from trainkit.run.stopping import FiniteCheck
 from trainkit.step import StepResult
-from trainkit.strategies import accelerator, dcp_format
+from trainkit.strategies import accelerator, dcp_format, sequence_parallel
 from trainkit.strategies.parallelize import compile_forward
 
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
@@ -51,7 +50,7 @@ class Planned(Protocol):
 class Engine:
     """Builds and runs one strategy's plan: the Accelerator, the prepared model, optimizer and schedule."""
 
-    # How checkpoints hold this engine's model and optimizer (trainkit/checkpoint.py's Checkpointer makes one).
+    # How checkpoints hold this engine's model and optimizer (trainkit/run/checkpoint.py's Checkpointer makes one).
     format: ClassVar[type[dcp_format.CheckpointFormat]] = dcp_format.DCP
 
     def __init__(self, strategy: Planned) -> None:
@@ -193,7 +192,8 @@ class Engine:
                 accelerator.backward(loss * self.gradient_correction)
         return loss_sum / len(micro_batches), None
 
-    # --- sequences split between ranks (sequence_parallel_size > 1; trainkit/sequence_parallel.py) ------------------
+    # --- sequences split between ranks (sequence_parallel_size > 1; trainkit/strategies/sequence_parallel.py)
+    # ------------------
 
     def split_sequences(self, micro_batches: list) -> list:
         """The micro-batches as this rank computes them: under sequence or context parallelism the rows with their
@@ -282,8 +282,8 @@ class Engine:
 
     def evaluate(self, batches: Iterator[tuple[Any, bool]], loss_fn: LossFn,
                  metrics_fn: MetricsFn) -> dict[str, float]:
-        """eval_loss and eval_<metric> over every rank's held-out micro-batches (trainkit/data.py's EvalLayout: each
-        with whether it is real or a copy that weighs nothing), with one collective.
+        """eval_loss and eval_<metric> over every rank's held-out micro-batches (trainkit/data/batches.py's EvalLayout:
+        each with whether it is real or a copy that weighs nothing), with one collective.
 
         The loss is the mean over every sample evaluated (each micro-batch's mean weighs its samples), or with the
         recipe's loss_weight over every unit (a learned token); each recipe metric is a sum over a micro-batch's

@@ -22,8 +22,8 @@ import torch
 
 from trainkit.config import TrainConfig
 from trainkit.errors import ConfigError, Problem
-from trainkit.launch import Launch, is_true
-from trainkit.strategies.dims import ParallelDims, data_mesh
+from trainkit.launch.launcher import Launch, is_true
+from trainkit.strategies.parallel_dims import ParallelDims, data_mesh
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -8,7 +8,7 @@ backwards), 1F1B (a backward as soon as possible: fewer activations held) and in
 process, half the bubble). Each step's `grad_accum` micro-batches are the pipeline's micro-batches, so the global
 batch and the data order stay those of one process.
 
-The pipeline is the outermost dimension of the one mesh (strategies/dims.py): processes = stages x the launch's
+The pipeline is the outermost dimension of the one mesh (strategies/parallel_dims.py): processes = stages x the launch's
 own mesh. On a data-parallel launch (ddp.yaml, multinode.yaml, a hostfile) with 4 processes and `--pipeline_stages
 2`, ranks 0-1 hold stage 0 and ranks 2-3 stage 1: two pipelines that each compute half of every global batch, and
 every stage all-reduces its gradients with the same stage of the other pipeline (one collective per step). On an
@@ -39,15 +39,15 @@ import torch.distributed as dist
 from trainkit.config import TrainConfig
 from trainkit.errors import ConfigError, Problem
 from trainkit.estimate import OPTIMIZER_BYTES, Estimate, ModelShape
-from trainkit.launch import Launch
-from trainkit.metrics import state_bytes
+from trainkit.launch.launcher import Launch
 from trainkit.recipes import Recipe, no_generations
+from trainkit.run.metrics import state_bytes
 from trainkit.strategies.base import Strategy
-from trainkit.strategies.dims import ParallelDims, parallelism_problems
 from trainkit.strategies.engine import LossFn, MetricsFn, batch_samples
-from trainkit.strategies.mesh import OnMesh, held_numel
+from trainkit.strategies.fsdp import OnMesh, held_numel
+from trainkit.strategies.parallel_dims import ParallelDims, parallelism_problems
 from trainkit.strategies.parallelize import FSDPSettings, block_classes, clip_to, grad_norm, local, parallelize, whole
-from trainkit.strategies.stages import (
+from trainkit.strategies.pipeline_stages import (
     Weighed,
     cut_points,
     full_names,
@@ -234,7 +234,7 @@ class PipelineEngine(OnMesh):
     def evaluate(self, batches: Iterator[tuple[Any, bool]], loss_fn: LossFn,
                  metrics_fn: MetricsFn) -> dict[str, float]:
         """eval_loss through the pipeline, forward only, grad_accum micro-batches at a time, each weighing its
-        samples or its units (the recipe's loss_weight), a copy that is not real nothing (trainkit/data.py's
+        samples or its units (the recipe's loss_weight), a copy that is not real nothing (trainkit/data/batches.py's
         EvalLayout); the recipe's other eval metrics need the whole model's output, which no stage has: not computed
         under a pipeline."""
         self.model.eval()
@@ -301,7 +301,7 @@ class Pipeline(Strategy):
         if recipe is not None and recipe.generate is not no_generations:
             self.notes = (f"pipeline: recipe {recipe.path.name}'s answers at each evaluation (generate) are not "
                           "written: each stage holds part of the model; final/ holds all of it (python -m "
-                          "trainkit.ask FOLDER QUESTION)",)
+                          "trainkit.tools.ask FOLDER QUESTION)",)
 
     @classmethod
     def selects(cls, launch: Launch, cfg: TrainConfig) -> bool:

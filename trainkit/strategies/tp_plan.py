@@ -14,7 +14,7 @@ from collections.abc import Iterable
 import torch
 
 from trainkit.errors import Problem
-from trainkit.launch import PARALLELISM_KEY
+from trainkit.launch.launcher import PARALLELISM_KEY
 
 # The plan's styles this runner cuts (torch's ColwiseParallel / RowwiseParallel on nn.Linear), and those it keeps whole
 # by choice: transformers marks the input embeddings and the output head for vocabulary-parallel styles, but a tied

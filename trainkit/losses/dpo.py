@@ -1,0 +1,98 @@
+"""The DPO family's losses over preference pairs (recipes/dpo.py; the pairs are trainkit/data/preference.py's).
+
+Losses, over sequence log-probabilities: logps = the sum of a completion's token log-probs under the policy, ref_logps
+under the reference, and `avg` the same divided by the completion's tokens (references are the papers'):
+
+    sigmoid  DPO, Rafailov et al. 2023 (eq. 7), with cDPO's label smoothing eps (Mitchell 2023):
+             d = (logps_c - ref_c) - (logps_r - ref_r);  -(1 - eps) log s(beta d) - eps log s(-beta d)
+    ipo      IPO, Azar et al. 2023 (eq. 17), on per-token averages as TRL computes it with the authors:
+             (d_avg - 1 / (2 beta))^2
+    hinge    SLiC, Zhao et al. 2023: relu(1 - beta d)
+    simpo    SimPO, Meng et al. 2024 (eq. 6), no reference: -log s(beta (avg_c - avg_r) - gamma)
+    orpo     ORPO, Hong et al. 2024 (eqs. 4-7), no reference: the chosen completion's mean token NLL minus
+             beta log s(log odds_c - log odds_r), log odds = avg - log(1 - exp(avg))
+
+Every loss is a mean over pairs of a per-pair value, so a step's loss is the mean over the pairs of its global batch
+however they are split. The rewards TRL reports: beta (logps - ref_logps) (beta logps without a reference).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+
+from trainkit.errors import Problem
+
+LOSS_TYPES = ("sigmoid", "ipo", "hinge", "simpo", "orpo")
+REFERENCE_FREE = ("simpo", "orpo")  # losses that need no reference model
+# TRL's metric names, as metrics.jsonl, TensorBoard and the plots carry them (eval_ prefixed at evaluation)
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+           "logps/rejected")
+
+
+def sequence_logps(token_losses: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the summed log-probability of each row's masked tokens, their count), from the loss of predicting each token
+    from the one before (trainkit/losses/chunked_loss.py's next_token_losses: -log softmax, in fp32)."""
+    logps = -token_losses
+    kept = mask[:, 1:].float()
+    return (logps * kept).sum(-1), kept.sum(-1)
+
+
+@dataclass(frozen=True, slots=True)
+class Sequences:
+    """Each pair's completions scored by one model: summed log-probs and token counts, chosen and rejected."""
+
+    chosen: torch.Tensor
+    rejected: torch.Tensor
+    chosen_tokens: torch.Tensor
+    rejected_tokens: torch.Tensor
+    aux_loss: torch.Tensor | None = None  # the model's own auxiliary loss over the pairs' forward (a router's)
+
+    def averages(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.chosen / self.chosen_tokens.clamp(min=1), self.rejected / self.rejected_tokens.clamp(min=1)
+
+
+def pair_losses(loss_type: str, beta: float, policy: Sequences, reference: Sequences | None,
+                label_smoothing: float = 0.0, gamma: float = 0.0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Each pair's loss (the module docstring's formulas) and its metrics (per pair: the rewards TRL reports, whether
+    the chosen one's is larger, their margin, the policy's log-probs)."""
+    if loss_type in REFERENCE_FREE:
+        avg_c, avg_r = policy.averages()
+        if loss_type == "simpo":
+            losses = -F.logsigmoid(beta * (avg_c - avg_r) - gamma)
+        else:  # orpo: log odds = log p - log(1 - p), p the completion's mean token probability
+            log_odds = (avg_c - avg_r) - (torch.log1p(-torch.exp(avg_c)) - torch.log1p(-torch.exp(avg_r)))
+            losses = -avg_c - beta * F.logsigmoid(log_odds)
+        rewards_c, rewards_r = beta * avg_c.detach(), beta * avg_r.detach()
+    else:
+        assert reference is not None
+        ratio_c, ratio_r = policy.chosen - reference.chosen, policy.rejected - reference.rejected
+        d = ratio_c - ratio_r
+        if loss_type == "sigmoid":
+            losses = -(1 - label_smoothing) * F.logsigmoid(beta * d) - label_smoothing * F.logsigmoid(-beta * d)
+        elif loss_type == "ipo":
+            (pc, pr), (rc, rr) = policy.averages(), reference.averages()
+            losses = ((pc - rc) - (pr - rr) - 1 / (2 * beta)) ** 2
+        else:  # hinge
+            losses = torch.relu(1 - beta * d)
+        rewards_c, rewards_r = beta * ratio_c.detach(), beta * ratio_r.detach()
+    return losses, dict(zip(METRICS, (rewards_c, rewards_r, (rewards_c > rewards_r).float(), rewards_c - rewards_r,
+                                      policy.chosen.detach(), policy.rejected.detach()), strict=True))
+
+
+def loss_problems(loss_type: str, beta: float, label_smoothing: float) -> list[Problem]:
+    found = []
+    if loss_type not in LOSS_TYPES:
+        found.append(Problem(f"unknown loss_type {loss_type!r}", "config field loss_type",
+                             f"use one of {', '.join(LOSS_TYPES)}"))
+    if beta <= 0:
+        found.append(Problem(f"beta must be > 0, got {beta}", "config field beta", "use --beta 0.1"))
+    if not 0 <= label_smoothing < 0.5:
+        found.append(Problem(f"label_smoothing must be in [0, 0.5), got {label_smoothing}",
+                             "config field label_smoothing", "use --label_smoothing 0"))
+    if label_smoothing and loss_type != "sigmoid":
+        found.append(Problem(f"label_smoothing is cDPO's, of the sigmoid loss, not of {loss_type}",
+                             "config field label_smoothing", "drop --label_smoothing, or use --loss_type sigmoid"))
+    return found

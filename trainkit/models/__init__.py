@@ -1,0 +1,12 @@
+"""The model a recipe trains, and what trains it: loading, adapters, the optimizer, layers that save memory.
+
+    pretrained.py          from_pretrained safely: safetensors unless allowed, failures with a fix, the tokenizer check
+    finetune.py            what the fine-tuning recipes share: the model's settings, loading, tokenizer, export
+    lora.py                LoRA through peft: the adapters, QLoRA's 4-bit base, the merged model final/ holds
+    optimizer.py           AdamW / SGD with weight decay on matrices, the warm-up + cosine schedule
+    tiled_mlp.py           --tiled_mlp: each decoder layer's MLP a chunk of positions at a time
+    activation_offload.py  --activation_offload: what the forward saves for backward kept in host memory
+
+May import the spine (errors, config), data/sft.py (chat templates) and strategies/pipeline_decoder.py (where a
+decoder's layers are).
+"""

@@ -1,0 +1,172 @@
+"""What the recipes that fine-tune a pretrained transformers model share (recipes/causal_lm.py, recipes/dpo.py,
+recipes/reward.py): the model's settings and their checks, loading it (--model_dtype, --trainable, LoRA, QLoRA,
+gradient checkpointing), its tokenizer, and final/ as from_pretrained loads it (under LoRA, the adapters beside the
+merged model). A recipe adds its data and its loss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from trainkit.config import TrainConfig
+from trainkit.data import sft
+from trainkit.errors import ConfigError, Problem
+from trainkit.models import lora, pretrained
+
+
+@dataclass(kw_only=True, slots=True)
+class FineTuneConfig(TrainConfig):
+    # Model
+    model_name_or_path: str = ""  # a local folder (from_pretrained's layout) or a Hub id
+    trust_remote_code: bool = False  # run code shipped with the model (a Hub model's own modelling files)
+    allow_pickle: bool = False  # accept pytorch_model.bin weights (unpickled) when there are no safetensors
+    trainable: str = ""  # comma-separated parameter-name prefixes to train, the rest frozen; empty: all
+    # What the pretrained weights load as (from_pretrained's dtype; auto: the dtype saved with them). It is what a
+    # frozen base holds under LoRA (an 8B base: 15 GiB in bf16, 30 in fp32); every weight that trains (LoRA's
+    # adapters, a full or --trainable fine-tune) is kept in fp32 with its optimizer state, as is --trainable's rest.
+    model_dtype: str = "auto"
+    # Which tokenizer: "" (AutoTokenizer's, refused when it encodes text otherwise than the folder's tokenizer.json),
+    # "saved" (that tokenizer.json as it is) or "auto" (AutoTokenizer's, unchecked). transformers picks some model
+    # types' own class whatever tokenizer_config.json says (a Qwen2 folder loads as Qwen2Tokenizer).
+    tokenizer: str = ""
+    gradient_checkpointing: bool = False
+    # LoRA (peft): the base model frozen, low-rank adapters trained beside its linear layers; lora_r 0 trains the
+    # model itself. The adapters add lora_alpha / lora_r times their product to each layer's output.
+    lora_r: int = 0
+    lora_alpha: float = 16.0
+    lora_dropout: float = 0.0
+    # peft's "all-linear" (every linear layer but the output head), or comma-separated module names (q_proj,v_proj)
+    lora_target_modules: str = "all-linear"
+    load_in_4bit: bool = False  # QLoRA: the frozen base quantised to 4 bits (NF4) by bitsandbytes; CUDA GPUs only
+    chat_template: str = ""  # the tokenizer's own; chatml, or a Jinja file, for one that has none
+    seq_len: int = 128
+    # The training data: local files (comma-separated) or a Hub dataset (data_config: its configuration), in the
+    # recipe's layout. The held-out data: eval_data's files (or a Hub dataset's eval_split) in the same layout; without
+    # it, eval_fraction of --data (examples drawn from the seed)
+    data: str = ""
+    data_config: str = ""
+    eval_data: str = ""
+    eval_split: str = "test"
+    eval_fraction: float = 0.05
+    # Training (overrides of TrainConfig's defaults: fine-tuning takes small steps)
+    batch_size: int = 8
+    lr: float = 1e-4
+    warmup_steps: int = 10
+    max_steps: int = 100
+    eval_every: int = 50
+    eval_batches: int = 0  # the whole held-out split; N: its first N global batches
+
+    may_change_on_resume = TrainConfig.may_change_on_resume | {"gradient_checkpointing"}
+
+    def check(self) -> list[Problem]:
+        """The model's settings (a recipe adds its data's: FineTuneConfig.check(self) first)."""
+        problems = []
+        if not self.model_name_or_path:
+            problems.append(Problem("no model to fine-tune", "config field model_name_or_path",
+                                    "pass --model_name_or_path with a folder from_pretrained reads (such as "
+                                    "runs/tiny_transformer/final) or a Hub id"))
+        if self.model_dtype not in MODEL_DTYPES:
+            problems.append(Problem(f"model_dtype must be one of {', '.join(MODEL_DTYPES)}, got {self.model_dtype!r}",
+                                    "config field model_dtype", "use --model_dtype auto"))
+        if self.tokenizer not in ("", "saved", "auto"):
+            problems.append(Problem(f"tokenizer must be saved or auto (or empty), got {self.tokenizer!r}",
+                                    "config field tokenizer", "use --tokenizer saved"))
+        if self.seq_len < 2:
+            problems.append(Problem(f"seq_len must be >= 2, got {self.seq_len}", "config field seq_len",
+                                    "use --seq_len 128"))
+        if not 0 < self.eval_fraction < 1:
+            problems.append(Problem(f"eval_fraction must be in (0, 1), got {self.eval_fraction}",
+                                    "config field eval_fraction", "use --eval_fraction 0.05"))
+        return problems + pretrained.weights_problems(self.model_name_or_path, self.allow_pickle) + lora.problems(self)
+
+    def flag_of(self, data: str) -> str:
+        """The option that named `data` (--data or --eval_data), for its errors."""
+        return "--eval_data" if data == self.eval_data and data != self.data else "--data"
+
+
+# --model_dtype's names -> from_pretrained's dtype
+MODEL_DTYPES = {"auto": "auto", "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def build(cfg: FineTuneConfig, auto_class: Any, lora_task: str = "CAUSAL_LM", **kwargs: Any) -> nn.Module:
+    """The pretrained model as `auto_class` (AutoModelForCausalLM, AutoModelForSequenceClassification) loads it with
+    `kwargs` (num_labels), as the settings ask: its dtype, what trains, LoRA (peft's task type `lora_task`). On the
+    meta device (--estimate and --dry_run) the shapes only, from the config."""
+    from transformers import AutoConfig
+
+    config = pretrained.load("model's config", cfg, AutoConfig.from_pretrained)
+    if torch.get_default_device().type == "meta":
+        if not pretrained.sizes_only.get():  # the tokenizer the run trains with, checked as the run checks it
+            tokenizer_of(cfg)
+        dtype = MODEL_DTYPES[cfg.model_dtype]
+        for key, value in kwargs.items():
+            setattr(config, key, value)
+        model = auto_class.from_config(config, trust_remote_code=cfg.trust_remote_code,
+                                       dtype=getattr(config, "dtype", None) if dtype == "auto" else dtype)
+        return _trained_in_fp32(lora.with_lora(model, cfg, lora_task) if cfg.lora_r else model)
+    model = pretrained.load("model", cfg, lambda path, **kw: auto_class.from_pretrained(
+        path, dtype=MODEL_DTYPES[cfg.model_dtype], use_safetensors=None if cfg.allow_pickle else True,
+        **lora.quantised(cfg.load_in_4bit), **kwargs, **kw))
+    if cfg.load_in_4bit:
+        from peft import prepare_model_for_kbit_training
+
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=cfg.gradient_checkpointing)
+    prefixes = [p.strip() for p in cfg.trainable.split(",") if p.strip()]
+    if prefixes:
+        chosen = {name for name, _ in model.named_parameters() if name.startswith(tuple(prefixes))}
+        if not chosen:
+            raise ConfigError([Problem(f"no parameter name starts with {', '.join(prefixes)}", "--trainable",
+                                       f"names look like {next(iter(dict(model.named_parameters())))}")])
+        for name, param in model.named_parameters():
+            param.requires_grad_(name in chosen)
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return _trained_in_fp32(lora.with_lora(model, cfg, lora_task) if cfg.lora_r else model)
+
+
+def _trained_in_fp32(model: nn.Module) -> nn.Module:
+    """--model_dtype is the frozen base's: a model that trains more than adapters (peft keeps those in fp32 itself)
+    is made fp32 whole, since layers of two dtypes in one forward fail without autocast; a QLoRA base stays 4-bit."""
+    is_peft = hasattr(model, "peft_config")
+    if not is_peft and any(p.is_floating_point() and p.dtype != torch.float32 for p in model.parameters()):
+        model.float()
+    return model
+
+
+def tokenizer_of(cfg: FineTuneConfig):
+    """The model's tokenizer (--tokenizer): by default AutoTokenizer's, checked to be the one saved in its folder
+    (pretrained.tokenizer_mismatch)."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    load = PreTrainedTokenizerFast.from_pretrained if cfg.tokenizer == "saved" else AutoTokenizer.from_pretrained
+    tokenizer = pretrained.load("tokenizer", cfg, load)
+    folder = Path(cfg.model_name_or_path)
+    if not cfg.tokenizer and folder.is_dir() and (problem := pretrained.tokenizer_mismatch(tokenizer, folder)):
+        raise ConfigError([problem])
+    return tokenizer
+
+
+def export(model: nn.Module, state_dict: dict, cfg: FineTuneConfig, out_dir: Path, auto_class: Any) -> None:
+    """final/: the model as from_pretrained loads it, with its tokenizer (and the run's --chat_template); under LoRA
+    that model has the adapters merged into its weights, and final/adapter/ holds them alone in peft's layout
+    (PeftModel.from_pretrained(base, "final/adapter") over the base model it was trained on)."""
+    from peft import PeftModel
+
+    tokenizer = tokenizer_of(cfg)
+    if cfg.chat_template:  # the template the run rendered its conversations with goes along (trainkit/tools/ask.py)
+        tokenizer.chat_template = sft.chat_template(tokenizer, cfg.chat_template)
+    if cfg.lora_r:
+        model.save_pretrained(str(out_dir / "adapter"), state_dict=state_dict)  # peft keeps only the adapters' keys
+        tokenizer.save_pretrained(str(out_dir / "adapter"))
+        # QLoRA's base is 4-bit in training: the adapters merge into the full-precision base it was quantised from
+        model = lora.merged(model, state_dict, auto_class) if not cfg.load_in_4bit else pretrained.load(
+            "model", cfg, lambda path, **kw: PeftModel.from_pretrained(
+                auto_class.from_pretrained(path, **kw), str(out_dir / "adapter")).merge_and_unload())
+        state_dict = None
+    model.save_pretrained(str(out_dir), state_dict=state_dict)
+    tokenizer.save_pretrained(str(out_dir))
