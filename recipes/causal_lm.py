@@ -406,7 +406,16 @@ def tokens_per_sample(cfg: Config) -> int:
 
 
 def export(model, state_dict: dict, cfg: Config, cache_dir: Path, out_dir: Path) -> None:
-    """final/ as from_pretrained loads it (under LoRA: merged, and the adapters alone in final/adapter/)."""
+    """final/ as from_pretrained loads it (under LoRA: merged, and the adapters alone in final/adapter/), with the
+    system turn its first conversations all opened with (trainkit/tools/ask.py's default)."""
     from transformers import AutoModelForCausalLM
 
-    finetune.export(model, state_dict, cfg, out_dir, AutoModelForCausalLM)
+    layout, system = cfg.layout(), None
+    if layout in ("messages", "sharegpt") and not text.streams(cfg.data, cfg.streaming):
+        records = _records(cfg, layout, cfg.data, cache_dir)
+        system = sft.shared_system_turn(records.select(range(min(len(records), SYSTEM_SAMPLE))), layout,
+                                        sft.parse_role_map(cfg.role_map))
+    finetune.export(model, state_dict, cfg, out_dir, AutoModelForCausalLM, system)
+
+
+SYSTEM_SAMPLE = 256  # the conversations export reads for a shared system turn

@@ -105,6 +105,20 @@ def test_the_table_says_what_it_assumed_and_names_no_launch_when_none_was_chosen
     assert "micro-batch 32 (--batch_size), fp32, not a transformers decoder" in eager.stdout
 
 
+def test_a_tiny_model_reads_in_a_unit_where_no_figure_is_0_and_sp_says_a_ranks_share(check_only, run_dir):
+    """The MLP (6,337 parameters) in MiB, not a column of 0.000 GiB; under deepspeed_zero3_sp.yaml the header gives
+    the whole sequences' activations and this launch's rank's share, as the row counts it (before: only the whole)."""
+    mlp = check_only(run_dir("mlp"), "--recipe", "mlp", "--estimate").check()
+    assert mlp.stdout.splitlines()[0].endswith("; MiB per rank"), mlp.stdout
+    rows = [line.split() for line in mlp.stdout.splitlines() if line.startswith(("single ", "deepspeed_zero3 "))]
+    assert rows and all(float(figure) > 0 for row in rows for figure in row[1:3]), rows
+    sp = check_only(run_dir("sp"), "--recipe", "tiny_transformer", "--estimate", "--accelerate_config",
+                    str(ROOT / "accelerate_configs" / "deepspeed_zero3_sp.yaml")).check()
+    whole, share = map(float, re.search(r"activations ([\d.]+) GiB for whole sequences, ([\d.]+) GiB for this "
+                                        r"launch's rank", sp.stdout).groups())
+    assert share == pytest.approx(whole / 2, rel=0.05), sp.stdout
+
+
 def test_7b_at_4096_tokens_without_checkpointing_fits_zero3_under_sdpa(check_only, run_dir):
     """sdpa keeps no attention scores: the 5as/h term of Korthikanti's formula (151.6 GiB here) is eager's alone."""
     llama_7b = ["--hidden", "4096", "--layers", "32", "--heads", "32", "--ffn", "11008", "--vocab_size", "32000",

@@ -18,6 +18,7 @@ from helpers import forked_launch
 from conftest import (
     FLAG_STRATEGIES,
     GPU_ONLY,
+    LAUNCHES,
     ROOT,
     SERVER_ENV,
     TEST_ENV,
@@ -28,7 +29,7 @@ from conftest import (
     strategy_of,
 )
 from trainkit.launch.train_process import run_config
-from trainkit.strategies.registry import shipped_strategies
+from trainkit.strategies.registry import REGISTRY, shipped_strategies
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not forked_launch.available(),
                                                   reason="runs are not forked where CUDA is (the real commands run)")]
@@ -58,21 +59,40 @@ def started(out: Path) -> subprocess.Popen:
     return client
 
 
-# Every shipped multi-process YAML, and the flag strategies on theirs: a model they cut needs a split the recipe
-# declares (the tiny transformer's), the others take the MLP.
-# Not the GPU-only configs: nothing is forked where CUDA is, and without it they are refused (the tests launch their
-# CPU stand-in script instead, which is never forked).
-MATRIX = [None, *(name for name in shipped_strategies() if name not in GPU_ONLY), *FLAG_STRATEGIES]
+def one_per_launch_path() -> list[str | None]:
+    """One process, and per strategy family (the path a launch takes through the launcher, the engine and the
+    libraries they import: torchrun-style DDP, DeepSpeed, the FSDP2/TP mesh, the pipeline), its most demanding
+    2-process config: offload where the family has it. The other configs of a family differ only in settings read
+    after the fork; each of them is forked by the suite's strategy matrix (tests/test_strategies.py), which launches
+    every config through this fast path.
+    Not the GPU-only configs: nothing is forked where CUDA is, and without it they are refused (the tests launch their
+    CPU stand-in script instead, which is never forked)."""
+    best: dict[type, tuple[int, str]] = {}
+    for name in [*(n for n in shipped_strategies() if n not in GPU_ONLY), *FLAG_STRATEGIES]:
+        strategy = strategy_of(name)
+        if LAUNCHES[name].world_size == 2:
+            best[type(strategy)] = max(best.get(type(strategy), (-1, "")), (strategy.speed_rank, name))
+    return [None, *sorted(name for _, name in best.values())]
+
+
+MATRIX = one_per_launch_path()
 SMALL_LM = ["--recipe", "tiny_transformer", "--max_steps", "2", "--eval_every", "1", "--hidden", "32", "--layers",
             "4", "--seq_len", "32", "--warmup_steps", "1"]
 
 
+def test_one_config_of_each_launch_path_is_compared():
+    """Every strategy family the registry holds has its real-versus-forked comparison (one process: the first)."""
+    from trainkit.strategies.ddp import Single
+
+    assert MATRIX[0] is None and {type(strategy_of(name)) for name in MATRIX[1:]} == set(REGISTRY) - {Single}
+
+
 @pytest.mark.parametrize("config", MATRIX)
 def test_a_forked_run_trains_as_the_real_command(tmp_path, config):
-    """Config by config, the proof that the suite's fast path is the real one: a run forked from the server gives the
-    same losses, evaluations, printed lines, output files and exit status as the real `python train.py` / `python
-    -m accelerate.commands.launch` of the same config, and it was forked (the server names every run it did not
-    fork)."""
+    """Launch path by launch path, the proof that the suite's fast path is the real one: a run forked from the server
+    gives the same losses, evaluations, printed lines, output files and exit status as the real `python train.py` /
+    `python -m accelerate.commands.launch` of the same config, and it was forked (the server names every run it did
+    not fork)."""
     yaml, flags = entry(config, 16) if config else (None, ["--batch_size", "16"])
     args = [*(SMALL_LM if config and strategy_of(config).splits_model else MLP), *flags]
     extra = processes(config) if config else ()

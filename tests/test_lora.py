@@ -10,6 +10,8 @@ layers are Conv1D) with the same tokenizer. tests/zoo/lora_probe.py is causal_lm
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 
 import pytest
@@ -112,6 +114,16 @@ def test_one_process_lora_trains_the_adapters_alone_and_exports_both_forms(chat,
         greedy = tuned.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)[0, ids.shape[1]:]
     said = AutoTokenizer.from_pretrained(final).decode(greedy, skip_special_tokens=True).split("<|im_end|>")[0]
     assert answer(final / "adapter", "What is 2 plus 3?", 8) == said.strip()
+    # The conversations all opened with a system turn: final/ keeps it, and the ask tool (run from another folder:
+    # requirements.txt installs the package) asks after it unless told otherwise
+    for folder in (final, final / "adapter"):
+        assert json.loads((folder / "chat_defaults.json").read_text()) == {"system": "You add numbers."}
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    asked = subprocess.run([sys.executable, "-m", "trainkit.tools.ask", str(final / "adapter"), "What is 2 plus 3?",
+                            "--max_new_tokens", "8"], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert asked.returncode == 0, asked.stderr
+    assert "note: asking after the system turn the model was trained with" in asked.stderr, asked.stderr
+    assert asked.stdout.strip() == answer(final / "adapter", "What is 2 plus 3?", 8, system="You add numbers.")
 
 
 @pytest.mark.slow

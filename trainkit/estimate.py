@@ -265,14 +265,21 @@ def report(shape: ModelShape, rows: list[Estimate], mine: Estimate | None, world
     model loads. One unit throughout."""
     gib = 1024 ** 3
     shown = [*rows, mine] if mine else rows
-    unit, size = ("GiB", gib) if max(r.device for r in shown) >= gib / 10 else ("MiB", 1024 ** 2)
+    # The largest unit in which no figure but 0 reads as 0.000 (a tiny model's in MiB or KiB)
+    smallest = min((b for r in shown for b in (r.params, r.grads, r.optimizer, r.activations) if b), default=gib)
+    unit, size = next(((name, bytes_) for name, bytes_ in (("GiB", gib), ("MiB", 1024 ** 2))
+                       if smallest >= bytes_ / 1000), ("KiB", 1024))
 
     def fmt(b: float) -> str:
         return f"{b / size:,.3f}"
 
+    # A row that cuts each sequence between ranks (sequence or context parallelism) counts a rank's share
+    share = f", {fmt(mine.activations)} {unit} for this launch's rank" if mine and \
+        mine.activations != rows[0].activations else ""
     lines = [f"{shape.num_params:,} parameters, {world_size} process(es), {PRECISION_NAMES[precision]}, optimizer "
              f"{optimizer}; {unit} per rank",
-             f"assumed per rank: {assumed}: activations {fmt(rows[0].activations)} {unit} (device peak = states not "
+             f"assumed per rank: {assumed}: activations {fmt(rows[0].activations)} {unit} for whole sequences"
+             f"{share}; the rows that cut each sequence (_sp, _cp) count a rank's share (device peak = states not "
              f"offloaded + activations)",
              f"{'strategy':<26}{'params':>12}{'grads':>12}{'optim+master':>14}{'host (CPU)':>12}{'device peak':>13}"
              f"{'load host/machine':>19}"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -112,6 +113,20 @@ def zero2_json(**changes) -> str:
 
 def launch(output_dir: Path, *args: str, config: str | None = None, extra_launch: tuple[str, ...] = (),
            script: str = "train.py", env: dict | None = None) -> Run:
+    """_launch, each launch's seconds appended to TRAINKIT_LAUNCH_LOG where that names a file: which test launched
+    what, for how long (how the suite's budget is measured; the README's test section)."""
+    started = time.monotonic()
+    run = _launch(output_dir, *args, config=config, extra_launch=extra_launch, script=script, env=env)
+    if log := os.environ.get("TRAINKIT_LAUNCH_LOG"):
+        with open(log, "a") as f:
+            f.write(json.dumps({"test": os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0],
+                                "config": config, "script": script, "args": [str(a) for a in args],
+                                "seconds": round(time.monotonic() - started, 2)}) + "\n")
+    return run
+
+
+def _launch(output_dir: Path, *args: str, config: str | None = None, extra_launch: tuple[str, ...] = (),
+            script: str = "train.py", env: dict | None = None) -> Run:
     """`python train.py ARGS` (config None) or `accelerate launch --config_file <config>.yaml train.py ARGS`,
     with TEST_ENV; a launch that has not ended after LAUNCH_TIMEOUT seconds is killed and fails its test. The
     launcher and train.py's processes are forked from one that imported what they import, once

@@ -130,6 +130,25 @@ def to_messages(record: Mapping[str, Any], layout: str,
     return [{"role": known[t[role]], "content": content_text(t[content])} for t in turns]
 
 
+CHAT_DEFAULTS = "chat_defaults.json"  # in final/: the system turn the training conversations opened with
+
+
+def shared_system_turn(records: Sequence[Mapping[str, Any]], layout: str,
+                       role_map: Mapping[str, str] | None = None) -> str | None:
+    """The system turn that every one of these conversations opens with, or None (no system turn, or several): what
+    a model fine-tuned on them expects before a question (trainkit/tools/ask.py asks with it)."""
+    if layout not in ("messages", "sharegpt") or not records:
+        return None
+    opening = set()
+    for record in records:
+        try:
+            messages = to_messages(record, layout, role_map)
+        except RecordError:
+            return None
+        opening.add(messages[0]["content"] if messages and messages[0]["role"] == "system" else None)
+    return opening.pop() if len(opening) == 1 else None
+
+
 def json_records(path: Path, limit: int | None = None) -> Iterator[tuple[int, Any]]:
     """(line number, record) of each JSON line of a local file's first `limit` bytes (None: all of it); a line cut
     by the limit, an empty one or one that is not JSON is left out (trainkit/data/text.py names those)."""

@@ -6,6 +6,7 @@ merged model). A recipe adds its data and its loss.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -151,10 +152,13 @@ def tokenizer_of(cfg: FineTuneConfig):
     return tokenizer
 
 
-def export(model: nn.Module, state_dict: dict, cfg: FineTuneConfig, out_dir: Path, auto_class: Any) -> None:
+def export(model: nn.Module, state_dict: dict, cfg: FineTuneConfig, out_dir: Path, auto_class: Any,
+           system: str | None = None) -> None:
     """final/: the model as from_pretrained loads it, with its tokenizer (and the run's --chat_template); under LoRA
     that model has the adapters merged into its weights, and final/adapter/ holds them alone in peft's layout
-    (PeftModel.from_pretrained(base, "final/adapter") over the base model it was trained on)."""
+    (PeftModel.from_pretrained(base, "final/adapter") over the base model it was trained on). `system`: the system
+    turn every training conversation opened with, kept in sft.CHAT_DEFAULTS beside each tokenizer (the model
+    answers poorly without it, and trainkit/tools/ask.py asks with it)."""
     from peft import PeftModel
 
     tokenizer = tokenizer_of(cfg)
@@ -170,3 +174,5 @@ def export(model: nn.Module, state_dict: dict, cfg: FineTuneConfig, out_dir: Pat
         state_dict = None
     model.save_pretrained(str(out_dir), state_dict=state_dict)
     tokenizer.save_pretrained(str(out_dir))
+    for folder in [out_dir, *([out_dir / "adapter"] if cfg.lora_r else [])] if system is not None else []:
+        (folder / sft.CHAT_DEFAULTS).write_text(json.dumps({"system": system}) + "\n")

@@ -1,8 +1,8 @@
 """Ask a fine-tuned model a question: the chat template it was trained with, a greedy answer to the end of its turn.
 
-    python -m trainkit.tools.ask runs/chat/final "What is 7 times 6?"           # the merged model
-    python -m trainkit.tools.ask runs/chat/final/adapter "What is 7 times 6?"   # the base model + the LoRA adapters
-    (peft) python -m trainkit.tools.ask runs/chat/final "What is 7 times 6?" --system "Answer in one line."
+    python -m trainkit.tools.ask runs/chat/final "What is 7 times 6?"          # the merged model
+    python -m trainkit.tools.ask runs/chat/final/adapter "What is 7 times 6?"  # the base + its LoRA adapters (peft)
+    python -m trainkit.tools.ask runs/chat/final "What is 7 times 6?" --system "Answer in one line."
 
 A folder with adapter_config.json loads through peft (the base model named there, or --base, the adapters over it);
 any other through transformers. The tokenizer saved beside the weights carries the run's chat template
@@ -17,6 +17,7 @@ import json
 import sys
 from pathlib import Path
 
+from trainkit.data import sft
 from trainkit.data.sft import TURN_ENDS
 from trainkit.launch.library_noise import silence_library_noise
 
@@ -60,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("folder", type=Path, help="a run's final/ (merged) or final/adapter/ (peft)")
     parser.add_argument("question")
     parser.add_argument("--max_new_tokens", type=int, default=64)
-    parser.add_argument("--system", default="", help="a system turn before the question")
+    parser.add_argument("--system", default=None, help="a system turn before the question; by default the one the "
+                        f"training conversations opened with ({sft.CHAT_DEFAULTS} in the folder), if any; '' for none")
     parser.add_argument("--base", default="", help="an adapter's base model (a folder or Hub id), where its "
                         "adapter_config.json names one that is not found here")
     args = parser.parse_args(argv)
@@ -69,8 +71,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {args.folder} holds no model (no config.json or adapter_config.json): pass a run's final/ or "
               f"final/adapter/", file=sys.stderr)
         return 2
+    system = args.system
+    if system is None and (args.folder / sft.CHAT_DEFAULTS).is_file():
+        system = json.loads((args.folder / sft.CHAT_DEFAULTS).read_text())["system"]
+        print(f"note: asking after the system turn the model was trained with ({args.folder / sft.CHAT_DEFAULTS}): "
+              f"{system!r}; --system '' asks without it", file=sys.stderr)
     try:
-        print(answer(args.folder, args.question, args.max_new_tokens, args.system, args.base))
+        print(answer(args.folder, args.question, args.max_new_tokens, system or "", args.base))
     except MissingBase as e:
         print(f"error: {e}: pass the base model it was trained on with --base FOLDER_OR_HUB_ID", file=sys.stderr)
         return 2
