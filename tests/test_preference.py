@@ -190,15 +190,18 @@ def read_metrics(folder) -> list[dict]:
     return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_the_reward_model_ranks_and_exports(check_only, chat, pairs, tmp_path):
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_the_reward_model_ranks_and_exports(check_only, chat, pairs, tmp_path, lora):
     """Bradley-Terry's loss and TRL's RewardTrainer metrics: final/ loads with AutoModelForSequenceClassification,
     and its scores of the held-out pairs give the run's last eval loss (the mean of -log sigmoid(r_chosen -
-    r_rejected)), accuracy and margin."""
-    from transformers import AutoModelForSequenceClassification
+    r_rejected)), accuracy and margin. Under LoRA, final/adapter loads with docs/recipes.md's call
+    (AutoPeftModelForSequenceClassification with one output and the run's pad token: the base has no scoring head,
+    and without num_labels=1 transformers makes one of two) and scores as final/ does."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
 
     out = tmp_path / "out"
     run = check_only(out, *dpo_args(chat, pairs, "--max_steps", "6", "--lr", "3e-3", "--eval_every", "0",
-                                    recipe="reward"))
+                                    *(["--lora_r", "8"] if lora else []), recipe="reward"))
     assert run.returncode == 0, run.stderr
     last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     assert {"accuracy", "margin", "mean_reward", "eval_accuracy", "eval_margin", "eval_mean_reward"} <= set(last)
@@ -215,6 +218,15 @@ def test_the_reward_model_ranks_and_exports(check_only, chat, pairs, tmp_path):
     assert (-torch.nn.functional.logsigmoid(margin)).mean().item() == pytest.approx(last["eval_loss"], rel=1e-5)
     assert (margin > 0).float().mean().item() == pytest.approx(last["eval_accuracy"])
     assert margin.mean().item() == pytest.approx(last["eval_margin"], rel=1e-4, abs=1e-6)
+    if lora:
+        from peft import AutoPeftModelForSequenceClassification
+
+        adapter = AutoPeftModelForSequenceClassification.from_pretrained(
+            out / "final" / "adapter", num_labels=1,
+            pad_token_id=AutoConfig.from_pretrained(out / "final").pad_token_id).eval()
+        ids, mask = torch.stack([p["chosen_ids"] for p in held]), torch.stack([p["chosen_attention"] for p in held])
+        with torch.no_grad():
+            assert torch.allclose(adapter(input_ids=ids, attention_mask=mask).logits.squeeze(-1), chosen, atol=1e-5)
 
 
 @pytest.mark.parametrize("args, message", [

@@ -101,6 +101,46 @@ def test_heads_that_do_not_divide_among_the_ranks_are_refused_at_plan_time(check
     assert "set parallelism_config_sp_size to a divisor of 4" in run.stderr
 
 
+def test_the_attention_fix_can_be_followed(check_only, chat, tmp_path):
+    """A model on another attention than Ulysses splits (--attn_implementation eager): the refusal's fix is one the
+    command line can follow (--attn_implementation sdpa, and then the dry run passes); Gemma-2, which transformers builds on eager and refuses
+    sdpa for, gets the fix it can follow here (sp size 1, or flash attention on GPUs), and --attn_implementation sdpa
+    for it is transformers' refusal, said as such (before: `attn_implementation='sdpa'`, no flag for it, and the
+    library's error reported as raised in recipes/causal_lm.py)."""
+    import transformers
+    from transformers import AutoTokenizer
+
+    yaml = str(ROOT / "accelerate_configs" / f"{SP}.yaml")
+    folders = {}
+    for name, model in (("llama", architecture("llama")),
+                        ("gemma2", transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+                            vocab_size=400, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=8)))):
+        folders[name] = tmp_path / name
+        model.save_pretrained(folders[name])
+        AutoTokenizer.from_pretrained(chat[0]).save_pretrained(folders[name])
+
+    def dry(name: str, *flags: str):
+        return check_only(tmp_path / f"out-{name}-{len(flags)}", "--recipe", "causal_lm", "--model_name_or_path",
+                          str(folders[name]), "--tokenizer", "saved", "--data", str(chat[1]), "--chat_template",
+                          "chatml", "--seq_len", "64", *flags, "--dry_run", "--accelerate_config", yaml)
+
+    eager = dry("llama", "--attn_implementation", "eager")
+    assert_refused(eager, "LlamaForCausalLM uses 'eager' attention: sequence parallelism runs sdpa")
+    assert "pass --attn_implementation sdpa (recipes/causal_lm.py" in eager.stderr, eager.stderr
+    assert dry("llama", "--attn_implementation", "sdpa").returncode == 0
+    gemma = dry("gemma2")
+    assert_refused(gemma, "Gemma2ForCausalLM uses 'eager' attention: sequence parallelism runs sdpa")
+    fix = "set parallelism_config_sp_size: 1" + ("" if torch.cuda.is_available() else
+                                                 " here, or on GPUs pass --attn_implementation flash_attention_2")
+    assert fix in gemma.stderr, gemma.stderr
+    refused = dry("gemma2", "--attn_implementation", "sdpa")
+    assert_refused(refused, "transformers cannot load the model: ValueError: Gemma2ForCausalLM does not support an "
+                            "attention implementation through torch.nn.functional.scaled_dot_product_attention")
+    assert "pass an --attn_implementation the model supports, or none" in refused.stderr
+    assert "recipes/causal_lm.py" not in refused.stderr, refused.stderr
+
+
 @pytest.mark.parametrize(("changes", "message"), [
     ({"num_processes:__2": "num_processes: 3"}, "parallelism_config_sp_size 2 does not divide the 3 process(es)"),
     ({"parallelism_config_sp_backend": "parallelism_config_tp_size: 2\n  parallelism_config_sp_backend"},

@@ -19,6 +19,8 @@ from trainkit.data import sft
 from trainkit.errors import ConfigError, Problem
 from trainkit.models import lora, pretrained
 
+# The attention kernels transformers' from_pretrained takes (what a model supports is its own: Gemma-2 no sdpa)
+ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
 
 @dataclass(kw_only=True, slots=True)
 class FineTuneConfig(TrainConfig):
@@ -31,6 +33,9 @@ class FineTuneConfig(TrainConfig):
     # frozen base holds under LoRA (an 8B base: 15 GiB in bf16, 30 in fp32); every weight that trains (LoRA's
     # adapters, a full or --trainable fine-tune) is kept in fp32 with its optimizer state, as is --trainable's rest.
     model_dtype: str = "auto"
+    # The attention kernel (from_pretrained's attn_implementation): "" the model's own default (sdpa for most, eager
+    # for Gemma-2), or one of ATTENTION. Sequence and context parallelism need one they can split.
+    attn_implementation: str = ""
     # Which tokenizer: "" (AutoTokenizer's, refused when it encodes text otherwise than the folder's tokenizer.json),
     # "saved" (that tokenizer.json as it is) or "auto" (AutoTokenizer's, unchecked). transformers picks some model
     # types' own class whatever tokenizer_config.json says (a Qwen2 folder loads as Qwen2Tokenizer).
@@ -74,6 +79,10 @@ class FineTuneConfig(TrainConfig):
         if self.model_dtype not in MODEL_DTYPES:
             problems.append(Problem(f"model_dtype must be one of {', '.join(MODEL_DTYPES)}, got {self.model_dtype!r}",
                                     "config field model_dtype", "use --model_dtype auto"))
+        if self.attn_implementation not in ("", *ATTENTION):
+            problems.append(Problem(f"attn_implementation must be one of {', '.join(ATTENTION)} (or empty: the "
+                                    f"model's own), got {self.attn_implementation!r}",
+                                    "config field attn_implementation", "use --attn_implementation sdpa"))
         if self.tokenizer not in ("", "saved", "auto"):
             problems.append(Problem(f"tokenizer must be saved or auto (or empty), got {self.tokenizer!r}",
                                     "config field tokenizer", "use --tokenizer saved"))
@@ -101,14 +110,18 @@ def build(cfg: FineTuneConfig, auto_class: Any, lora_task: str = "CAUSAL_LM", **
     from transformers import AutoConfig
 
     config = pretrained.load("model's config", cfg, AutoConfig.from_pretrained)
+    if cfg.attn_implementation:
+        kwargs["attn_implementation"] = cfg.attn_implementation
     if torch.get_default_device().type == "meta":
         if not pretrained.sizes_only.get():  # the tokenizer the run trains with, checked as the run checks it
             tokenizer_of(cfg)
         dtype = MODEL_DTYPES[cfg.model_dtype]
+        attention = kwargs.pop("attn_implementation", None)
         for key, value in kwargs.items():
             setattr(config, key, value)
-        model = auto_class.from_config(config, trust_remote_code=cfg.trust_remote_code,
-                                       dtype=getattr(config, "dtype", None) if dtype == "auto" else dtype)
+        model = pretrained.load("model", cfg, lambda path, **kw: auto_class.from_config(
+            config, dtype=getattr(config, "dtype", None) if dtype == "auto" else dtype,
+            **({"attn_implementation": attention} if attention else {}), **kw))
         return _trained_in_fp32(lora.with_lora(model, cfg, lora_task) if cfg.lora_r else model)
     model = pretrained.load("model", cfg, lambda path, **kw: auto_class.from_pretrained(
         path, dtype=MODEL_DTYPES[cfg.model_dtype], use_safetensors=None if cfg.allow_pickle else True,

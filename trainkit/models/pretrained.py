@@ -90,10 +90,16 @@ def load(what: str, cfg: Any, from_pretrained: Callable[..., Any]) -> Any:
     except (OSError, ValueError) as e:
         said = " ".join(str(e).split())
         local = Path(cfg.model_name_or_path).is_dir()
-        fix = ("pass --trust_remote_code true if you trust the code that comes with it" if "trust_remote_code" in said
-               else "pass --allow_pickle true to read pytorch_model.bin (it unpickles the file)"
-               if "safetensors" in said.lower() and not cfg.allow_pickle and not local else
-               "check the folder (from_pretrained's layout: config.json, the weights, the tokenizer's files)" if local
-               else "check the Hub id and the network (a Hub id downloads once into HF_HOME)")
+        if "trust_remote_code" in said:
+            fix = "pass --trust_remote_code true if you trust the code that comes with it"
+        elif "attention implementation" in said or "attn_implementation" in said:
+            fix = "pass an --attn_implementation the model supports, or none (its own default)"
+        elif "safetensors" in said.lower() and not cfg.allow_pickle and not local:
+            fix = "pass --allow_pickle true to read pytorch_model.bin (it unpickles the file)"
+        elif local:
+            fix = "check the folder (from_pretrained's layout: config.json, the weights, the tokenizer's files)"
+        else:
+            fix = "check the Hub id and the network (a Hub id downloads once into HF_HOME)"
         said = said if len(said) < 400 else said[:400] + " ..."
-        raise ConfigError([Problem(f"cannot load the {what}: {type(e).__name__}: {said}", where, fix)]) from None
+        raise ConfigError([Problem(f"transformers cannot load the {what}: {type(e).__name__}: {said}", where,
+                                   fix)]) from None

@@ -183,8 +183,13 @@ def problems(model: nn.Module, size: int, where: str, seq_len: int | None, key: 
     attention = getattr(config, "_attn_implementation", None)
     runs = SPLITTABLE_ATTENTION if key == "sp" else ("sdpa",)
     if attention not in runs:
-        return [Problem(f"{name} uses {attention!r} attention: {what} runs {', '.join(runs)}", where,
-                        "build the model with attn_implementation='sdpa' (transformers' default)")]
+        supported = [kind for kind in runs if _supports(inner, kind)]
+        here = [kind for kind in supported if kind == "sdpa" or torch.cuda.is_available()]  # flash, flex: CUDA
+        fix = (f"pass --attn_implementation {here[0]} (recipes/causal_lm.py, dpo.py, reward.py; a recipe of your own "
+               f"builds the model with attn_implementation={here[0]!r})" if here else
+               f"set {setting}: 1" + (f" here, or on GPUs pass --attn_implementation {supported[0]}" if supported
+                                      else f" ({name} supports none of them)"))
+        return [Problem(f"{name} uses {attention!r} attention: {what} runs {', '.join(runs)}", where, fix)]
     text = config.get_text_config()
     kinds = set(getattr(text, "layer_types", None) or ()) - {"full_attention"}
     window = getattr(text, "sliding_window", None) if kinds <= {"sliding_attention"} else None
@@ -207,3 +212,11 @@ def problems(model: nn.Module, size: int, where: str, seq_len: int | None, key: 
         found.append(Problem(f"{name} has {kv_heads} key/value heads: neither a multiple nor a divisor of sp size "
                              f"{size}", where, f"set parallelism_config_sp_size to a divisor of {kv_heads}"))
     return found
+
+
+def _supports(model: Any, attention: str) -> bool:
+    """Whether transformers would build `model`'s class with this attention implementation (its _supports_* flags;
+    flex and flash need CUDA to train, which the caller weighs)."""
+    flag = {"sdpa": "_supports_sdpa", "flex_attention": "_supports_flex_attn",
+            "flash_attention_2": "_supports_flash_attn", "flash_attention_3": "_supports_flash_attn"}.get(attention)
+    return bool(flag and getattr(type(model), flag, False))
