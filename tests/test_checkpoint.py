@@ -32,6 +32,9 @@ from conftest import (
     max_rel_diff,
     tmpfs,
 )
+from conftest import (
+    LM as MATRIX_LM,
+)
 from trainkit.errors import write_failure
 from trainkit.launch.train_process import run_config
 
@@ -263,15 +266,14 @@ def test_zero2_checkpoint_reshards_through_a_universal_checkpoint(run_dir):
 
 
 @pytest.mark.slow
-def test_zero3_checkpoint_reshards_with_its_optimizer_state(run_dir):
+def test_zero3_checkpoint_reshards_with_its_optimizer_state(lm_runs, run_dir):
     """ZeRO-3 on 2 processes continued as ZeRO-3 (with offload) on 1: DeepSpeed's universal checkpoint, with its ZeRO-3
     load mended (one step counter shared by the parameter groups, the first group's weight decay given to all:
     trainkit/strategies/deepspeed.py), carries the optimizer state, so the curve goes on as if nothing had changed (it
-    was 1e-3 off within 6 steps before the mend). The transformer: weight decay on its matrices only."""
-    args = ["--recipe", "tiny_transformer", "--max_steps", "10", "--eval_every", "0", "--hidden", "64", "--layers", "2",
-            "--seq_len", "64", "--warmup_steps", "2"]
-    full = launch(run_dir("full"), *args, "--batch_size", "4", "--save_every", "5", config="deepspeed_zero3").check()
-    one = launch(run_dir("one"), *args, "--batch_size", "8", "--resume", str(full.output_dir / "checkpoints" /
+    was 1e-3 off within 6 steps before the mend). The transformer: weight decay on its matrices only; its ZeRO-3 run
+    is the strategy matrix's (tests/conftest.py's lm_runs: 2 x 4 samples a step, a checkpoint at step 5)."""
+    full = lm_runs("deepspeed_zero3")
+    one = launch(run_dir("one"), *MATRIX_LM, "--batch_size", "8", "--resume", str(full.output_dir / "checkpoints" /
                  "step_5"), config="deepspeed_zero3_offload", extra_launch=("--num_processes", "1")).check()
     assert "as ZeRO-3 on 1: converted to DeepSpeed's universal checkpoint" in one.stderr
     assert max_rel_diff(one.losses, full.losses[5:]) <= 1e-5

@@ -15,11 +15,12 @@ import re
 import shlex
 import subprocess
 from pathlib import Path
+from unittest import mock
 
 import pytest
 from helpers import forked_launch
 
-from conftest import ROOT, SERVER_ENV, TEST_ENV, forkable
+from conftest import ROOT, SERVER_ENV, TEST_ENV, forkable, launch
 
 PAGES = [ROOT / "README.md", ROOT / "recipes" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 STARTS = ("python train.py", "accelerate launch", "python -m trainkit.")
@@ -164,11 +165,24 @@ def side_by_side(args: list[str]) -> list[str]:
     return [*args[:2], "--main_process_port", "0", *args[2:]] if args[:2] == ["accelerate", "launch"] else args
 
 
+def forked_run_config(config, output_dir, args, num_processes=None, launch_args=(), script="train.py", env=None,
+                      timeout=None):
+    """trainkit.tools.compare's runs as the suite launches them (tests/helpers/launching.py: forked, where
+    tests/test_forked_launch.py shows that path to train as the real command does)."""
+    processes = ("--num_processes", str(num_processes)) if num_processes else ()
+    return launch(output_dir, *args, config=config, extra_launch=(*launch_args, *processes), script=script, env=env)
+
+
 def run(command: str, args: list[str]) -> tuple[int, str]:
     """(exit status, output) of one command. `accelerate launch ARGS` is Accelerate's console script calling
     accelerate.commands.launch's main on ARGS: it runs so, with the launcher and its ranks forked
     (tests/helpers/forked_launch.py), as does `python train.py ARGS`; but the README's main job runs through the
-    script itself, and a launch whose rank reads its launcher's command line as itself (conftest.forkable)."""
+    script itself, and a launch whose rank reads its launcher's command line as itself (conftest.forkable).
+    `python -m trainkit.tools.compare ARGS` runs its main in this process, each of its runs launched as above."""
+    if args[:3] == ["python", "-m", "trainkit.tools.compare"]:  # in this process, its runs forked
+        from trainkit.tools import compare
+
+        return compare.main(args[3:]), "(its table and errors printed above)"
     args = side_by_side(args)
     env = {**os.environ, **TEST_ENV}
     config = args[args.index("--config_file") + 1] if "--config_file" in args else None
@@ -216,6 +230,7 @@ def test_every_documented_command_runs_as_printed(tmp_path):
                 print(f"\nnot run here ({page}): {command}: needs {reason}")
         work += chains(prepared_page)
     work.sort(key=len, reverse=True)  # the long chains first: the two lanes end together
-    with ThreadPoolExecutor(max_workers=2) as lanes:
+    with ThreadPoolExecutor(max_workers=2) as lanes, mock.patch("trainkit.tools.compare.run_config",
+                                                                forked_run_config):
         failures = [f for found in lanes.map(run_chain, work) for f in found]
     assert not failures, "\n".join(failures)

@@ -103,10 +103,10 @@ def test_heads_that_do_not_divide_among_the_ranks_are_refused_at_plan_time(check
 
 def test_the_attention_fix_can_be_followed(check_only, chat, tmp_path):
     """A model on another attention than Ulysses splits (--attn_implementation eager): the refusal's fix is one the
-    command line can follow (--attn_implementation sdpa, and then the dry run passes); Gemma-2, which transformers builds on eager and refuses
-    sdpa for, gets the fix it can follow here (sp size 1, or flash attention on GPUs), and --attn_implementation sdpa
-    for it is transformers' refusal, said as such (before: `attn_implementation='sdpa'`, no flag for it, and the
-    library's error reported as raised in recipes/causal_lm.py)."""
+    command line can follow (--attn_implementation sdpa, and then the dry run passes); Gemma-2, which transformers
+    builds on eager and refuses sdpa for, gets the fix it can follow here (sp size 1, or flash attention on GPUs), and
+    --attn_implementation sdpa for it is transformers' refusal, said as such (before: `attn_implementation='sdpa'`,
+    no flag for it, and the library's error reported as raised in recipes/causal_lm.py)."""
     import transformers
     from transformers import AutoTokenizer
 
