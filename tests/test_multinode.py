@@ -34,7 +34,6 @@ from trainkit.launch.launcher import Launch
 MLP = ["--recipe", "mlp", "--max_steps", "15", "--eval_every", "0", "--batch_size", "8"]
 ENV = {**os.environ, **TEST_ENV}
 ENV.pop("TRAINKIT_DIST_TIMEOUT", None)
-SSH_PORT = 2299
 HOSTS = ("127.0.0.1", "127.0.0.2")
 
 
@@ -42,6 +41,16 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def free_on_both_hosts() -> int:
+    """A port nothing listens on at either loopback host (the test sshd's: a fixed one met a server still stopping,
+    or another run's)."""
+    while True:
+        port = free_port()
+        with socket.socket() as s:
+            if s.connect_ex((HOSTS[1], port)) != 0:
+                return port
 
 
 class Machine:
@@ -365,7 +374,7 @@ def _sshd_binary() -> str | None:
 
 @pytest.fixture(scope="module")
 def sshd(tmp_path_factory):
-    """A throw-away OpenSSH server on 127.0.0.1 and 127.0.0.2, port 2299, accepting a key made here.
+    """A throw-away OpenSSH server on 127.0.0.1 and 127.0.0.2, on a port free on both, accepting a key made here.
 
     Clients use the ssh_config written here (`ssh -F`, which replaces ~/.ssh/config and /etc/ssh/ssh_config):
     nothing in ~/.ssh is read or written. The server stops (by its pid file) when the module's tests are done.
@@ -376,17 +385,14 @@ def sshd(tmp_path_factory):
     if missing:
         pytest.skip(f"cannot run DeepSpeed's launcher over real ssh: {', '.join(missing)} not installed "
                     f"(Debian: apt-get install openssh-server pdsh; .ci/run does)")
-    with socket.socket() as s:
-        if s.connect_ex(("127.0.0.1", SSH_PORT)) == 0:
-            pytest.fail(f"port {SSH_PORT} on 127.0.0.1 is already in use (a leftover test sshd? see "
-                        f"/tmp/pytest-of-*/sshd*/sshd.pid): free it and run again")
+    port = free_on_both_hosts()
     d = tmp_path_factory.mktemp("sshd")
     for key in ("host_key", "client_key"):
         subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "trainkit-test", "-f", str(d / key)],
                        check=True)
     shutil.copy(d / "client_key.pub", d / "authorized_keys")
     (d / "sshd_config").write_text(f"""\
-Port {SSH_PORT}
+Port {port}
 ListenAddress {HOSTS[0]}
 ListenAddress {HOSTS[1]}
 HostKey {d / 'host_key'}
@@ -406,7 +412,7 @@ LogLevel VERBOSE
 """)
     (d / "ssh_config").write_text(f"""\
 Host *
-  Port {SSH_PORT}
+  Port {port}
   IdentityFile {d / 'client_key'}
   IdentitiesOnly yes
   StrictHostKeyChecking no
@@ -427,12 +433,12 @@ Host *
     deadline = time.monotonic() + 10
     while not pid_file.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
-    server = SimpleNamespace(dir=d, config=d / "ssh_config", log=log, pid_file=pid_file)
+    server = SimpleNamespace(dir=d, config=d / "ssh_config", log=log, pid_file=pid_file, port=port)
     try:
         for host in HOSTS:
             login = subprocess.run(["ssh", "-F", str(server.config), "-o", "BatchMode=yes", host, "true"],
                                    capture_output=True, text=True, timeout=30)
-            assert login.returncode == 0, f"key login to {host}:{SSH_PORT} failed: {login.stderr}\n{log.read_text()}"
+            assert login.returncode == 0, f"key login to {host}:{port} failed: {login.stderr}\n{log.read_text()}"
         yield server
     finally:
         if pid_file.exists():
@@ -455,7 +461,7 @@ def assert_both_hosts_reached(server, since: int) -> None:
     """sshd's log shows a session on each loopback host: both ranks really came through ssh."""
     log = server.log.read_text()[since:]
     for host in HOSTS:
-        assert f"on {host} port {SSH_PORT}" in log, log[-3000:]
+        assert f"on {host} port {server.port}" in log, log[-3000:]
 
 
 def ssh_env(sshd, tmp_path: Path) -> dict[str, str]:
@@ -725,7 +731,7 @@ def test_deepspeed_launcher_over_ssh_matches_ddp(sshd, ddp_reference, tmp_path):
     out = tmp_path / "out"
     log_start = len(sshd.log.read_text())
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", str(hostfile), "--launcher", "pdsh",
-           "--ssh_port", str(SSH_PORT), "--no_ssh_check", "--no_local_rank", "--master_addr", HOSTS[0],
+           "--ssh_port", str(sshd.port), "--no_ssh_check", "--no_local_rank", "--master_addr", HOSTS[0],
            "--master_port", str(free_port()), "train.py", "--output_dir", str(out), "--report_to", "none", *MLP]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=110)
     run = Run("deepspeed --hostfile", proc.returncode, proc.stdout, proc.stderr, out)
