@@ -4,7 +4,6 @@ launched is tests/helpers/launching.py's."""
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import json
 import subprocess
@@ -39,27 +38,6 @@ __all__ = ["CPU_STAND_INS", "EXAMPLES", "FLAG_STRATEGIES", "GPU_ONLY", "LAUNCHES
            "error_lines", "launch", "launch_command", "max_rel_diff", "PARITY_BOUND", "processes", "SERVER_ENV",
            "strategy_of",
            "write_yaml", "yaml_of", "zero2_json"]
-
-# Two pytest-xdist workers (pytest.ini): a test that waits (an ssh launch, a frozen rank's timeout, a restart) leaves
-# the processor to the other worker's runs. Measured before choosing: tests/test_multinode.py alone left the 2 cores
-# 35% idle; it and tests/test_checkpoint.py beside tests/test_pipeline.py and tests/test_preference.py took 533 s
-# against 778 s one after the other, every test passing.
-# Each file runs whole on one worker (its module-scoped runs are launched once); the files that read the strategy
-# matrix's shared runs (lm_runs) run together.
-SHARED_RUNS = {"test_strategies": "strategy_matrix", "test_tensor_parallel": "strategy_matrix"}
-
-
-def pytest_collection_modifyitems(config, items):
-    """Each test in its file's group (xdist_group), the groups with the most slow tests first: the two workers then
-    end close together, a long group never left for last."""
-    def group(item) -> str:
-        return SHARED_RUNS.get(item.path.stem, item.path.stem)
-
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(group(item)))
-    slow = collections.Counter(group(item) for item in items if item.get_closest_marker("slow"))
-    items.sort(key=lambda item: -slow[group(item)])  # stable: a file's tests stay in their order
-
 
 # The transformer of the strategy matrix: the recipe's real defaults (Llama, tied embeddings, weight decay 0.01),
 # fewer and smaller steps.
