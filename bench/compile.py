@@ -3,10 +3,10 @@
     python bench/compile.py                        # 12-15 minutes on 2 quiet CPU cores
     python bench/compile.py --configs ddp,fsdp     # some configs only (the table then holds only those)
 
-Each shipped config that runs on one machine (trainkit.strategies.shipped_strategies: 2 processes, 4 for fsdp_tp and
-hsdp) trains the tiny transformer (the recipe's default size: hidden 128, 4 layers, 128-token sequences) for STEPS
-optimizer steps twice, eager and with --compile, in fp32 with the same seed and batches. The table gives the largest
-relative difference between the two loss curves, the median tokens/s of the steps after WARMUP (the first step
+Each shipped config that runs on one machine (trainkit.strategies.registry.shipped_strategies: 2 processes, 4 for
+fsdp_tp and hsdp) trains the tiny transformer (the recipe's default size: hidden 128, 4 layers, 128-token sequences) for
+STEPS optimizer steps twice, eager and with --compile, in fp32 with the same seed and batches. The table gives the
+largest relative difference between the two loss curves, the median tokens/s of the steps after WARMUP (the first step
 compiles; a second may recompile for a new shape of the data or state), and the first step's seconds, which hold
 the compilation. A strategy that refuses --compile shows its reason (refused at plan time, nothing is built).
 

@@ -5,9 +5,9 @@
     python bench/throughput.py --quick              # a few configs, 8 steps: checks that everything runs
 
 Sections (each writes its own block of BENCHMARKS.md between markers, and a PNG in docs/images/):
-- configs: every shipped config (trainkit.strategies.shipped_strategies, and pipeline stages on ddp.yaml) on the
-  tiny transformer and the MLP at one global batch: throughput, MFU, state bytes and peak memory of rank 0, and the
-  time from process start to the end of the first step (metrics.jsonl's elapsed_s).
+- configs: every shipped config (trainkit.strategies.registry.shipped_strategies, and pipeline stages on ddp.yaml)
+  on the tiny transformer and the MLP at one global batch: throughput, MFU, state bytes and peak memory of rank 0, and
+  the time from process start to the end of the first step (metrics.jsonl's elapsed_s).
 - peers: trainkit against the Hugging Face Trainer and a plain Accelerate loop (bench/peers/), same model, data,
   micro-batch, AdamW, schedule, clipping and precision (fp32), one strategy at a time; and `python train.py` against
   a bare PyTorch loop. A peer that runs something other than the strategy asked for is reported, not timed.

@@ -177,7 +177,8 @@ def run(command: str, args: list[str]) -> tuple[int, str]:
     """(exit status, output) of one command. `accelerate launch ARGS` is Accelerate's console script calling
     accelerate.commands.launch's main on ARGS: it runs so, with the launcher and its ranks forked
     (tests/helpers/forked_launch.py), as does `python train.py ARGS`; but the README's main job runs through the
-    script itself, and a launch whose rank reads its launcher's command line as itself (conftest.forkable).
+    script itself, and a launch whose rank reads its launcher's command line as itself (tests/helpers/launching.py's
+    forkable).
     `python -m trainkit.tools.compare ARGS` runs its main in this process, each of its runs launched as above."""
     if args[:3] == ["python", "-m", "trainkit.tools.compare"]:  # in this process, its runs forked
         from trainkit.tools import compare

@@ -1,9 +1,9 @@
 """Every shipped strategy config trains exactly like one process, resumes exactly, exports what it trained and holds
 what the estimator predicts.
 
-The configs come from the registry (trainkit.strategies.shipped_strategies: every shipped YAML that runs several
-processes on one machine, plus the strategies that flags select on a data-parallel YAML), so a new strategy's YAML
-gets every check here without a line of this file changing. Strategies that cut the model itself (pipeline stages,
+The configs come from the registry (trainkit.strategies.registry.shipped_strategies: every shipped YAML that runs
+several processes on one machine, plus the strategies that flags select on a data-parallel YAML), so a new strategy's
+YAML gets every check here without a line of this file changing. Strategies that cut the model itself (pipeline stages,
 tensor parallelism) need a recipe that says where: they train the transformer here, and every other recipe is checked
 to be refused with the fix. Batch sizes follow each config's data-parallel size, so that every run has the global
 batch of its one-process reference. Each launched run is shared by the tests that read it (module-scoped fixtures,

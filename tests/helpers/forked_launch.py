@@ -17,8 +17,8 @@ launcher's rank variables, Accelerate's and this project's settings: not_forked)
 client becomes `python train.py` itself. Nothing is forked where CUDA is (available()): it cannot start in a forked
 process. Tests that signal a
 launcher or read its command line start the real command (tests/test_checkpoint.py, tests/test_multinode.py,
-conftest.forkable), and tests/test_docs.py runs the README's main job through the `accelerate` script itself, so
-that a real launcher and real ranks stay tested.
+tests/helpers/launching.py's forkable), and tests/test_docs.py runs the README's main job through the `accelerate`
+script itself, so that a real launcher and real ranks stay tested.
 
 The server (`python tests/helpers/forked_launch.py SOCKET`) takes one request per connection, a line of JSON with the
 open files it runs on, forks a watcher that forks the launcher or the rank, says its pid, waits for it and says its

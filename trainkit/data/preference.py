@@ -14,7 +14,8 @@ Data, in TRL's layouts (https://huggingface.co/docs/trl/dataset_formats), one pa
 A completion starts where the tokenised prompt and prompt + completion part (TRL's rule: a template or a merge
 across the boundary can make the two differ at the prompt's end). A pair is two rows of seq_len tokens, chosen and
 rejected, with a mask of the completion's tokens; prompt + completion keeps its first seq_len tokens (the completion's
-end is what is cut), and a pair whose prompt fills seq_len is dropped (nothing of it could be learned).
+end is what is cut). A pair whose prompt fills seq_len, or whose two answers are the same, teaches nothing: it is
+left out and counted (_pairs).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ it names (strategies/engine.py: the Accelerator, prepare, the points of one opti
 made by train.py's build; and the engine's checkpoint format (strategies/dcp_format.py), made by the Checkpointer.
 train.py, checkpoint.py and metrics.py call these and never ask which strategy runs.
 
-To add a strategy: a module with a subclass and its engine, listed in strategies/__init__.py's REGISTRY, a YAML in
+To add a strategy: a module with a subclass and its engine, listed in strategies/registry.py's REGISTRY, a YAML in
 accelerate_configs/, and the tests that every shipped config gets (tests/test_strategies.py).
 """
 
