@@ -287,7 +287,7 @@ def _token_losses(model: nn.Module, batch: dict, top_guess: bool = False
     and the model's own auxiliary loss (a mixture of experts' router balance) or None."""
     if "shift_labels" in batch:  # a sequence-parallel shard: its targets made before the cut, no mask of its own
         targets = batch["shift_labels"]
-        token_loss, guess, aux = chunked_loss.next_token_losses(model, top_guess, targets,
+        token_loss, guess, aux, _ = chunked_loss.next_token_losses(model, top_guess, targets,
                                                                 input_ids=batch["input_ids"],
                                                                 position_ids=batch["position_ids"], use_cache=False)
         return token_loss, targets != sft.IGNORE, guess == targets if top_guess else None, aux
@@ -297,7 +297,7 @@ def _token_losses(model: nn.Module, batch: dict, top_guess: bool = False
         # flash attention's variable-length path finds the examples from the restarting position_ids alone
         mask = None if attention.startswith("flash") else sft.block_mask(batch["segment"], attention == "eager")
     # No KV cache: in training it would only copy every layer's keys and values (generate() still uses one).
-    token_loss, guess, aux = chunked_loss.next_token_losses(model, top_guess, input_ids=ids, attention_mask=mask,
+    token_loss, guess, aux, _ = chunked_loss.next_token_losses(model, top_guess, input_ids=ids, attention_mask=mask,
                                                             position_ids=positions, use_cache=False)
     return token_loss, _learned(batch), guess == ids[:, 1:] if top_guess else None, aux
 

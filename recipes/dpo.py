@@ -134,7 +134,7 @@ class Preference(nn.Module):
     @staticmethod
     def _scores(model: nn.Module, ids: torch.Tensor, attention: torch.Tensor,
                 mask: torch.Tensor) -> dpo_loss.Sequences:
-        losses, _, aux_loss = chunked_loss.next_token_losses(model, input_ids=ids, attention_mask=attention,
+        losses, _, aux_loss, _ = chunked_loss.next_token_losses(model, input_ids=ids, attention_mask=attention,
                                                              use_cache=False)
         logps, tokens = dpo_loss.sequence_logps(losses, mask)
         chosen, rejected = logps.chunk(2)

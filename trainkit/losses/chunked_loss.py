@@ -56,14 +56,17 @@ class TokenLosses(NamedTuple):
     losses: torch.Tensor  # the loss of predicting each position's next token, fp32, [batch, tokens - 1]
     guess: torch.Tensor | None  # the head's top guess there (asked for with top_guess), else None
     aux_loss: torch.Tensor | None  # the model's own auxiliary loss, unscaled (trainkit/losses/router.py), else None
+    entropy: torch.Tensor | None = None  # the entropy of each position's next-token distribution (asked for), detached
 
 
-def next_token_losses(model: nn.Module, top_guess: bool = False, targets: torch.Tensor | None = None,
-                      **inputs: Any) -> TokenLosses:
+def next_token_losses(model: nn.Module, top_guess: bool = False, targets: torch.Tensor | None = None, *,
+                      temperature: float = 1.0, entropy: bool = False, **inputs: Any) -> TokenLosses:
     """The loss of predicting input_ids[:, t + 1] at every position t: model(**inputs) whole when its positions fit
     in one chunk (configure), else a chunk of positions at a time. `targets` [batch, tokens]: the next token of every
     position instead, made before the sequence was cut (a sequence-parallel shard's shift_labels,
-    trainkit/strategies/sequence_parallel.py; -100 where nothing is learned, whose loss is 0)."""
+    trainkit/strategies/sequence_parallel.py; -100 where nothing is learned, whose loss is 0). `temperature`: the
+    logits divided by it first (the distribution a sampler at that temperature draws from: recipes/grpo.py);
+    `entropy`: each position's entropy too."""
     from accelerate.utils import extract_model_from_parallel
 
     inner = extract_model_from_parallel(model)
@@ -72,26 +75,39 @@ def next_token_losses(model: nn.Module, top_guess: bool = False, targets: torch.
     targets = inputs["input_ids"][:, 1:] if targets is None else targets
     if not chunk or targets.numel() <= chunk:
         output = model(**inputs)
-        logits = output.logits[:, predicting].float()
+        logits = output.logits[:, predicting].float() / temperature
         return TokenLosses(_cross_entropy(logits, targets), logits.argmax(dim=-1) if top_guess else None,
-                           getattr(output, "aux_loss", None))
+                           getattr(output, "aux_loss", None), _entropy(logits) if entropy else None)
     project, hidden, last, aux_loss = _head_and_hidden(model, inner, inputs)
     rows = hidden[:, predicting].reshape(-1, hidden.shape[-1])
-    losses, guesses = [], []
+    losses, guesses, entropies = [], [], []
     for part, wanted in zip(rows.split(chunk), targets.reshape(-1).split(chunk), strict=True):
-        loss, guess = (checkpoint(_chunk, project, part, wanted, top_guess, use_reentrant=False)
-                       if torch.is_grad_enabled() else _chunk(project, part, wanted, top_guess))
+        loss, guess, spread = (checkpoint(_chunk, project, part, wanted, top_guess, temperature, entropy,
+                                          use_reentrant=False)
+                               if torch.is_grad_enabled() else _chunk(project, part, wanted, top_guess, temperature,
+                                                                      entropy))
         losses.append(loss)
         guesses.append(guess)
+        entropies.append(spread)
     # + 0 x the model's own output: backward passes through it, where FSDP2 hooks its gradients' reduction
     loss = torch.cat(losses).view_as(targets) + 0 * last.sum()
-    return TokenLosses(loss, torch.cat(guesses).view_as(targets) if top_guess else None, aux_loss)
+    return TokenLosses(loss, torch.cat(guesses).view_as(targets) if top_guess else None, aux_loss,
+                       torch.cat(entropies).view_as(targets) if entropy else None)
 
 
 def _chunk(project: Callable[[torch.Tensor], torch.Tensor], rows: torch.Tensor, targets: torch.Tensor,
-           top_guess: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    logits = project(rows).float()
-    return _cross_entropy(logits, targets), logits.argmax(dim=-1) if top_guess else None
+           top_guess: bool, temperature: float = 1.0,
+           entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    logits = project(rows).float() / temperature
+    return (_cross_entropy(logits, targets), logits.argmax(dim=-1) if top_guess else None,
+            _entropy(logits) if entropy else None)
+
+
+def _entropy(logits: torch.Tensor) -> torch.Tensor:
+    """-sum p log p of softmax(logits) along the vocabulary, detached (a metric, never a loss)."""
+    with torch.no_grad():
+        logps = torch.log_softmax(logits, dim=-1)
+        return -(logps.exp() * logps).sum(-1)
 
 
 def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
