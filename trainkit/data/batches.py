@@ -45,10 +45,13 @@ class BatchLayout:
                 for a in range(self.grad_accum)]
 
 
-def epoch_order(num_samples: int, seed: int, epoch: int) -> torch.Tensor:
-    """The training set's order in one epoch: a fresh permutation every epoch, the same on every rank."""
+def epoch_order(num_samples: int, seed: int, epoch: int, group: int = 1) -> torch.Tensor:
+    """The training set's order in one epoch: a fresh permutation every epoch, the same on every rank. With `group`
+    > 1, a permutation of whole groups (samples g*group ... g*group + group - 1 stay side by side, in order: the
+    completions of one prompt, trainkit/data/prompts.py); group 1 is the plain permutation."""
     generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-    return torch.randperm(num_samples, generator=generator)
+    groups = torch.randperm(num_samples // group, generator=generator)
+    return (groups[:, None] * group + torch.arange(group)).reshape(-1)
 
 
 def private_generator() -> torch.Generator:
@@ -61,10 +64,13 @@ class GlobalBatchSampler(Sampler[list[int]]):
     """Yields this rank's micro-batches (lists of dataset indices) for one epoch, global batch by global batch.
 
     `set_epoch(e)` selects the epoch's permutation; `start_batch` skips global batches already trained on in that
-    epoch (resume). With `shuffle=False` the order is the dataset's (evaluation).
+    epoch (resume). With `shuffle=False` the order is the dataset's (evaluation). `group`: samples kept together in
+    the permutation (epoch_order); `repeats`: each global batch given that many times in a row (an online-RL
+    recipe's --num_iterations, which trains on one batch of completions for several steps).
     """
 
-    def __init__(self, num_samples: int, layout: BatchLayout, seed: int, shuffle: bool = True):
+    def __init__(self, num_samples: int, layout: BatchLayout, seed: int, shuffle: bool = True, group: int = 1,
+                 repeats: int = 1):
         if num_samples < layout.global_batch:
             raise ValueError(f"the dataset has {num_samples} samples, fewer than one global batch "
                              f"({layout.global_batch})")
@@ -72,12 +78,13 @@ class GlobalBatchSampler(Sampler[list[int]]):
         self.layout = layout
         self.seed = seed
         self.shuffle = shuffle
+        self.group, self.repeats = group, repeats
         self.epoch = 0
         self.start_batch = 0
 
     @property
     def batches_per_epoch(self) -> int:
-        return self.num_samples // self.layout.global_batch
+        return self.num_samples // self.layout.global_batch * self.repeats
 
     def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
         self.epoch = epoch
@@ -88,12 +95,12 @@ class GlobalBatchSampler(Sampler[list[int]]):
 
     def __iter__(self) -> Iterator[list[int]]:
         if self.shuffle:
-            order = epoch_order(self.num_samples, self.seed, self.epoch)
+            order = epoch_order(self.num_samples, self.seed, self.epoch, self.group)
         else:
             order = torch.arange(self.num_samples)
         size = self.layout.global_batch
         for g in range(self.start_batch, self.batches_per_epoch):
-            batch = order[g * size:(g + 1) * size]
+            batch = order[g // self.repeats * size:(g // self.repeats + 1) * size]
             for part in self.layout.micro_slices():
                 yield batch[part].tolist()
 
@@ -106,7 +113,9 @@ class TrainStream:
     """
 
     def __init__(self, dataset: Dataset, layout: BatchLayout, seed: int):
-        self.sampler = GlobalBatchSampler(len(dataset), layout, seed)  # type: ignore[arg-type]
+        self.sampler = GlobalBatchSampler(len(dataset), layout, seed,  # type: ignore[arg-type]
+                                          group=getattr(dataset, "group_size", 1),
+                                          repeats=getattr(dataset, "repeats", 1))
         self.loader = DataLoader(dataset, batch_sampler=self.sampler, generator=private_generator())
         self.epoch = 0
         self.batch_in_epoch = 0
