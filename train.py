@@ -49,7 +49,7 @@ from trainkit.launch.rank_exit import (
 from trainkit.models.activation_offload import offloading
 from trainkit.models.optimizer import build_optimizer, build_scheduler
 from trainkit.plan import Plan, estimate_report, make_plan
-from trainkit.run.checkpoint import Checkpointer, continue_from, data_states, export_final
+from trainkit.run.checkpoint import Checkpointer, continue_from, data_states, export_final, held_rollout
 from trainkit.run.metrics import (
     MetricsLog,
     Throughput,
@@ -187,6 +187,8 @@ def build(plan: Plan) -> Run:
     run = Run(engine, resolved, checkpointer, stream, eval_set, layout, held_out, compute.peak.flops)
     if plan.resume:
         checkpointer.load(plan.resume)  # last: it restores this rank's RNG
+        if (held := held_rollout(plan.resume, accelerator.process_index)) is not None:
+            recipe.load_rollout_state(held)
         saved = plan.resume.state
         run.stream.seek(saved["epoch"], saved["batch_in_epoch"], data_states(plan.resume))
         run.step, run.skipped_steps = saved["step"], saved["skipped_steps"]
@@ -210,6 +212,12 @@ def loop(plan: Plan, run: Run) -> str | None:
         waited = time.perf_counter()
         micro_batches = run.stream.next_global_batch()  # read and collated here: the time the step waits for data
         data_wait_s = time.perf_counter() - waited
+        rollout_metrics: dict[str, Any] = {}
+        if plan.recipe.rollout is not None:  # online RL: the step's completions, by the model as it is now
+            rolled = engine.rollout(plan.recipe.rollout, step, micro_batches)
+            micro_batches = rolled.micro_batches
+            log.rollout_rows(step, rolled.rows)
+            rollout_metrics = {**rolled.metrics, "rollout_s": time.perf_counter() - waited - data_wait_s}
         run.checkpointer.poll()  # an asynchronous save that has ended becomes the checkpoint
         result = train_step(engine, step, micro_batches, loss_fn, finite, signal.requested)
         run.step, run.skipped_steps = step, run.skipped_steps + result.skipped
@@ -222,7 +230,8 @@ def loop(plan: Plan, run: Run) -> str | None:
                       # that split the model rather than the data)
                       "mfu": samples_per_s * plan.flops.per_sample / (peak * processes) if peak else None,
                       "state_bytes": held, "peak_mem_bytes": peak_memory_bytes(device),
-                      "skipped_steps": run.skipped_steps, "elapsed_s": process_seconds(), **result.extra,
+                      "skipped_steps": run.skipped_steps, "elapsed_s": process_seconds(), **rollout_metrics,
+                      **result.extra,
                       **reported_means(engine.accelerator, plan.recipe.take_reported(),
                                        engine.loss_holders == processes)}
         if tokens:
@@ -236,7 +245,8 @@ def loop(plan: Plan, run: Run) -> str | None:
         if result.stop or step == options.stop_at:
             stopped_by = signal.name or "--stop_at"
         if stopped_by or (options.save_every and step % options.save_every == 0):
-            run.checkpointer.save(step, run.stream.position, run.skipped_steps, run.resolved, run.stream.rank_state())
+            run.checkpointer.save(step, run.stream.position, run.skipped_steps, run.resolved, run.stream.rank_state(),
+                                  plan.recipe.rollout_state())
         if stopped_by:
             break
     run.checkpointer.wait()  # the last asynchronous save, on disk before the run goes on or ends

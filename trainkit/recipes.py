@@ -41,6 +41,21 @@ and optionally (the defaults are `Recipe`'s):
                                     checkpoints keep them (trainkit/data/precompute.py; recipes/dpo.py's
                                     --precompute_ref_logps); default None
 
+and, for online RL (recipes/grpo.py):
+
+    rollout(model, cfg, step, micro_batches)
+                                    -> a Rollout: the micro-batches this rank trains on at `step`, made from the
+                                    ones the data gave (prompts) by the model as it is before the step (completions,
+                                    rewards, advantages), the step's metrics (the same on every rank), and rows for
+                                    rollouts.jsonl (this rank's; rank 0 writes every rank's, in rank order). Called
+                                    at every step as `generate` is (eval mode, no_grad, the recipe's own module):
+                                    under ZeRO-3 and FSDP2 every rank runs as many forwards
+    rollout_state()                 -> what the rollout hook holds for the next steps (a dict of tensors and numbers:
+                                    --num_iterations' completions), saved per rank with every checkpoint; None: nothing
+    load_rollout_state(state)       at a resume, that dict back
+    check_strategy(cfg, strategy)   -> [Problem]: what the recipe refuses in the planned strategy (the global batch
+                                    against its group size, a strategy it cannot generate under); default none
+
 and, to train under sequence parallelism (a DeepSpeed YAML's parallelism_config_sp_size; on GPUs an FSDP YAML's
 parallelism_config_cp_size, context parallelism):
 
@@ -108,6 +123,29 @@ def no_precompute(cfg: TrainConfig) -> None:
     return None
 
 
+def no_strategy_problems(cfg: TrainConfig, strategy: Any) -> list[Problem]:
+    return []
+
+
+def nothing_held() -> None:
+    return None
+
+
+def hold_nothing(state: dict[str, Any]) -> None:
+    raise ConfigError([Problem("the checkpoint holds a rollout's completions, and this recipe has no "
+                               "load_rollout_state to take them back", "--recipe",
+                               "resume with the recipe that wrote the checkpoint")])
+
+
+@dataclass(frozen=True, slots=True)
+class Rollout:
+    """What a recipe's rollout hook returns (above)."""
+
+    micro_batches: list
+    metrics: dict[str, float]
+    rows: list[dict[str, Any]]
+
+
 def export_safetensors(model: torch.nn.Module, state_dict: dict[str, torch.Tensor], cfg: TrainConfig,
                        cache_dir: Path, out_dir: Path) -> None:
     """final/model.safetensors and final/config.json (the run's config, to rebuild the model with build_model).
@@ -142,6 +180,10 @@ class Recipe:
     generate: Callable[[torch.nn.Module, Any, Any], list[dict[str, str]]] = no_generations
     loss_weight: Callable[[Any, Any], Any] | None = None
     precompute: Callable[[Any], Callable[[torch.nn.Module, Any], dict[str, torch.Tensor]] | None] = no_precompute
+    rollout: Callable[[torch.nn.Module, Any, int, list], Rollout] | None = None
+    rollout_state: Callable[[], dict[str, Any] | None] = nothing_held
+    load_rollout_state: Callable[[dict[str, Any]], None] = hold_nothing
+    check_strategy: Callable[[Any, Any], list[Problem]] = no_strategy_problems
     sequence_parallel: bool = False
     pipeline_layers: Callable[[torch.nn.Module], Any] | None = None
     pipeline_stage: Callable[[torch.nn.Module, range, bool, bool], torch.nn.Module] | None = None

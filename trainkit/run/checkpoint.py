@@ -7,6 +7,8 @@ A checkpoint is `checkpoints/step_<N>/`:
     rng/rank_<r>.pt      every rank's RNG states (torch, CUDA, Python, NumPy)
     data/rank_<r>.json   streamed data: where each of the rank's lanes goes on reading (trainkit/data/stream.py)
     precomputed.safetensors  the recipe's values per sample from the model as it started (trainkit/data/precompute.py)
+    rollout/rank_<r>.pt  an online-RL recipe's completions that the next steps train on again (recipes/grpo.py's
+                         --num_iterations: Recipe.rollout_state)
     state/ or deepspeed/ model + optimizer, in the strategy's format (its CheckpointFormat, strategies/dcp_format.py):
                          torch.distributed.checkpoint (single, DDP, FSDP2: reshardable) or DeepSpeed's (ZeRO-1/2/3)
 
@@ -113,10 +115,11 @@ class Checkpointer:
     # --- saving -------------------------------------------------------------------------------------------------
 
     def save(self, step: int, position: tuple[int, int], skipped_steps: int, resolved: dict[str, Any],
-             data_state: dict[str, Any] | None = None) -> Path:
+             data_state: dict[str, Any] | None = None, held: dict[str, Any] | None = None) -> Path:
         """Write checkpoints/step_<step> (asynchronously: start writing it); a failure to write (a full disk) removes
         the partial folder and stops the run naming the checkpoint that is still whole. data_state: this rank's
-        streamed data position, if it has one."""
+        streamed data position, if it has one; held: what its recipe's rollout holds for the next steps, if
+        anything."""
         started = time.perf_counter()
         self.wait()
         acc = self.accelerator
@@ -132,6 +135,9 @@ class Checkpointer:
             if data_state is not None:
                 (tmp / "data").mkdir(exist_ok=True)
                 (tmp / "data" / f"rank_{acc.process_index}.json").write_text(json.dumps(data_state) + "\n")
+            if held is not None:
+                (tmp / "rollout").mkdir(exist_ok=True)
+                torch.save(held, tmp / "rollout" / f"rank_{acc.process_index}.pt")
             future = self.format.save(tmp)
             state = {
                 "format": self.format.name, "format_version": self.format.version,
@@ -248,6 +254,12 @@ class Checkpointer:
         rng_file = found.path / "rng" / f"rank_{acc.process_index}.pt"
         if rng_file.exists():  # a rank the saved run did not have keeps its fresh seed
             _set_rng_state(torch.load(rng_file, weights_only=True))
+
+
+def held_rollout(found: Found, rank: int) -> dict[str, Any] | None:
+    """What rank `rank`'s recipe rollout held when the checkpoint was written (rollout/rank_<r>.pt), or None."""
+    path = found.path / "rollout" / f"rank_{rank}.pt"
+    return torch.load(path, weights_only=True) if path.exists() else None
 
 
 def data_states(found: Found) -> list[dict[str, Any]]:

@@ -151,7 +151,15 @@ def reported_means(accelerator, reported: dict[str, torch.Tensor], every_rank_re
     totals = accelerator.reduce(torch.stack([reported[name].to(accelerator.device) for name in names]), "sum")
     by_name = dict(zip(names, totals.tolist(), strict=True))
     samples = by_name.pop(SAMPLES)
-    return {name: total / samples for name, total in by_name.items()}
+    means = {}
+    for name, total in by_name.items():  # "<name> per <other>": over the other's total (a token-weighted mean)
+        numerator, _, over = name.partition(PER)
+        count = by_name[over] if over else samples
+        means[numerator] = total / count if count else 0.0
+    return means
+
+
+PER = " per "  # a reported name "kl per completion_tokens": its global sum over completion_tokens' global sum
 
 
 TRACKED_RUN = "train"  # the trackers' run name: TensorBoard writes under <output_dir>/train
@@ -185,6 +193,8 @@ class MetricsLog:
         # the recipe's generated answers at each evaluation (Recipe.generate), opened at the first
         self.generations_path, self.initial_step = output_dir / "generations.jsonl", initial_step
         self.generations = None
+        # an online-RL recipe's completions of every step (Recipe.rollout), opened at the first
+        self.rollouts_path, self.rollouts = output_dir / "rollouts.jsonl", None
         self.bar = tqdm(total=total_steps, initial=initial_step, disable=not self.is_main, file=sys.stderr,
                         dynamic_ncols=True, desc="train")
 
@@ -214,9 +224,20 @@ class MetricsLog:
         _write(self.generations, [{"step": step, **answer} for answer in answers])
         self.bar.write(f"step {step}: {' | '.join(f'{k}: {v!r}' for k, v in answers[0].items())}"[:300])
 
+    def rollout_rows(self, step: int, rows: list[dict[str, Any]]) -> None:
+        """rollouts.jsonl: every rank's rows of this step (a collective), written by rank 0 in rank order."""
+        from accelerate.utils import gather_object
+
+        everyone = gather_object(rows) if self.accelerator.num_processes > 1 else rows
+        if not (self.is_main and everyone):
+            return
+        if self.rollouts is None:
+            self.rollouts = _continued(self.rollouts_path, self.initial_step)
+        _write(self.rollouts, [{"step": step, **row} for row in everyone])
+
     def close(self) -> None:
         self.bar.close()
-        for file in (self.file, self.generations):
+        for file in (self.file, self.generations, self.rollouts):
             if file is not None:
                 file.close()
 

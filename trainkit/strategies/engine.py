@@ -322,6 +322,17 @@ class Engine:
         model.train()
         return answers
 
+    def rollout(self, rollout_fn: Callable[[torch.nn.Module, TrainConfig, int, list], Any], step: int,
+                micro_batches: list) -> Any:
+        """The recipe's rollout hook (trainkit/recipes.py) on this rank's model as generate runs it: the recipe's own
+        module, eval mode, no gradients."""
+        model = self.unwrapped_model
+        model.eval()
+        with torch.no_grad():
+            rolled = rollout_fn(model, self.cfg, step, micro_batches)
+        model.train()
+        return rolled
+
     def report(self) -> str | None:
         """A line for the end of the run about the engine's own measurements (a pipeline's bubble), or None."""
         return None
