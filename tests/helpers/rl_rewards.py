@@ -1,0 +1,34 @@
+"""Reward functions for the grpo tests (tests/test_grpo.py), named by --reward_funcs tests.helpers.rl_rewards.NAME:
+dense ones that an untrained model's completions already spread, and broken ones whose mistakes are to be named."""
+
+from __future__ import annotations
+
+LOW = 40  # share_of_low_ids rewards the ids below it: a tenth of the tests' 400-token vocabulary
+
+
+def share_of_low_ids(prompts, completions, completion_ids, **columns) -> list[float]:
+    """The share of the completion's tokens whose id is below LOW: learnable from scratch, chance about 0.1."""
+    return [sum(1 for i in ids if i < LOW) / max(1, len(ids)) for ids in completion_ids]
+
+
+def even_ids(prompts, completions, completion_ids, **columns) -> list[float]:
+    """The share of even token ids: about 0.5 for a random model, different for every completion."""
+    return [sum(1 for i in ids if i % 2 == 0) / max(1, len(ids)) for ids in completion_ids]
+
+
+def short(prompts, completions, completion_ids, answer=None, **columns) -> list[float]:
+    """1 / (1 + tokens): reads the records' `answer` column to show it arrives."""
+    assert answer is not None and len(answer) == len(completions)
+    return [1.0 / (1 + len(ids)) for ids in completion_ids]
+
+
+def raises(prompts, completions, completion_ids, **columns) -> list[float]:
+    raise KeyError("label")
+
+
+def too_few(prompts, completions, completion_ids, **columns) -> list[float]:
+    return [1.0] * (len(completions) - 1)
+
+
+def not_numbers(prompts, completions, completion_ids, **columns) -> list:
+    return [None] * len(completions)

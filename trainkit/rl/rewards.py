@@ -1,0 +1,108 @@
+"""The user's reward functions: `--reward_funcs module.function[,...]`, plain Python callables with TRL's signature
+
+    def my_reward(prompts, completions, completion_ids, **columns) -> list[float]
+
+one number per completion (the completions are strings, or for chat prompts [{"role": "assistant", "content": ...}]),
+`columns` every other field of the prompts' records by name, one value per completion. A module is imported from
+the working directory or the recipe's folder (recipes/rewards.py ships the chat walk-through's: `rewards.format`,
+`rewards.arithmetic`). A function that is missing, raises, or returns anything but one number per completion is named
+with the sample it was given and the fix, before the first step (the dry run calls each on one sample) as in the run.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from trainkit.errors import ConfigError, Problem
+
+SIGNATURE = "def f(prompts, completions, completion_ids, **columns) -> list[float]"
+
+
+@dataclass(frozen=True, slots=True)
+class Reward:
+    name: str  # the function's own name: metrics' rewards/<name>/mean
+    path: str  # as --reward_funcs named it
+    function: Callable[..., Any]
+
+
+def load(spec: str, folders: Sequence[Path]) -> list[Reward]:
+    """The functions `spec` names (comma-separated module.function), importable from `folders` (searched after the
+    installed packages)."""
+    for folder in folders:
+        if str(folder) not in sys.path:
+            sys.path.append(str(folder))
+    found = []
+    for path in [part.strip() for part in spec.split(",") if part.strip()]:
+        module_name, _, function = path.rpartition(".")
+        if not module_name:
+            raise ConfigError([Problem(f"--reward_funcs {path!r} names no module", "--reward_funcs",
+                                       "write module.function, e.g. --reward_funcs rewards.arithmetic")])
+        try:
+            module = importlib.import_module(module_name)
+        except Exception as e:  # not found, or it fails to import: its own words
+            raise ConfigError([Problem(f"--reward_funcs {path}: module {module_name} cannot be imported: "
+                                       f"{type(e).__name__}: {e}", "--reward_funcs",
+                                       f"put {module_name.replace('.', '/')}.py in the working directory or beside "
+                                       f"the recipe, or fix what its import raises")]) from None
+        target = getattr(module, function, None)
+        if not callable(target):
+            raise ConfigError([Problem(f"--reward_funcs {path}: {module_name} has no function {function}",
+                                       "--reward_funcs", f"define `{SIGNATURE.replace('def f', f'def {function}')}` in "
+                                       f"{getattr(module, '__file__', module_name)}")])
+        found.append(Reward(function, path, target))
+    return found
+
+
+def weights(spec: str, rewards: Sequence[Reward]) -> list[float]:
+    """--reward_weights: comma-separated numbers, one per function; empty: 1 each."""
+    if not spec:
+        return [1.0] * len(rewards)
+    try:
+        values = [float(part) for part in spec.split(",")]
+    except ValueError:
+        values = []
+    if len(values) != len(rewards):
+        raise ConfigError([Problem(f"--reward_weights {spec!r}: {len(rewards)} reward function(s) need as many "
+                                   "numbers", "--reward_weights",
+                                   f"pass {len(rewards)} comma-separated numbers, e.g. "
+                                   f"{','.join(['1'] * len(rewards))}")])
+    return values
+
+
+def score(rewards: Sequence[Reward], prompts: list[Any], completions: list[Any], completion_ids: list[list[int]],
+          columns: dict[str, list[Any]]) -> list[list[float]]:
+    """Each function's value of each completion: [function][completion]; a function that fails or returns
+    something else than one finite number per completion, refused naming it and the first sample."""
+    values = []
+    for reward in rewards:
+        sample = json.dumps({"prompt": prompts[0], "completion": completions[0]})[:300]
+        try:
+            got = reward.function(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+        except Exception as e:
+            raise ConfigError([Problem(f"reward function {reward.path} raised {type(e).__name__}: {e} (on "
+                                       f"{len(completions)} completions, the first {sample})", "--reward_funcs",
+                                       f"fix {reward.path}; it is called as {SIGNATURE}")]) from None
+        numbers = _numbers(got, len(completions))
+        if numbers is None:
+            shown = repr(got)[:200]
+            raise ConfigError([Problem(f"reward function {reward.path} returned {shown} for {len(completions)} "
+                                       f"completions (the first {sample}): it must return one finite number per "
+                                       "completion", "--reward_funcs",
+                                       f"return a list of {len(completions)} floats (0.0 where it does not apply)")])
+        values.append(numbers)
+    return values
+
+
+def _numbers(got: Any, count: int) -> list[float] | None:
+    try:
+        numbers = [float(value) for value in got]
+    except (TypeError, ValueError):
+        return None
+    return numbers if len(numbers) == count and all(math.isfinite(n) for n in numbers) else None
