@@ -362,3 +362,30 @@ def test_a_stopped_run_resumes_bit_exact(one_process, tmp_path, flags):
         assert [m["step"] for m in read_jsonl(out / "rollouts.jsonl")][::4] == [1, 1, 3, 3, 5, 5]
         step3, step4 = whole.metrics[2], whole.metrics[3]  # one batch of completions, the model moved between
         assert step4["reward"] == step3["reward"] and step4["loss"] != step3["loss"]
+
+
+def test_the_estimate_counts_the_sampling_kv_cache_and_the_reference(check_only, chat, prompts, tmp_path):
+    """--estimate: the KV cache of the rank's completion slots (where it is larger than the step's activations),
+    and under --beta the frozen reference's weights beside the policy's."""
+    import re
+
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(chat[0])
+    rows, seq = 2 * 128, 64  # --batch_size 2 x --grad_accum 128 slots of --seq_len tokens
+    kv = 4 * rows * seq * config.num_hidden_layers * 2 * config.num_key_value_heads * (
+        config.hidden_size // config.num_attention_heads) + 4 * rows * config.vocab_size
+
+    def activations(*flags):
+        run = check_only(tmp_path / "out", *grpo_args(chat[0], prompts, "--estimate", "--batch_size", "2",
+                                                      "--grad_accum", "128", *flags))
+        assert run.returncode == 0, run.stderr
+        found = re.search(r"activations ([\d.]+) (\w+)", run.stdout)
+        return float(found.group(1)) * {"GiB": 2**30, "MiB": 2**20, "KiB": 2**10}[found.group(2)], run.stdout
+
+    sampled, plain = activations()
+    assert sampled == pytest.approx(kv, rel=1e-3)
+    with_reference = check_only(tmp_path / "out", *grpo_args(chat[0], prompts, "--estimate", "--beta", "0.04")).stdout
+    params = [line for line in with_reference.splitlines() if "parameters" in line][0]
+    alone = [line for line in plain.splitlines() if "parameters" in line][0]
+    assert int(params.split()[0].replace(",", "")) == 2 * int(alone.split()[0].replace(",", ""))

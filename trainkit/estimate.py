@@ -49,6 +49,7 @@ class DecoderShape:
     attention: str  # config._attn_implementation: eager, sdpa, flash_attention_2, ...
     dropout: float  # attention dropout (eager keeps its mask and output too)
     head_trains: bool = True  # the output head's weight has a gradient (not under LoRA, whose base is frozen)
+    kv_width: int = 0  # the keys (as the values) one layer caches per token: kv heads x head size; 0: hidden
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,8 +120,10 @@ def decoder_shape(model: torch.nn.Module) -> DecoderShape | None:
     dropout = getattr(config, "attention_dropout", None) or getattr(config, "attn_pdrop", None) or 0.0
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     trains = head is None or getattr(head, "weight", None) is None or head.weight.requires_grad
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    kv = kv_heads * (getattr(config, "head_dim", None) or hidden // heads)
     return DecoderShape(hidden, ffn, heads, vocab, gated, getattr(config, "_attn_implementation", None) or "eager",
-                        float(dropout), trains)
+                        float(dropout), trains, kv)
 
 
 @dataclass(frozen=True, slots=True)
@@ -334,6 +337,21 @@ def loss_note(shape: ModelShape, cfg: TrainConfig, seq_len: int | None) -> str:
 
 def run_activations(shape: ModelShape, cfg: TrainConfig, seq_len: int | None, precision: str) -> int:
     """Activation bytes for this run (seq_len: the recipe's tokens per sample; the loss in chunks where the recipe
-    has loss_chunk_mib)."""
-    return activation_bytes(shape, cfg.batch_size, seq_len, precision, getattr(cfg, "gradient_checkpointing", False),
-                            _loss_chunk(shape, cfg), getattr(cfg, "tiled_mlp", False))
+    has loss_chunk_mib), or a sampling recipe's KV cache where that is the larger."""
+    training = activation_bytes(shape, cfg.batch_size, seq_len, precision,
+                                getattr(cfg, "gradient_checkpointing", False), _loss_chunk(shape, cfg),
+                                getattr(cfg, "tiled_mlp", False))
+    return max(training, sampling_bytes(shape, cfg, seq_len, precision))
+
+
+def sampling_bytes(shape: ModelShape, cfg: TrainConfig, seq_len: int | None, precision: str) -> int:
+    """What an online-RL recipe's sampling holds (recipes/grpo.py, trainkit/rl/sampling.py), outside the step: the
+    KV cache of every completion slot of the rank at once (batch_size x grad_accum rows of seq_len tokens: keys and
+    values of every layer, in the compute dtype) and the last position's fp32 logits; 0 for a recipe that samples
+    nothing."""
+    d = shape.decoder
+    if not getattr(cfg, "num_generations", 0) or d is None or not seq_len:
+        return 0
+    size = 2 if precision in ("bf16", "fp16") else 4
+    rows = cfg.batch_size * cfg.grad_accum
+    return int(size * rows * seq_len * shape.layers * 2 * (d.kv_width or d.hidden) + 4 * rows * d.vocab)
