@@ -34,6 +34,7 @@ offload offloads it; --estimate counts it). With --beta 0 (TRL's default) there 
 
 from __future__ import annotations
 
+import functools
 import json
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -215,6 +216,25 @@ class Scoring:
     rewards: list[rewards.Reward]
     weights: torch.Tensor
 
+    def ended(self, ids: list[int]) -> bool:
+        """Whether a completion's tokens end with an end of turn that the tokenizer spells in several tokens (a
+        chat template's <|im_end|> on a tokenizer that has no such token)."""
+        tail = self.tokenizer.decode(ids[-self.tail:])
+        return any(end in tail for end in sft.TURN_ENDS)
+
+    @functools.cached_property
+    def tail(self) -> int:
+        """The tokens to decode to find an end of turn: the longest one's, and one more for a merge before it."""
+        return 1 + max(len(self.tokenizer(end, add_special_tokens=False)["input_ids"]) for end in sft.TURN_ENDS)
+
+    def text(self, ids: torch.Tensor, mask: torch.Tensor) -> str:
+        """A completion as the reward functions read it: its tokens without special tokens and its end of turn
+        (TRL's decode, where the chat template's end of turn is a special token)."""
+        text = self.tokenizer.decode(ids[mask.bool()], skip_special_tokens=True)
+        for end in sft.TURN_ENDS:
+            text = text.split(end)[0]
+        return text
+
 
 _scorings: dict[tuple, Scoring] = {}  # one per run's settings: the tokenizer and the functions loaded once
 
@@ -237,8 +257,7 @@ def _scoring(cfg: Config) -> Scoring:
 def _score(scoring: Scoring, batch: dict, made: sampling.Completions) -> tuple[torch.Tensor, list[dict]]:
     """Each reward function's value of each completion [functions, rows], and the texts they were given."""
     records = [json.loads(columns) for columns in batch["columns"]]
-    texts = [scoring.tokenizer.decode(ids[mask.bool()], skip_special_tokens=True)
-             for ids, mask in zip(made.ids, made.mask, strict=True)]
+    texts = [scoring.text(ids, mask) for ids, mask in zip(made.ids, made.mask, strict=True)]
     chat = isinstance(records[0]["prompt"], list)
     completions = [[{"role": "assistant", "content": t}] for t in texts] if chat else texts
     ids = [row[mask.bool()].tolist() for row, mask in zip(made.ids, made.mask, strict=True)]
@@ -283,7 +302,7 @@ def rollout(model: GRPOModel, cfg: Config, step: int, micro_batches: list[dict])
              for p, g in zip(batch["index"], batch["generation"], strict=True)]
     started = time.perf_counter()
     made = sampling.sample(lambda **kw: model(mode="generate", **kw), batch["prompt_ids"], batch["prompt_length"],
-                           seeds, scoring.how, synced=_processes() > 1)
+                           seeds, scoring.how, _processes() > 1, scoring.ended)
     generation_s = time.perf_counter() - started
     per_function, shown = _score(scoring, batch, made)
     per_function = per_function.to(device)
@@ -361,7 +380,7 @@ def _held_out(model: nn.Module, batch: dict) -> tuple[torch.Tensor, dict[str, to
 
     scoring = _scoring(extract_model_from_parallel(model).settings)
     made = sampling.sample(lambda **kw: model(mode="generate", **kw), batch["prompt_ids"], batch["prompt_length"],
-                           None, scoring.how, synced=_processes() > 1)
+                           None, scoring.how, _processes() > 1, scoring.ended)
     per_function, _ = _score(scoring, batch, made)
     per_function = per_function.to(made.ids.device)
     total = (per_function * scoring.weights[:, None].to(made.ids.device)).sum(0)

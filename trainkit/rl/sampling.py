@@ -81,22 +81,27 @@ def pick(logits: torch.Tensor, generators: list[torch.Generator] | None, how: Sa
 
 
 def sample(forward: Callable[..., Any], prompts: torch.Tensor, lengths: torch.Tensor, seeds: list[int] | None,
-           how: Sampling, synced: bool) -> Completions:
+           how: Sampling, synced: bool, ended: Callable[[list[int]], bool] | None = None) -> Completions:
     """Completions of right-padded prompts [rows, P] (lengths [rows]) by `forward` (the model's, taking
     input_ids, attention_mask, position_ids, past_key_values, use_cache); seeds: one per row (None: greedy).
-    synced: every process calls this as often, and they step together until all of them are done."""
+    synced: every process calls this as often, and they step together until all of them are done. ended: whether a
+    completion's tokens so far end it (an end of turn that is no single token: a stop string), beside how.stop."""
     device = prompts.device
     ids, attention = left_padded(prompts, lengths, how.pad)
     generators = None if seeds is None else [torch.Generator(device=device).manual_seed(s) for s in seeds]
     out = forward(input_ids=ids, attention_mask=attention, position_ids=positions(attention), use_cache=True)
     done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
     stop = torch.tensor(how.stop, device=device)
-    tokens, alive = [], []
+    tokens, alive, rows = [], [], [[] for _ in range(len(prompts))]
     for t in range(how.max_new_tokens):
         token = pick(out.logits[:, -1].float(), generators, how)
         token = torch.where(done, torch.full_like(token, how.pad), token)
         tokens.append(token)
         alive.append(~done)
+        if ended is not None:
+            for r in (~done).nonzero().flatten().tolist():
+                rows[r].append(int(token[r]))
+                done[r] = done[r] or ended(rows[r])
         done = done | torch.isin(token, stop)
         if t == how.max_new_tokens - 1 or _all_done(done, synced):
             break
