@@ -4,6 +4,7 @@ launched is tests/helpers/launching.py's."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import subprocess
@@ -38,6 +39,43 @@ __all__ = ["CPU_STAND_INS", "EXAMPLES", "FLAG_STRATEGIES", "GPU_ONLY", "LAUNCHES
            "error_lines", "launch", "launch_command", "max_rel_diff", "PARITY_BOUND", "processes", "SERVER_ENV",
            "strategy_of",
            "write_yaml", "yaml_of", "zero2_json"]
+
+# Two pytest-xdist workers (pytest.ini): a test that waits (an ssh launch, a frozen rank's timeout, a restart) leaves
+# the processor to the other worker's runs. Measured before choosing: tests/test_multinode.py alone left the 2 cores
+# 35% idle; it and tests/test_checkpoint.py beside tests/test_pipeline.py and tests/test_preference.py took 533 s
+# against 778 s one after the other, every test passing.
+# Each file runs whole on one worker (its module-scoped runs are launched once); the files that read the strategy
+# matrix's shared runs (lm_runs) run together. xdist's own `--dist loadgroup` cannot do it under pytest 9: it marks
+# a test's group by rewriting `item._nodeid`, which pytest 9 no longer reads (Node.nodeid is `_id`), so its groups
+# were silently ignored and files split between the workers; the scheduler below groups by file name instead.
+SHARED_RUNS = {"test_strategies": "strategy_matrix", "test_tensor_parallel": "strategy_matrix"}
+
+
+def group(path: str) -> str:
+    """The work unit a test file belongs to: its name, or the name of the runs it shares with other files."""
+    stem = Path(path).stem
+    return SHARED_RUNS.get(stem, stem)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's scope scheduler with a test file (or a group of files sharing runs) as the scope, the scopes handed out
+    in the collection's order (pytest.ini: --no-loadscope-reorder), which pytest_collection_modifyitems sets."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByFile(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return group(nodeid.split("::", 1)[0])
+
+    return ByFile(config, log)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The groups with the most slow tests first: the two workers then end close together, a long group never left
+    for last."""
+    slow = collections.Counter(group(str(item.path)) for item in items if item.get_closest_marker("slow"))
+    items.sort(key=lambda item: -slow[group(str(item.path))])  # stable: a file's tests stay in their order
+
 
 # The transformer of the strategy matrix: the recipe's real defaults (Llama, tied embeddings, weight decay 0.01),
 # fewer and smaller steps.

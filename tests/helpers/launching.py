@@ -22,9 +22,10 @@ from trainkit.strategies.registry import Strategy, for_launch, shipped_strategie
 
 # What every run in the tests gets: their own data cache, one thread per process (TRAINKIT_CPU_THREADS: under a
 # launcher OMP_NUM_THREADS=1 reads as the launcher's default, trainkit/launch/hardware.py), no network.
-TEST_ENV = {"TRAINKIT_CACHE": str(ROOT / ".cache" / "tests"), "OMP_NUM_THREADS": "1", "TRAINKIT_CPU_THREADS": "1",
-            "HF_DATASETS_OFFLINE": "1",
-            "PYTHONPATH": str(ROOT)}
+# Each pytest-xdist worker (pytest.ini runs two) has a cache of its own: two runs never write one file at once.
+WORKER = os.environ.get("PYTEST_XDIST_WORKER", "main")
+TEST_ENV = {"TRAINKIT_CACHE": str(ROOT / ".cache" / "tests" / WORKER), "OMP_NUM_THREADS": "1",
+            "TRAINKIT_CPU_THREADS": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
 # The environment that tests/helpers/forked_launch.py's server imports under: a run on another forks nothing.
 SERVER_ENV = {**os.environ, **TEST_ENV}
 
