@@ -29,7 +29,7 @@ frozen copy inside the model this recipe builds, held as the policy is held (ZeR
 offload offloads it; --estimate counts it). With --beta 0 (TRL's default) there is none.
 
     python train.py --recipe grpo --model_name_or_path runs/sft/final --data prompts.jsonl \\
-        --reward_funcs rewards.arithmetic,rewards.format --num_generations 8 --lora_r 16
+        --reward_funcs rewards.chat.arithmetic,rewards.chat.one_line --num_generations 8 --lora_r 16
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from trainkit.data import prompts, sft
 from trainkit.data.prompts import PromptsConfig
 from trainkit.errors import Problem, TrainingError
 from trainkit.losses import chunked_loss, grpo, router
-from trainkit.models import finetune
+from trainkit.models import finetune, pretrained
 from trainkit.models.finetune import tokenizer_of
 from trainkit.recipes import Rollout
 from trainkit.rl import rewards, sampling
@@ -56,9 +56,11 @@ from trainkit.rl import rewards, sampling
 
 @dataclass(kw_only=True, slots=True)
 class Config(PromptsConfig):  # settings: trainkit/models/finetune.py (model), trainkit/data/prompts.py (prompts)
-    # Rewards: comma-separated module.function (TRL's signature, trainkit/rl/rewards.py), each weighed by
-    # reward_weights (comma-separated; empty: 1 each)
+    # Rewards: comma-separated module.function (TRL's signature, trainkit/rl/rewards.py), and/or reward_model (the
+    # reward recipe's final/: AutoModelForSequenceClassification with one output, frozen, held as the reference is),
+    # each weighed by reward_weights (comma-separated, the functions' then the model's; empty: 1 each)
     reward_funcs: str = ""
+    reward_model: str = ""
     reward_weights: str = ""
     # Sampling: the logits divided by temperature, then the top_k likeliest (0: all) and the smallest set holding
     # top_p of the probability
@@ -91,9 +93,10 @@ class Config(PromptsConfig):  # settings: trainkit/models/finetune.py (model), t
         problems = PromptsConfig.check(self) + chunked_loss.problems(self.loss_chunk_mib)
         problems += grpo.problems(self.loss_type, self.scale_rewards, self.advantage, self.importance_sampling_level,
                                   self.beta, self.epsilon, self.epsilon_high or None, self.num_generations)
-        if not self.reward_funcs:
-            problems.append(Problem("no reward functions", "--reward_funcs",
-                                    "pass --reward_funcs module.function (recipes/rewards.py: rewards.arithmetic)"))
+        if not (self.reward_funcs or self.reward_model):
+            problems.append(Problem("no reward functions and no reward model", "--reward_funcs",
+                                    "pass --reward_funcs module.function (recipes/rewards/chat.py: "
+                                    "rewards.chat.arithmetic), or --reward_model with a reward run's final/"))
         if not self.temperature > 0:
             problems.append(Problem(f"temperature must be > 0, got {self.temperature}", "--temperature",
                                     "use --temperature 1.0"))
@@ -104,12 +107,17 @@ class Config(PromptsConfig):  # settings: trainkit/models/finetune.py (model), t
                                     f"{self.num_iterations}", "--top_k, --num_iterations",
                                     "use --top_k 0 --num_iterations 1"))
         if not problems:  # every function importable, and as many weights
-            found = rewards.load(self.reward_funcs, REWARD_FOLDERS)
-            rewards.weights(self.reward_weights, found)
+            rewards.weights(self.reward_weights, reward_names(self, rewards.load(self.reward_funcs, REWARD_FOLDERS)))
+            problems += pretrained.weights_problems(self.reward_model, self.allow_pickle) if self.reward_model else []
         return problems
 
 
 REWARD_FOLDERS = (Path.cwd(), Path(__file__).resolve().parent)  # where --reward_funcs' modules are imported from
+REWARD_MODEL = "reward_model"  # the reward model's name in the metrics: rewards/reward_model/mean
+
+
+def reward_names(cfg: Config, functions: list[rewards.Reward]) -> list[str]:
+    return [r.name for r in functions] + ([REWARD_MODEL] if cfg.reward_model else [])
 
 
 def check_strategy(cfg: Config, strategy: Any) -> list[Problem]:
@@ -137,9 +145,9 @@ class GRPOModel(nn.Module):
     off, or none at beta 0) and the objective. Every use goes through its forward (mode), so that the strategy's
     wrapper sees each one: FSDP2 gathers the root's parameters there, ZeRO-3 every layer's."""
 
-    def __init__(self, policy: nn.Module, reference: nn.Module | None, cfg: Config) -> None:
+    def __init__(self, policy: nn.Module, reference: nn.Module | None, scorer: nn.Module | None, cfg: Config) -> None:
         super().__init__()
-        self.policy, self.reference, self.lora = policy, reference, bool(cfg.lora_r)
+        self.policy, self.reference, self.scorer, self.lora = policy, reference, scorer, bool(cfg.lora_r)
         self.objective = grpo.Objective(cfg.loss_type, cfg.beta, cfg.epsilon, cfg.epsilon_high or cfg.epsilon,
                                         cfg.importance_sampling_level, cfg.max_completion_length)
         self.temperature, self.settings = cfg.temperature, cfg  # settings: what evaluation samples and scores with
@@ -148,8 +156,9 @@ class GRPOModel(nn.Module):
 
     def train(self, mode: bool = True) -> GRPOModel:
         super().train(mode)
-        if self.reference is not None:
-            self.reference.eval()
+        for frozen in (self.reference, self.scorer):  # they never train: no dropout in their passes
+            if frozen is not None:
+                frozen.eval()
         return self
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -157,9 +166,12 @@ class GRPOModel(nn.Module):
                 ref_logps: torch.Tensor | None = None, old_logps: torch.Tensor | None = None, mode: str = "loss",
                 **generating: Any) -> Any:
         """mode "loss": the micro-batch's loss and its reported sums; "generate": the policy's output (sampling,
-        with **generating); "reference" / "policy": that model's log-probabilities of the completion tokens."""
+        with **generating); "reference" / "policy": that model's log-probabilities of the completion tokens;
+        "score": the reward model's score of each row (its own tokens)."""
         if mode == "generate":
             return self.policy(input_ids=input_ids, attention_mask=attention_mask, **generating)
+        if mode == "score":
+            return self.scorer(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, 0]
         width = completion_mask.shape[1]
         if mode in ("reference", "policy"):
             model = self.reference if mode == "reference" and self.reference is not None else self.policy
@@ -197,7 +209,23 @@ def build_model(cfg: Config) -> nn.Module:
         return chunked_loss.configure(finetune.build(cfg, AutoModelForCausalLM), cfg.loss_chunk_mib)
 
     policy = causal_lm()
-    return GRPOModel(policy, causal_lm().requires_grad_(False) if cfg.beta and not cfg.lora_r else None, cfg)
+    reference = causal_lm().requires_grad_(False) if cfg.beta and not cfg.lora_r else None
+    return GRPOModel(policy, reference, build_scorer(cfg) if cfg.reward_model else None, cfg)
+
+
+def build_scorer(cfg: Config) -> nn.Module:
+    """--reward_model, frozen, as the reward recipe exported it (one output; its pooling finds each row's end by the
+    pad token its rows are padded with)."""
+    import dataclasses
+
+    from transformers import AutoModelForSequenceClassification
+
+    own = dataclasses.replace(cfg, model_name_or_path=cfg.reward_model, lora_r=0, trainable="",
+                              gradient_checkpointing=False)
+    scorer = finetune.build(own, AutoModelForSequenceClassification, num_labels=1).requires_grad_(False)
+    if scorer.config.pad_token_id is None:
+        scorer.config.pad_token_id = sft.pad_id(tokenizer_of(own))
+    return scorer
 
 
 def build_datasets(cfg: Config, cache_dir: Path):
@@ -215,6 +243,8 @@ class Scoring:
     how: sampling.Sampling
     rewards: list[rewards.Reward]
     weights: torch.Tensor
+    names: list[str]  # every reward's, in the order of weights: the functions', then the reward model's
+    scorer_tokenizer: Any  # the reward model's (None without one)
 
     def ended(self, ids: list[int]) -> bool:
         """Whether a completion's tokens end with an end of turn that the tokenizer spells in several tokens (a
@@ -242,7 +272,7 @@ _scorings: dict[tuple, Scoring] = {}  # one per run's settings: the tokenizer an
 def _scoring(cfg: Config) -> Scoring:
     key = tuple(getattr(cfg, name) for name in ("model_name_or_path", "tokenizer", "trust_remote_code",
                                                  "max_completion_length", "temperature", "top_p", "top_k",
-                                                 "reward_funcs", "reward_weights"))
+                                                 "reward_funcs", "reward_model", "reward_weights", "chat_template"))
     if key not in _scorings:
         tokenizer = tokenizer_of(cfg)
         vocab = tokenizer.get_vocab()
@@ -250,21 +280,49 @@ def _scoring(cfg: Config) -> Scoring:
         how = sampling.Sampling(cfg.max_completion_length, cfg.temperature, cfg.top_p, cfg.top_k,
                                 tuple(sorted(stop)), sft.pad_id(tokenizer))
         found = rewards.load(cfg.reward_funcs, REWARD_FOLDERS)
-        _scorings[key] = Scoring(tokenizer, how, found, torch.tensor(rewards.weights(cfg.reward_weights, found)))
+        names = reward_names(cfg, found)
+        scorer_tokenizer = None
+        if cfg.reward_model:
+            import dataclasses
+
+            scorer_tokenizer = tokenizer_of(dataclasses.replace(cfg, model_name_or_path=cfg.reward_model))
+            scorer_tokenizer.chat_template = sft.chat_template(scorer_tokenizer, cfg.chat_template)
+            scorer_tokenizer.pad_token_id, scorer_tokenizer.padding_side = sft.pad_id(scorer_tokenizer), "right"
+        _scorings[key] = Scoring(tokenizer, how, found, torch.tensor(rewards.weights(cfg.reward_weights, names)),
+                                 names, scorer_tokenizer)
     return _scorings[key]
 
 
-def _score(scoring: Scoring, batch: dict, made: sampling.Completions) -> tuple[torch.Tensor, list[dict]]:
-    """Each reward function's value of each completion [functions, rows], and the texts they were given."""
+def _score(scoring: Scoring, batch: dict, made: sampling.Completions,
+           model: nn.Module | None = None) -> tuple[torch.Tensor, list[dict]]:
+    """Each reward's value of each completion [rewards, rows] (the functions', then the reward model's where there
+    is one: `model`, whose forward scores), and the texts they were given."""
     records = [json.loads(columns) for columns in batch["columns"]]
     texts = [scoring.text(ids, mask) for ids, mask in zip(made.ids, made.mask, strict=True)]
     chat = isinstance(records[0]["prompt"], list)
     completions = [[{"role": "assistant", "content": t}] for t in texts] if chat else texts
     ids = [row[mask.bool()].tolist() for row, mask in zip(made.ids, made.mask, strict=True)]
     columns = {key: [record.get(key) for record in records] for key in records[0] if key != "prompt"}
-    values = rewards.score(scoring.rewards, [r["prompt"] for r in records], completions, ids, columns)
+    values = torch.tensor(rewards.score(scoring.rewards, [r["prompt"] for r in records], completions, ids, columns),
+                          dtype=torch.float32).reshape(len(scoring.rewards), len(records))
+    if scoring.scorer_tokenizer is not None and model is not None:
+        values = torch.cat([values, _model_scores(model, scoring.scorer_tokenizer, records, completions)[None]])
     shown = [{"prompt": r["prompt"], "completion": t} for r, t in zip(records, texts, strict=True)]
-    return torch.tensor(values, dtype=torch.float32), shown
+    return values, shown
+
+
+def _model_scores(model: nn.Module, tokenizer: Any, records: list[dict], completions: list) -> torch.Tensor:
+    """The reward model's score of each prompt + completion, in its own tokens (a chat rendered with its template,
+    as TRL renders one for a reward model), all of the rank's rows in one forward."""
+    if isinstance(records[0]["prompt"], list):
+        texts = [tokenizer.apply_chat_template(r["prompt"] + c, tokenize=False) for r, c in
+                 zip(records, completions, strict=True)]
+    else:
+        texts = [r["prompt"] + c for r, c in zip(records, completions, strict=True)]
+    encoded = tokenizer(texts, add_special_tokens=False, padding=True, return_tensors="pt")
+    device = next(model.parameters()).device
+    return model(input_ids=encoded["input_ids"].to(device), attention_mask=encoded["attention_mask"].to(device),
+                 mode="score").float().cpu()
 
 
 _held: dict[str, Any] = {}  # --num_iterations > 1: this rank's last rollout ("rollout") and the process count
@@ -304,7 +362,7 @@ def rollout(model: GRPOModel, cfg: Config, step: int, micro_batches: list[dict])
     made = sampling.sample(lambda **kw: model(mode="generate", **kw), batch["prompt_ids"], batch["prompt_length"],
                            seeds, scoring.how, _processes() > 1, scoring.ended)
     generation_s = time.perf_counter() - started
-    per_function, shown = _score(scoring, batch, made)
+    per_function, shown = _score(scoring, batch, made, model)
     per_function = per_function.to(device)
     lengths = made.mask.sum(-1).float()
     # the global batch's rewards, lengths and truncations, in rank order (= the data's order): every rank computes
@@ -329,14 +387,14 @@ def rollout(model: GRPOModel, cfg: Config, step: int, micro_batches: list[dict])
             part["old_logps"] = model(**part, mode="policy")
     metrics = {"reward": total.mean().item(), "reward_std": total.std().item(),
                "frac_reward_zero_std": zero_std.float().mean().item(),
-               **{f"rewards/{r.name}/{stat}": getattr(values, stat)().item()
-                  for r, values in zip(scoring.rewards, global_rewards, strict=True) for stat in ("mean", "std")},
+               **{f"rewards/{name}/{stat}": getattr(values, stat)().item()
+                  for name, values in zip(scoring.names, global_rewards, strict=True) for stat in ("mean", "std")},
                "completions/mean_length": everything[-2].mean().item(),
                "completions/min_length": everything[-2].min().item(),
                "completions/max_length": everything[-2].max().item(),
                "completions/clipped_ratio": everything[-1].mean().item(), "generation_s": generation_s}
-    logged = [{**text, "generation": int(g), **{f"rewards/{r.name}": v for r, v in zip(
-        scoring.rewards, per_function[:, i].tolist(), strict=True)}, "advantage": advantage[mine][i].item(),
+    logged = [{**text, "generation": int(g), **{f"rewards/{name}": v for name, v in zip(
+        scoring.names, per_function[:, i].tolist(), strict=True)}, "advantage": advantage[mine][i].item(),
         "tokens": int(loss_mask[i].sum())}
         for i, (text, g) in enumerate(zip(shown, batch["generation"], strict=True))]
     if cfg.num_iterations > 1:
@@ -381,11 +439,11 @@ def _held_out(model: nn.Module, batch: dict) -> tuple[torch.Tensor, dict[str, to
     scoring = _scoring(extract_model_from_parallel(model).settings)
     made = sampling.sample(lambda **kw: model(mode="generate", **kw), batch["prompt_ids"], batch["prompt_length"],
                            None, scoring.how, _processes() > 1, scoring.ended)
-    per_function, _ = _score(scoring, batch, made)
+    per_function, _ = _score(scoring, batch, made, model)
     per_function = per_function.to(made.ids.device)
     total = (per_function * scoring.weights[:, None].to(made.ids.device)).sum(0)
-    sums = {"reward": total.sum(), **{f"rewards/{r.name}/mean": values.sum()
-                                      for r, values in zip(scoring.rewards, per_function, strict=True)},
+    sums = {"reward": total.sum(), **{f"rewards/{name}/mean": values.sum()
+                                      for name, values in zip(scoring.names, per_function, strict=True)},
             "completions/mean_length": made.mask.sum().float()}
     return -total.mean(), sums
 
@@ -412,7 +470,7 @@ def preview(cfg: Config, cache_dir: Path) -> str:
                                 torch.tensor([True]))
     values, _ = _score(scoring, {"columns": [first["columns"]]}, made)
     said = ", ".join(f"{r.name} {v:g}" for r, v in zip(scoring.rewards, values[:, 0].tolist(), strict=True))
-    return f"{shown}\nthe reward functions on an empty completion of it: {said}"
+    return f"{shown}\nthe reward functions on an empty completion of it: {said}" if said else shown
 
 
 def export(model: GRPOModel, state_dict: dict, cfg: Config, cache_dir: Path, out_dir: Path) -> None:

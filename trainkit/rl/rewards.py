@@ -33,8 +33,8 @@ class Reward:
 
 
 def load(spec: str, folders: Sequence[Path]) -> list[Reward]:
-    """The functions `spec` names (comma-separated module.function), importable from `folders` (searched after the
-    installed packages)."""
+    """The functions `spec` names (comma-separated module.function; empty: none), importable from `folders`
+    (searched after the installed packages)."""
     for folder in folders:
         if str(folder) not in sys.path:
             sys.path.append(str(folder))
@@ -60,19 +60,19 @@ def load(spec: str, folders: Sequence[Path]) -> list[Reward]:
     return found
 
 
-def weights(spec: str, rewards: Sequence[Reward]) -> list[float]:
-    """--reward_weights: comma-separated numbers, one per function; empty: 1 each."""
+def weights(spec: str, names: Sequence[str]) -> list[float]:
+    """--reward_weights: comma-separated numbers, one per reward (the functions', then the reward model's); empty:
+    1 each."""
     if not spec:
-        return [1.0] * len(rewards)
+        return [1.0] * len(names)
     try:
         values = [float(part) for part in spec.split(",")]
     except ValueError:
         values = []
-    if len(values) != len(rewards):
-        raise ConfigError([Problem(f"--reward_weights {spec!r}: {len(rewards)} reward function(s) need as many "
-                                   "numbers", "--reward_weights",
-                                   f"pass {len(rewards)} comma-separated numbers, e.g. "
-                                   f"{','.join(['1'] * len(rewards))}")])
+    if len(values) != len(names):
+        raise ConfigError([Problem(f"--reward_weights {spec!r}: {len(names)} reward(s) ({', '.join(names)}) need as "
+                                   "many numbers", "--reward_weights",
+                                   f"pass {len(names)} comma-separated numbers, e.g. {','.join(['1'] * len(names))}")])
     return values
 
 
