@@ -282,24 +282,23 @@ def _learned(batch: dict) -> torch.Tensor:
 
 
 def _token_losses(model: nn.Module, batch: dict, top_guess: bool = False
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, chunked_loss.TokenLosses]:
     """Every position's next-token loss, whether it is learned, (top_guess) whether the model's top guess is right,
-    and the model's own auxiliary loss (a mixture of experts' router balance) or None."""
+    and the whole of what next_token_losses found (a mixture of experts' aux_loss and router logits)."""
     if "shift_labels" in batch:  # a sequence-parallel shard: its targets made before the cut, no mask of its own
         targets = batch["shift_labels"]
-        token_loss, guess, aux, _ = chunked_loss.next_token_losses(model, top_guess, targets,
-                                                                input_ids=batch["input_ids"],
-                                                                position_ids=batch["position_ids"], use_cache=False)
-        return token_loss, targets != sft.IGNORE, guess == targets if top_guess else None, aux
+        out = chunked_loss.next_token_losses(model, top_guess, targets, input_ids=batch["input_ids"],
+                                             position_ids=batch["position_ids"], use_cache=False)
+        return out.losses, targets != sft.IGNORE, out.guess == targets if top_guess else None, out
     ids, mask, positions = batch["input_ids"], batch["attention_mask"], batch.get("position_ids")
     if "segment" in batch:  # packed rows: each example attends only to itself
         attention = _attention_of(model)
         # flash attention's variable-length path finds the examples from the restarting position_ids alone
         mask = None if attention.startswith("flash") else sft.block_mask(batch["segment"], attention == "eager")
     # No KV cache: in training it would only copy every layer's keys and values (generate() still uses one).
-    token_loss, guess, aux, _ = chunked_loss.next_token_losses(model, top_guess, input_ids=ids, attention_mask=mask,
-                                                            position_ids=positions, use_cache=False)
-    return token_loss, _learned(batch), guess == ids[:, 1:] if top_guess else None, aux
+    out = chunked_loss.next_token_losses(model, top_guess, input_ids=ids, attention_mask=mask, position_ids=positions,
+                                         use_cache=False)
+    return out.losses, _learned(batch), out.guess == ids[:, 1:] if top_guess else None, out
 
 
 def _weights(batch: dict) -> torch.Tensor:
@@ -323,10 +322,11 @@ def loss(model: nn.Module, batch: dict) -> torch.Tensor | tuple[torch.Tensor, di
     With loss_weight the runner makes a step's loss that mean over the whole global batch, however it falls across
     micro-batches and ranks. A mixture of experts whose config asks for its router logits adds its balancing loss
     times its coefficient, and reports it as aux_loss (trainkit/losses/router.py)."""
-    token_loss, _, _, aux = _token_losses(model, batch)
+    token_loss, _, _, out = _token_losses(model, batch)
     weight = _weights(batch)
     mean = (token_loss * weight).sum() / weight.sum().clamp(min=1e-12)
-    return router.with_router_loss(model, mean, aux, token_loss.shape[0])
+    return router.with_router_loss(model, mean, out.aux_loss, token_loss.shape[0], out.router_logits,
+                                   batch.get("attention_mask"))
 
 
 def loss_weight(cfg: Config, batch: dict) -> float:

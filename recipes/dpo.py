@@ -121,7 +121,8 @@ class Preference(nn.Module):
         if policy.aux_loss is None:
             return losses.mean(), sums
         # a mixture of experts' router balance, over the policy's forward (trainkit/losses/router.py)
-        objective, reported = router.with_router_loss(self.policy, losses.mean(), policy.aux_loss, len(losses))
+        objective, reported = router.with_router_loss(self.policy, losses.mean(), policy.aux_loss, len(losses),
+                                                      policy.router_logits, attention)
         return objective, {**sums, **reported}
 
     def _reference(self, ids: torch.Tensor, attention: torch.Tensor, mask: torch.Tensor) -> dpo_loss.Sequences:
@@ -134,12 +135,11 @@ class Preference(nn.Module):
     @staticmethod
     def _scores(model: nn.Module, ids: torch.Tensor, attention: torch.Tensor,
                 mask: torch.Tensor) -> dpo_loss.Sequences:
-        losses, _, aux_loss, _ = chunked_loss.next_token_losses(model, input_ids=ids, attention_mask=attention,
-                                                             use_cache=False)
-        logps, tokens = dpo_loss.sequence_logps(losses, mask)
+        out = chunked_loss.next_token_losses(model, input_ids=ids, attention_mask=attention, use_cache=False)
+        logps, tokens = dpo_loss.sequence_logps(out.losses, mask)
         chosen, rejected = logps.chunk(2)
         chosen_tokens, rejected_tokens = tokens.chunk(2)
-        return dpo_loss.Sequences(chosen, rejected, chosen_tokens, rejected_tokens, aux_loss)
+        return dpo_loss.Sequences(chosen, rejected, chosen_tokens, rejected_tokens, out.aux_loss, out.router_logits)
 
 
 def build_model(cfg: Config) -> nn.Module:

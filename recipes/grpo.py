@@ -178,25 +178,25 @@ class GRPOModel(nn.Module):
             adapters_off = self.policy.disable_adapter() if mode == "reference" and self.reference is None \
                 and self.lora else nullcontext()
             with adapters_off:
-                return self._logps(model, input_ids, attention_mask, width)[0]
-        logps, entropy, aux_loss = self._logps(self.policy, input_ids, attention_mask, width, entropy=True)
+                return -self._logps(model, input_ids, attention_mask, width).losses[:, -width:]
+        out = self._logps(self.policy, input_ids, attention_mask, width, entropy=True)
+        logps, entropy = -out.losses[:, -width:], out.entropy[:, -width:]
         result = grpo.token_loss(self.objective, logps, old_logps, ref_logps, advantages, completion_mask, entropy)
         sums = {f"{name}{COMPLETION_TOKENS}": value for name, value in result.sums.items()}
         sums["completion_tokens"] = completion_mask.sum().float()
-        if aux_loss is None:
+        if out.aux_loss is None:
             return result.loss, sums
-        objective, reported = router.with_router_loss(self.policy, result.loss, aux_loss, len(input_ids))
+        objective, reported = router.with_router_loss(self.policy, result.loss, out.aux_loss, len(input_ids),
+                                                      out.router_logits, attention_mask)
         return objective, {**sums, **reported}
 
     def _logps(self, model: nn.Module, ids: torch.Tensor, attention: torch.Tensor, width: int,
-               entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """The log-probabilities (at the sampling temperature) of the last `width` tokens of each row, each token's
-        entropy (asked for), and the model's auxiliary loss."""
-        out = chunked_loss.next_token_losses(model, input_ids=ids, attention_mask=attention,
-                                             position_ids=sampling.positions(attention), use_cache=False,
-                                             temperature=self.temperature, entropy=entropy)
-        spread = out.entropy[:, -width:] if entropy else None
-        return -out.losses[:, -width:], spread, out.aux_loss
+               entropy: bool = False) -> chunked_loss.TokenLosses:
+        """The next-token losses at the sampling temperature (minus the log-probabilities), each token's entropy
+        (asked for), the model's auxiliary loss and router logits: the completions are the last `width` tokens."""
+        return chunked_loss.next_token_losses(model, input_ids=ids, attention_mask=attention,
+                                              position_ids=sampling.positions(attention), use_cache=False,
+                                              temperature=self.temperature, entropy=entropy)
 
 
 COMPLETION_TOKENS = " per completion_tokens"  # a token-weighted mean (trainkit/run/metrics.py's reported_means)

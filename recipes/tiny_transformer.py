@@ -176,8 +176,8 @@ def loss(model: torch.nn.Module, batch: dict) -> torch.Tensor:
     # No KV cache: in training it would only copy every layer's keys and values (generate() still uses one).
     if "shift_labels" in batch:  # a sequence-parallel shard: its part of every block, the targets made before the cut
         targets = batch["shift_labels"]
-        losses, _, _, _ = chunked_loss.next_token_losses(model, targets=targets, input_ids=batch["input_ids"],
-                                                      position_ids=batch["position_ids"], use_cache=False)
+        losses = chunked_loss.next_token_losses(model, targets=targets, input_ids=batch["input_ids"],
+                                                position_ids=batch["position_ids"], use_cache=False).losses
         return losses.sum() / (targets != sft.IGNORE).sum().clamp(min=1)  # the runner weighs it by those targets
     return chunked_loss.next_token_losses(model, input_ids=batch["input_ids"], use_cache=False)[0].mean()
 

@@ -24,7 +24,8 @@ def losses_and_grads(model, ids, chunk, autocast=False):
     model.zero_grad()
     model.loss_chunk_tokens = chunk
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        losses, guesses, _, _ = chunked_loss.next_token_losses(model, True, input_ids=ids, use_cache=False)
+        out = chunked_loss.next_token_losses(model, True, input_ids=ids, use_cache=False)
+        losses, guesses = out.losses, out.guess
         losses.mean().backward()
     return losses.detach(), guesses, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 import transformers
 
-from conftest import launch
+from conftest import assert_refused, launch
 from trainkit.losses import chunked_loss
 from trainkit.recipes import load_recipe
 
@@ -60,6 +60,12 @@ def test_the_causal_lm_objective_is_transformers_own_loss_with_its_balancing_ter
         router = next(p for n, p in model.named_parameters() if "gate.weight" in n and "gate_proj" not in n)
         assert router.grad is not None and router.grad.abs().sum() > 0
         objectives[coefficient] = (objective.item(), own.aux_loss.item())
+        top_k, experts = model.config.num_experts_per_tok, own.router_logits[0].shape[-1]
+        for i, logits in enumerate(own.router_logits):  # each layer's busiest expert, counted by hand
+            counts = torch.bincount(torch.topk(logits, top_k).indices.flatten(), minlength=experts)
+            expected = counts.max().item() / counts.sum().item() * experts
+            assert reported[f"expert_load/layer_{i}"].item() == pytest.approx(2 * expected, rel=1e-6)
+            assert 1.0 <= expected <= experts
     (high, aux), (low, _) = objectives[10.0], objectives[0.01]
     assert high - low == pytest.approx((10.0 - 0.01) * aux, rel=1e-5)
 
@@ -107,23 +113,32 @@ def test_the_dpo_objective_adds_the_policys_balancing_term(tmp_path):
 
 @pytest.mark.slow
 def test_a_moe_fine_tune_logs_aux_loss_and_its_coefficient_counts(tmp_path, chat):
-    """causal_lm on a Qwen3-MoE saved with the chat fixture's tokenizer, one process, 3 steps: metrics.jsonl carries
-    aux_loss on every step, and the run with coefficient 10 has a loss larger than the run with 0.01 by about 10 x
-    aux_loss at step 1 (the same weights and batch: only the coefficient differs)."""
+    """causal_lm on a Qwen3-MoE saved with the chat fixture's tokenizer (its config's coefficient 0.01), one process,
+    3 steps, as it is and with --router_aux_loss_coef 10: metrics.jsonl carries aux_loss and each layer's expert load
+    on every step, and the run at 10 has a loss larger by about (10 - 0.01) x aux_loss at step 1 (the same weights and
+    batch: only the coefficient differs)."""
     from transformers import AutoTokenizer
 
     folder, data = chat
+    model_dir = tmp_path / "moe"
+    moe("qwen3_moe", 0.01).save_pretrained(model_dir)
+    AutoTokenizer.from_pretrained(folder).save_pretrained(model_dir)
     runs = {}
-    for coefficient in (10.0, 0.01):
-        model_dir = tmp_path / f"moe_{coefficient}"
-        moe("qwen3_moe", coefficient).save_pretrained(model_dir)
-        AutoTokenizer.from_pretrained(folder).save_pretrained(model_dir)
+    for coefficient, flags in ((10.0, ("--router_aux_loss_coef", "10")), (0.01, ())):
         runs[coefficient] = launch(tmp_path / f"run_{coefficient}", "--recipe", "causal_lm", "--model_name_or_path",
                                    str(model_dir), "--data", str(data), "--chat_template", "chatml",
                                    "--max_steps", "3", "--eval_every", "0", "--batch_size", "4",
-                                   "--seq_len", "64").check()
+                                   "--seq_len", "64", *flags).check()
     high, low = ([json.loads(line) for line in (runs[c].output_dir / "metrics.jsonl").read_text().splitlines()]
                  for c in (10.0, 0.01))
     assert all("aux_loss" in m and m["aux_loss"] > 0 for m in high + low)
+    assert all(1.0 <= m[f"expert_load/layer_{i}"] <= 4.0 for m in high + low for i in range(2))
     assert high[0]["aux_loss"] == pytest.approx(low[0]["aux_loss"], rel=1e-6)
     assert high[0]["loss"] - low[0]["loss"] == pytest.approx((10.0 - 0.01) * high[0]["aux_loss"], rel=1e-4)
+
+
+def test_the_coefficient_flag_is_refused_for_a_model_without_a_router(check_only, chat, tmp_path):
+    run = check_only(tmp_path / "out", "--recipe", "causal_lm", "--model_name_or_path", str(chat[0]), "--tokenizer",
+                     "saved", "--data", str(chat[1]), "--chat_template", "chatml", "--router_aux_loss_coef", "0.1",
+                     "--dry_run")
+    assert_refused(run, "--router_aux_loss_coef 0.1: Qwen2ForCausalLM has no router")

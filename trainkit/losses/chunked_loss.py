@@ -57,6 +57,7 @@ class TokenLosses(NamedTuple):
     guess: torch.Tensor | None  # the head's top guess there (asked for with top_guess), else None
     aux_loss: torch.Tensor | None  # the model's own auxiliary loss, unscaled (trainkit/losses/router.py), else None
     entropy: torch.Tensor | None = None  # the entropy of each position's next-token distribution (asked for), detached
+    router_logits: tuple[torch.Tensor, ...] | None = None  # a mixture of experts' per layer, where it returns them
 
 
 def next_token_losses(model: nn.Module, top_guess: bool = False, targets: torch.Tensor | None = None, *,
@@ -77,8 +78,9 @@ def next_token_losses(model: nn.Module, top_guess: bool = False, targets: torch.
         output = model(**inputs)
         logits = output.logits[:, predicting].float() / temperature
         return TokenLosses(_cross_entropy(logits, targets), logits.argmax(dim=-1) if top_guess else None,
-                           getattr(output, "aux_loss", None), _entropy(logits) if entropy else None)
-    project, hidden, last, aux_loss = _head_and_hidden(model, inner, inputs)
+                           getattr(output, "aux_loss", None), _entropy(logits) if entropy else None,
+                           getattr(output, "router_logits", None))
+    project, hidden, last, output = _head_and_hidden(model, inner, inputs)
     rows = hidden[:, predicting].reshape(-1, hidden.shape[-1])
     losses, guesses, entropies = [], [], []
     for part, wanted in zip(rows.split(chunk), targets.reshape(-1).split(chunk), strict=True):
@@ -91,8 +93,9 @@ def next_token_losses(model: nn.Module, top_guess: bool = False, targets: torch.
         entropies.append(spread)
     # + 0 x the model's own output: backward passes through it, where FSDP2 hooks its gradients' reduction
     loss = torch.cat(losses).view_as(targets) + 0 * last.sum()
-    return TokenLosses(loss, torch.cat(guesses).view_as(targets) if top_guess else None, aux_loss,
-                       torch.cat(entropies).view_as(targets) if entropy else None)
+    return TokenLosses(loss, torch.cat(guesses).view_as(targets) if top_guess else None,
+                       getattr(output, "aux_loss", None), torch.cat(entropies).view_as(targets) if entropy else None,
+                       getattr(output, "router_logits", None))
 
 
 def _chunk(project: Callable[[torch.Tensor], torch.Tensor], rows: torch.Tensor, targets: torch.Tensor,
@@ -133,10 +136,11 @@ Projection = Callable[[torch.Tensor], torch.Tensor]
 
 
 def _head_and_hidden(model: nn.Module, inner: nn.Module, inputs: dict[str, Any]
-                     ) -> tuple[Projection, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                     ) -> tuple[Projection, torch.Tensor, torch.Tensor, Any]:
     """The logits of given hidden states (the output head, then after_head); the head's input at every position
     from model(**inputs) (`inner`: the model out of its strategy's wrapper), run with a head that projects only the
-    last position; the model's logits there (checked against the chunks' way); and its auxiliary loss, if any."""
+    last position; the model's logits there (checked against the chunks' way); and the model's output (its
+    auxiliary loss and router logits, if any)."""
     head, then = inner.get_output_embeddings(), after_head(inner.config)
     project = head.forward
     seen: list[torch.Tensor] = []
@@ -160,4 +164,4 @@ def _head_and_hidden(model: nn.Module, inner: nn.Module, inputs: dict[str, Any]
                                    "after_head)",
                                    "--loss_chunk_mib", "pass --loss_chunk_mib 0 (the whole logits at once, as the "
                                    "model computes them)")])
-    return lambda rows: then(head(rows)), hidden, last, getattr(output, "aux_loss", None)
+    return lambda rows: then(head(rows)), hidden, last, output

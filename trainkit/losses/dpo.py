@@ -49,6 +49,7 @@ class Sequences:
     chosen_tokens: torch.Tensor
     rejected_tokens: torch.Tensor
     aux_loss: torch.Tensor | None = None  # the model's own auxiliary loss over the pairs' forward (a router's)
+    router_logits: tuple[torch.Tensor, ...] | None = None  # and its router's logits, per layer
 
     def averages(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.chosen / self.chosen_tokens.clamp(min=1), self.rejected / self.rejected_tokens.clamp(min=1)

@@ -9,7 +9,11 @@ so without this the balance is silently dropped: a coefficient of 10 and of 0.01
 
 The objective is then the recipe's loss + coefficient x aux_loss, per micro-batch, as transformers' loss is per
 forward; metrics.jsonl's `loss` is that objective (what the optimizer sees) and `aux_loss` the unscaled term, a mean
-over the step's samples.
+over the step's samples. Beside it, `expert_load/layer_<i>`: each layer's busiest expert's share of the micro-batch's
+top-k assignments (padding left out) times the number of experts, 1.0 when the router spreads the tokens evenly and
+the number of experts when one expert takes them all; the mean over the step's micro-batches. transformers' MoE layers
+are dropless (no capacity), so no token is dropped to count. The coefficient is the model config's
+router_aux_loss_coef; a recipe's --router_aux_loss_coef sets it (trainkit/models/finetune.py).
 """
 
 from __future__ import annotations
@@ -26,10 +30,35 @@ def coefficient(model: nn.Module) -> float:
     return float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
 
 
-def with_router_loss(model: nn.Module, loss: torch.Tensor, aux_loss: torch.Tensor | None,
-                     samples: int) -> torch.Tensor | tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """`loss` as it is where the model computed no auxiliary loss; else (loss + coefficient x aux_loss, the metric
-    aux_loss summed over the micro-batch's `samples`: a recipe loss's reported sums, trainkit/recipes.py)."""
+def expert_load(router_logits: tuple[torch.Tensor, ...], top_k: int,
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Per layer (router_logits: [tokens, experts] each), the busiest expert's share of the top-k assignments of the
+    tokens `attention_mask` keeps (all where None), times the number of experts."""
+    loads = []
+    for logits in router_logits:
+        experts = logits.shape[-1]
+        chosen = torch.topk(logits.detach().float(), top_k, dim=-1).indices
+        kept = torch.ones(chosen.shape[0], device=chosen.device) if attention_mask is None else \
+            attention_mask.reshape(-1).to(chosen.device).float()
+        counts = torch.zeros(experts, device=chosen.device).scatter_add_(
+            0, chosen.reshape(-1), kept.repeat_interleave(top_k))
+        loads.append(counts.max() / counts.sum().clamp(min=1.0) * experts)
+    return torch.stack(loads)
+
+
+def with_router_loss(model: nn.Module, loss: torch.Tensor, aux_loss: torch.Tensor | None, samples: int,
+                     router_logits: tuple[torch.Tensor, ...] | None = None, attention_mask: torch.Tensor | None = None
+                     ) -> torch.Tensor | tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """`loss` as it is where the model computed no auxiliary loss; else (loss + coefficient x aux_loss, the metrics
+    aux_loss and expert_load/layer_<i> summed over the micro-batch's `samples`: a recipe loss's reported sums,
+    trainkit/recipes.py)."""
     if aux_loss is None:
         return loss
-    return loss + coefficient(model) * aux_loss, {"aux_loss": aux_loss.detach().float() * samples}
+    reported = {"aux_loss": aux_loss.detach().float() * samples}
+    from accelerate.utils import extract_model_from_parallel
+
+    top_k = getattr(getattr(extract_model_from_parallel(model), "config", None), "num_experts_per_tok", None)
+    if router_logits and top_k:
+        loads = expert_load(router_logits, top_k, attention_mask)
+        reported.update({f"expert_load/layer_{i}": load * samples for i, load in enumerate(loads)})
+    return loss + coefficient(model) * aux_loss, reported

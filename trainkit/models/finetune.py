@@ -41,6 +41,10 @@ class FineTuneConfig(TrainConfig):
     # types' own class whatever tokenizer_config.json says (a Qwen2 folder loads as Qwen2Tokenizer).
     tokenizer: str = ""
     gradient_checkpointing: bool = False
+    # A mixture of experts' load-balancing loss (trainkit/losses/router.py): its weight in the objective. -1 keeps the
+    # model config's (router_aux_loss_coef, counted where its output_router_logits is on); 0 or more sets it and turns
+    # the router's logits on. A model without a router refuses it.
+    router_aux_loss_coef: float = -1.0
     # LoRA (peft): the base model frozen, low-rank adapters trained beside its linear layers; lora_r 0 trains the
     # model itself. The adapters add lora_alpha / lora_r times their product to each layer's output.
     lora_r: int = 0
@@ -122,6 +126,7 @@ def build(cfg: FineTuneConfig, auto_class: Any, lora_task: str = "CAUSAL_LM", **
         model = pretrained.load("model", cfg, lambda path, **kw: auto_class.from_config(
             config, dtype=getattr(config, "dtype", None) if dtype == "auto" else dtype,
             **({"attn_implementation": attention} if attention else {}), **kw))
+        model = _router_weighed(model, cfg)
         return _trained_in_fp32(lora.with_lora(model, cfg, lora_task) if cfg.lora_r else model)
     model = pretrained.load("model", cfg, lambda path, **kw: auto_class.from_pretrained(
         path, dtype=MODEL_DTYPES[cfg.model_dtype], use_safetensors=None if cfg.allow_pickle else True,
@@ -140,7 +145,21 @@ def build(cfg: FineTuneConfig, auto_class: Any, lora_task: str = "CAUSAL_LM", **
             param.requires_grad_(name in chosen)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = _router_weighed(model, cfg)
     return _trained_in_fp32(lora.with_lora(model, cfg, lora_task) if cfg.lora_r else model)
+
+
+def _router_weighed(model: nn.Module, cfg: FineTuneConfig) -> nn.Module:
+    """--router_aux_loss_coef set on the model's config (with its router logits on), or refused for a model that
+    has no router."""
+    if cfg.router_aux_loss_coef < 0:
+        return model
+    if not hasattr(model.config, "router_aux_loss_coef"):
+        raise ConfigError([Problem(f"--router_aux_loss_coef {cfg.router_aux_loss_coef:g}: {type(model).__name__} has "
+                                   "no router (its config has no router_aux_loss_coef: not a mixture of experts)",
+                                   "--router_aux_loss_coef", "drop --router_aux_loss_coef")])
+    model.config.router_aux_loss_coef, model.config.output_router_logits = cfg.router_aux_loss_coef, True
+    return model
 
 
 def _trained_in_fp32(model: nn.Module) -> nn.Module:
