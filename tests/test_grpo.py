@@ -251,7 +251,7 @@ def test_a_broken_reward_function_is_named_by_the_dry_run(check_only, chat, prom
     (["--num_generations", "1"], "num_generations must be >= 2"),
     (["--loss_type", "ppo"], "--loss_type must be one of grpo, dr_grpo, dapo, bnpo"),
     (["--max_completion_length", "64"], "max_completion_length must be between 1 and seq_len - 1"),
-    (["--reward_weights", "1,2,3"], "2 reward function(s) need as many numbers"),
+    (["--reward_weights", "1,2,3"], "2 reward(s) (even_ids, short) need as many numbers"),
 ])
 def test_grpo_mistakes_are_named_with_the_fix(check_only, chat, prompts, tmp_path, args, message):
     assert_refused(check_only(tmp_path / "out", *grpo_args(chat[0], prompts, "--dry_run", *args)), message)
