@@ -59,6 +59,7 @@ RUN_TIME_PREFIXES = ("TORCHELASTIC_", "TORCH_NCCL_", "ACCELERATE_", "FSDP_", "PA
                      "PYTEST_")
 PASSED_ON = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 SERVER: tuple[subprocess.Popen, str] | None = None  # this test process's server and its socket
+SOCKET_SEEN = False  # whether SERVER's socket has appeared (a missing one is then gone, not yet to come)
 STARTING = threading.Lock()  # tests/test_docs.py launches from two threads
 
 
@@ -183,6 +184,7 @@ def serve(path: str) -> None:
     preloaded_env = dict(os.environ)
     parent = os.getppid()
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the watchers
+    server = os.getpid()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path + ".tmp")
     listener.listen(8)
@@ -203,20 +205,40 @@ def serve(path: str) -> None:
                 sys.stdout.flush()
                 sys.stderr.flush()
                 if os.fork() == 0:  # the watcher
-                    listener.close()
-                    signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # torchrun waits for its ranks
-                    pid = os.fork()
-                    if pid == 0:
-                        conn.close()
-                        request["socket"] = path
-                        os._exit(_rank(request, fds) if "argv" in request else _launch(request, fds))
-                    _watch(conn, pid)
+                    _forked(lambda r=request, f=fds, c=conn: _watcher(listener, c, r, f, path))
             conn.close()
             for fd in fds:
                 os.close(fd)
     finally:
-        os.unlink(path)
-    shutil.rmtree(os.path.dirname(path))
+        if os.getpid() == server:  # never a forked child's doing: the server's socket is the suite's
+            os.unlink(path)
+            shutil.rmtree(os.path.dirname(path))
+
+
+def _watcher(listener: socket.socket, conn: socket.socket, request: dict, fds: list[int], path: str) -> int:
+    """The watcher: fork the rank (or the launcher), then say its pid and its exit status (_watch)."""
+    listener.close()
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # torchrun waits for its ranks
+    pid = os.fork()
+    if pid == 0:
+        conn.close()
+        request["socket"] = path
+        _forked(lambda: _rank(request, fds) if "argv" in request else _launch(request, fds))
+    _watch(conn, pid)
+
+
+def _forked(work) -> NoReturn:
+    """End a forked child with work()'s exit status, whatever it raises: the child never returns into the server's
+    loop, whose end removes the socket every test's launch goes through (a rank that raised did so once, and every
+    later launch of that test process waited for a socket that was gone)."""
+    try:
+        code = work()
+    except BaseException:  # noqa: BLE001 - a child's end, said on its stderr
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    os._exit(code if isinstance(code, int) else 0)
 
 
 def available() -> bool:
@@ -229,9 +251,13 @@ def available() -> bool:
 
 def server(env: dict[str, str]) -> str:
     """The socket of this test process's server, started on `env` (the tests' environment) at the first call."""
-    global SERVER
+    global SERVER, SOCKET_SEEN
     with STARTING:
+        if SERVER is not None and SERVER[0].poll() is None and SOCKET_SEEN and not os.path.exists(SERVER[1]):
+            SERVER[0].kill()  # alive, but its socket is gone: no launch could reach it; a new server instead
+            SERVER[0].wait()
         if SERVER is None or SERVER[0].poll() is not None:
+            SOCKET_SEEN = False
             folder = tempfile.mkdtemp(prefix="forked-launch-")
             with open(os.path.join(folder, "server.log"), "w") as log:  # DeepSpeed's notices at import go there
                 proc = subprocess.Popen([sys.executable, __file__, os.path.join(folder, "socket")], env=env,
@@ -243,6 +269,7 @@ def server(env: dict[str, str]) -> str:
             log = Path(path).with_name("server.log").read_text()[-2000:]
             raise RuntimeError(f"the launch server exited ({proc.returncode}):\n{log}")
         time.sleep(0.05)
+    SOCKET_SEEN = True
     return path
 
 
