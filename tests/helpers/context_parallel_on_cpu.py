@@ -79,5 +79,6 @@ fsdp.ring_context = gathered_context
 
 if __name__ == "__main__":
     import train
+    from trainkit.launch.rank_exit import end_process
 
-    sys.exit(train.main(sys.argv[1:]))
+    end_process(train.main(sys.argv[1:]))  # as train.py ends: a launched rank skips finalization (its docstring)
