@@ -58,11 +58,7 @@ class PairsConfig(FineTuneConfig):
             return [*problems, Problem("no preference pairs to train on", "config field data",
                                        "pass --data with .jsonl files of prompt/chosen/rejected records")]
         files = [(data, flag) for data, flag in ((self.data, "--data"), (self.eval_data, "--eval_data")) if data]
-        read = [problem for data, flag in files for problem in text.check_data(data, None, flag=flag,
-                                                                                example=PAIR_RECORD)]
-        return problems + read + [problem for data, flag in files if not read
-                                  for path in text.local_files(data) or [] if path.suffix in (".jsonl", ".json")
-                                  and path.is_file() and (problem := check_records(path, flag, text.CHECKED_BYTES))]
+        return problems + text.records_problems(files, PAIR_RECORD, check_records)
 
 
 def preview(cfg: PairsConfig, cache_dir: Path) -> str:
@@ -108,12 +104,9 @@ def _pairs(cfg: PairsConfig, data: str, cache_dir: Path, split: str = "train"):
     first = layout(records[0]) if len(records) else None
 
     def encode(batch, indices):
-        listed = [dict(zip(batch, values, strict=True)) for values in zip(*batch.values(), strict=True)]
-        for number, record in zip(indices, listed, strict=True):
-            if bad := record_problem(record, first):
-                raise ConfigError([Problem(f"record {number + 1} of {data} {bad}", f"{flag} {data}",
-                                           f"mend that record: a pair is {PAIR_RECORD}, strings or lists of chat "
-                                           "messages, in one layout per file")])
+        listed = text.listed_records(batch, indices, lambda record: record_problem(record, first), data, flag,
+                                     f"mend that record: a pair is {PAIR_RECORD}, strings or lists of chat messages, "
+                                     "in one layout per file")
         if template is None and any(isinstance(record["chosen"], list) for record in listed):
             raise ConfigError([Problem("the tokenizer has no chat template to render conversational pairs with",
                                        "--chat_template", f"pass --chat_template {' or '.join(sft.TEMPLATES)}")])

@@ -48,11 +48,7 @@ class PromptsConfig(FineTuneConfig):
             return [*problems, Problem("no prompts to train on", "config field data",
                                        f"pass --data with .jsonl files of records like {PROMPT_RECORD}")]
         files = [(data, flag) for data, flag in ((self.data, "--data"), (self.eval_data, "--eval_data")) if data]
-        read = [problem for data, flag in files for problem in text.check_data(data, None, flag=flag,
-                                                                                example=PROMPT_RECORD)]
-        return problems + read + [problem for data, flag in files if not read
-                                  for path in text.local_files(data) or [] if path.suffix in (".jsonl", ".json")
-                                  and path.is_file() and (problem := check_records(path, flag, text.CHECKED_BYTES))]
+        return problems + text.records_problems(files, PROMPT_RECORD, check_records)
 
     @property
     def prompt_length(self) -> int:
@@ -125,11 +121,8 @@ def _prompts(cfg: PromptsConfig, data: str, cache_dir: Path, split: str = "train
     first = layout(records[0]) if len(records) else None
 
     def encode(batch, indices):
-        listed = [dict(zip(batch, values, strict=True)) for values in zip(*batch.values(), strict=True)]
-        for number, record in zip(indices, listed, strict=True):
-            if bad := record_problem(record, first):
-                raise ConfigError([Problem(f"record {number + 1} of {data} {bad}", f"{flag} {data}",
-                                           f"mend that record: a prompt is {PROMPT_RECORD}")])
+        listed = text.listed_records(batch, indices, lambda record: record_problem(record, first), data, flag,
+                                     f"mend that record: a prompt is {PROMPT_RECORD}")
         if template is None and first == "conversational":
             raise ConfigError([Problem("the tokenizer has no chat template to render conversational prompts with",
                                        "--chat_template", f"pass --chat_template {' or '.join(sft.TEMPLATES)}")])

@@ -15,7 +15,9 @@ import hashlib
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -250,6 +252,26 @@ def first_fields(data: str) -> list[str] | None:
                     return None  # check_data names the line
                 return list(record) if isinstance(record, dict) else None
     return None
+
+
+def records_problems(files: list[tuple[str, str]], example: str,
+                     check_records: Callable[[Path, str, int | None], Problem | None]) -> list[Problem]:
+    """What the dry run finds in a recipe's record files (`files`: (data, its flag) each): check_data's problems, or
+    else the first bad record of each local JSON-lines file by `check_records` (path, flag, bytes to read)."""
+    read = [problem for data, flag in files for problem in check_data(data, None, flag=flag, example=example)]
+    return read or [problem for data, flag in files for path in local_files(data) or []
+                    if path.suffix in (".jsonl", ".json") and path.is_file()
+                    and (problem := check_records(path, flag, CHECKED_BYTES))]
+
+
+def listed_records(batch: dict[str, list], indices: list[int], problem: Callable[[Any], str | None], data: str,
+                   flag: str, fix: str) -> list[dict[str, Any]]:
+    """A datasets.map batch as one dict per record, the first record `problem` names refused with its number."""
+    listed = [dict(zip(batch, values, strict=True)) for values in zip(*batch.values(), strict=True)]
+    for number, record in zip(indices, listed, strict=True):
+        if bad := problem(record):
+            raise ConfigError([Problem(f"record {number + 1} of {data} {bad}", f"{flag} {data}", fix)])
+    return listed
 
 
 def load_records(data: str, data_config: str, text_field: str | None, cache_dir: Path, split: str = "train",
