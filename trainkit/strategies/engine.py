@@ -313,25 +313,23 @@ class Engine:
 
     def generate(self, generate_fn: Callable[[torch.nn.Module, TrainConfig, Any], list[dict[str, str]]],
                  eval_set: Any) -> list[dict[str, str]]:
-        """The recipe's generate hook on this rank's model (the recipe's own module, its parameters gathered by the
-        strategy's hooks where they are sharded), in eval mode, without gradients."""
-        model = self.unwrapped_model
-        model.eval()
-        with torch.no_grad():
-            answers = generate_fn(model, self.cfg, eval_set)
-        model.train()
-        return answers
+        """The recipe's generate hook on this rank's model (in_eval_mode)."""
+        return self.in_eval_mode(generate_fn, eval_set)
 
     def rollout(self, rollout_fn: Callable[[torch.nn.Module, TrainConfig, int, list], Any], step: int,
                 micro_batches: list) -> Any:
-        """The recipe's rollout hook (trainkit/recipes.py) on this rank's model as generate runs it: the recipe's own
-        module, eval mode, no gradients."""
+        """The recipe's rollout hook (trainkit/recipes.py) on this rank's model (in_eval_mode)."""
+        return self.in_eval_mode(rollout_fn, step, micro_batches)
+
+    def in_eval_mode(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """fn(model, cfg, *args) on the recipe's own module (its parameters gathered by the strategy's hooks where
+        they are sharded), in eval mode, without gradients; the model trains again after."""
         model = self.unwrapped_model
         model.eval()
         with torch.no_grad():
-            rolled = rollout_fn(model, self.cfg, step, micro_batches)
+            result = fn(model, self.cfg, *args)
         model.train()
-        return rolled
+        return result
 
     def report(self) -> str | None:
         """A line for the end of the run about the engine's own measurements (a pipeline's bubble), or None."""
