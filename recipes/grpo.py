@@ -6,7 +6,7 @@ layouts, trainkit/data/prompts.py: `prompt` a string or a list of chat messages;
 functions by name). Each step, every prompt of the global batch gets --num_generations completions from the model as
 it is (trainkit/rl/sampling.py: each from a generator seeded by the run's seed, the step, the prompt and its number,
 so the same on any number of processes), the reward functions score them (--reward_funcs module.function[,...] with
---reward_weights: trainkit/rl/rewards.py; recipes/rewards.py holds the chat walk-through's), each completion's
+--reward_weights: trainkit/rl/rewards.py; recipes/rewards/chat.py holds the chat walk-through's), each completion's
 advantage is its reward against its prompt's other completions, and the loss is the clipped policy gradient
 (--loss_type grpo|dr_grpo|dapo|bnpo, TRL's default dapo) with --beta times the KL to the model as it started
 (trainkit/losses/grpo.py has every formula and its paper). The global batch counts completions: batch_size x

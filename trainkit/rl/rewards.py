@@ -4,9 +4,10 @@
 
 one number per completion (the completions are strings, or for chat prompts [{"role": "assistant", "content": ...}]),
 `columns` every other field of the prompts' records by name, one value per completion. A module is imported from
-the working directory or the recipe's folder (recipes/rewards.py ships the chat walk-through's: `rewards.format`,
-`rewards.arithmetic`). A function that is missing, raises, or returns anything but one number per completion is named
-with the sample it was given and the fix, before the first step (the dry run calls each on one sample) as in the run.
+the working directory or the recipe's folder (recipes/rewards/chat.py ships the chat walk-through's:
+`rewards.chat.arithmetic`, `rewards.chat.one_line`). A function that is missing, raises, or returns anything but one
+number per completion is named with the sample it was given and the fix, before the first step (the dry run calls each
+on one sample) as in the run.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def load(spec: str, folders: Sequence[Path]) -> list[Reward]:
         module_name, _, function = path.rpartition(".")
         if not module_name:
             raise ConfigError([Problem(f"--reward_funcs {path!r} names no module", "--reward_funcs",
-                                       "write module.function, e.g. --reward_funcs rewards.arithmetic")])
+                                       "write module.function, e.g. --reward_funcs rewards.chat.arithmetic")])
         try:
             module = importlib.import_module(module_name)
         except Exception as e:  # not found, or it fails to import: its own words
