@@ -19,7 +19,6 @@ end_if_refused_before()
 
 import json
 import os
-import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -63,7 +62,7 @@ from trainkit.run.metrics import (
     summary_line,
 )
 from trainkit.run.output_folder import STOP_RECORD, check_folder_shared, clear_outputs, record_stop
-from trainkit.run.restarts import last_attempt_note, record_error
+from trainkit.run.restarts import last_attempt_note, rank_zero_first, record_error
 from trainkit.run.stopping import FiniteCheck, StopSignal
 from trainkit.step import train_step
 from trainkit.strategies.registry import Engine
@@ -110,19 +109,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def refuse(error: ConfigError | TrainingError, output_dir: Path | None) -> int:
-    """Print the error lines once per launch. The ranks of a launch mostly refuse alike; rank 0 prints at once, the
-    others only after a pause, by which time the launcher has ended them if rank 0 refused too (it stops every rank
-    when one fails). A rank that alone saw the problem still prints it: never a silent failure. A cause is published
-    first, for the ranks that lose contact with this one to name it (trainkit/launch/rank_exit.py)."""
+    """Print the error lines once per launch (rank_zero_first). A cause is published first, for the ranks that lose
+    contact with this one to name it (trainkit/launch/rank_exit.py)."""
     lines = error.lines()
     if not isinstance(error, LostContact):  # the cause: the ranks that lose contact with this one name it
         publish_failure(lines[0])
     if note := last_attempt_note(lambda: continue_from(output_dir)):  # --max_restarts used up
         lines.append(note)
     record_error(lines, refusal=isinstance(error, ConfigError))  # for torchrun's report and its next attempt
-    if int(os.environ.get("RANK", "0")) > 0:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the launcher's stop ends this pause, and the process
-        time.sleep(5)
+    rank_zero_first()
     close_progress_bars()
     for line in lines:
         print(f"error: {line}", file=sys.stderr, flush=True)

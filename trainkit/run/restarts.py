@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -54,6 +55,15 @@ def record_error(lines: list[str], refusal: bool) -> None:
         pass
 
 
+def rank_zero_first() -> None:
+    """The ranks of a launch mostly fail alike, and the launcher stops every rank when one fails: rank 0 goes on at
+    once, the others only after a pause, by which time the launcher has ended them if rank 0 failed too. So rank 0
+    says a shared error, and a rank that alone met it still says it: never a silent failure, never N copies."""
+    if int(os.environ.get("RANK", "0")) > 0:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the launcher's stop ends this pause, and the process
+        time.sleep(5)
+
+
 def end_if_refused_before() -> None:
     """Where this rank refused in the previous attempt: say it again, note that it is not tried again, record it for
     torchrun and the next attempt, and exit 2, at once."""
@@ -72,6 +82,6 @@ def end_if_refused_before() -> None:
     lines.append(f"{_ENDED_AT_ONCE} {now[0]} of {now[1]} ended at once: the attempt before was refused the same "
                  "command, and no restart heals a refusal: fix what it names, then launch again")
     record_error(lines, refusal=True)
-    if os.environ.get("RANK", "0") == "0":  # every rank refused alike: one says it
-        print("\n".join(f"error: {line}" for line in lines), file=sys.stderr, flush=True)
+    rank_zero_first()  # a rank that ended first would have the launcher stop rank 0 before it said why
+    print("\n".join(f"error: {line}" for line in lines), file=sys.stderr, flush=True)
     sys.exit(2)
