@@ -14,6 +14,7 @@ import os
 import re
 import shlex
 import subprocess
+import time
 from pathlib import Path
 from unittest import mock
 
@@ -200,8 +201,9 @@ def run(command: str, args: list[str]) -> tuple[int, str]:
 def run_chain(chain: list[tuple[str, list[str]]]) -> list[str]:
     failures = []
     for command, args in chain:
+        started = time.perf_counter()
         code, output = run(command, args)
-        print(f"\nexit {code}: {shlex.join(args)}")
+        print(f"\nexit {code} after {time.perf_counter() - started:.1f} s: {shlex.join(args)}")
         if code != 0:
             said = [line for line in output.splitlines() if "error" in line or "FAILED" in line]
             failures.append(f"{command}\n  -> exit {code}: {said or output[-1500:]}")
