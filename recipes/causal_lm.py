@@ -321,12 +321,13 @@ def loss(model: nn.Module, batch: dict) -> torch.Tensor | tuple[torch.Tensor, di
     """The micro-batch's weighed mean (_weights): over its learned tokens, or over its examples of each one's mean.
     With loss_weight the runner makes a step's loss that mean over the whole global batch, however it falls across
     micro-batches and ranks. A mixture of experts whose config asks for its router logits adds its balancing loss
-    times its coefficient, and reports it as aux_loss (trainkit/losses/router.py)."""
+    times its coefficient, each sequence's weighed as its learned tokens, and reports it as aux_loss
+    (trainkit/losses/router.py)."""
     token_loss, _, _, out = _token_losses(model, batch)
     weight = _weights(batch)
     mean = (token_loss * weight).sum() / weight.sum().clamp(min=1e-12)
-    return router.with_router_loss(model, mean, out.aux_loss, token_loss.shape[0], out.router_logits,
-                                   batch.get("attention_mask"))
+    return router.with_router_loss(model, mean, out.aux_loss, out.router_logits, batch.get("attention_mask"),
+                                   weight.sum(dim=1))
 
 
 def loss_weight(cfg: Config, batch: dict) -> float:

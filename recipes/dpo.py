@@ -120,9 +120,9 @@ class Preference(nn.Module):
         sums = {name: values.sum() for name, values in metrics.items()}
         if policy.aux_loss is None:
             return losses.mean(), sums
-        # a mixture of experts' router balance, over the policy's forward (trainkit/losses/router.py)
-        objective, reported = router.with_router_loss(self.policy, losses.mean(), policy.aux_loss, len(losses),
-                                                      policy.router_logits, attention)
+        # a mixture of experts' router balance: each answer's, all weighing alike (trainkit/losses/router.py)
+        objective, reported = router.with_router_loss(self.policy, losses.mean(), policy.aux_loss,
+                                                      policy.router_logits, attention, torch.ones(len(ids)))
         return objective, {**sums, **reported}
 
     def _reference(self, ids: torch.Tensor, attention: torch.Tensor, mask: torch.Tensor) -> dpo_loss.Sequences:

@@ -186,8 +186,9 @@ class GRPOModel(nn.Module):
         sums["completion_tokens"] = completion_mask.sum().float()
         if out.aux_loss is None:
             return result.loss, sums
-        objective, reported = router.with_router_loss(self.policy, result.loss, out.aux_loss, len(input_ids),
-                                                      out.router_logits, attention_mask)
+        objective, reported = router.with_router_loss(self.policy, result.loss, out.aux_loss, out.router_logits,
+                                                      attention_mask,
+                                                      grpo.row_units(self.objective.loss_type, completion_mask))
         return objective, {**sums, **reported}
 
     def _logps(self, model: nn.Module, ids: torch.Tensor, attention: torch.Tensor, width: int,

@@ -35,7 +35,8 @@ from helpers.launching import (
 from trainkit.launch.train_process import ROOT, Run, kill_tree, launch_command, max_rel_diff
 
 __all__ = ["CPU_STAND_INS", "EXAMPLES", "FLAG_STRATEGIES", "GPU_ONLY", "LAUNCHES", "LAUNCH_TIMEOUT", "LM", "ROOT",
-           "TEST_ENV", "Run", "architecture", "assert_refused", "conversation", "entry", "forkable", "kill_tree",
+           "TEST_ENV", "Run", "architecture", "mixture_of_experts", "assert_refused", "conversation", "entry",
+           "forkable", "kill_tree",
            "error_lines", "launch", "launch_command", "max_rel_diff", "PARITY_BOUND", "processes", "SERVER_ENV",
            "strategy_of",
            "write_yaml", "yaml_of", "zero2_json"]
@@ -232,6 +233,41 @@ def architecture(name: str, attention: str = "sdpa", layers: int = 2):
                                           attn_implementation=attention))
     return GPTNeoXForCausalLM(GPTNeoXConfig(**sizes))
 
+
+
+def mixture_of_experts(name: str, **config):
+    """A small untrained mixture of experts of each family the MoE tests use, on the chat fixture's 400-token
+    vocabulary, its router logits on (the balancing loss computed), 4 experts, top 2, none of them written for this
+    project: fused experts (Qwen3-MoE, Mixtral, OLMoE, gpt-oss with its sliding-window layers and attention sinks),
+    a shared expert beside the routed ones (Qwen2-MoE), and DeepSeek-V3 (multi-head latent attention, a dense first
+    layer, a shared expert, a router balanced by a bias instead of a loss: it computes no aux_loss). `config`: more
+    config fields (router_aux_loss_coef)."""
+    import transformers
+
+    torch_seed = config.pop("seed", 0)
+    sizes = {"vocab_size": 400, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "output_router_logits": True, "pad_token_id": 0, "eos_token_id": 0, **config}
+    routed = {"num_experts_per_tok": 2, "num_key_value_heads": 2}
+    models = {
+        "qwen3_moe": lambda: transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+            **sizes, **routed, num_experts=4, moe_intermediate_size=16, head_dim=8)),
+        "mixtral": lambda: transformers.MixtralForCausalLM(transformers.MixtralConfig(
+            **sizes, **routed, num_local_experts=4)),
+        "olmoe": lambda: transformers.OlmoeForCausalLM(transformers.OlmoeConfig(**sizes, **routed, num_experts=4)),
+        "qwen2_moe": lambda: transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+            **sizes, **routed, num_experts=4, moe_intermediate_size=16, shared_expert_intermediate_size=16)),
+        "gpt_oss": lambda: transformers.GptOssForCausalLM(transformers.GptOssConfig(
+            **sizes, **routed, num_local_experts=4, head_dim=8, sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"])),
+        "deepseek_v3": lambda: transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
+            **sizes, num_experts_per_tok=2, num_key_value_heads=4, n_routed_experts=4, moe_intermediate_size=16,
+            first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=4, v_head_dim=8,
+            qk_nope_head_dim=4, n_group=1, topk_group=1)),
+    }
+    import torch
+
+    torch.manual_seed(torch_seed)
+    return models[name]()
 
 
 @pytest.fixture

@@ -1,7 +1,8 @@
 """A mixture of experts' balancing loss is kept (trainkit/losses/router.py): the causal_lm and dpo recipes add the
 model's own aux_loss times its config's router_aux_loss_coef to their objective, as transformers' loss does when
-given labels, whole or in chunks, and report it as aux_loss. Before, a coefficient of 10 and of 0.01 trained to the
-same losses to every digit."""
+given labels, whole or in chunks, each sequence balanced alone (so the step's loss does not change with the split
+of the global batch), and report it as aux_loss. Before, a coefficient of 10 and of 0.01 trained to the same losses
+to every digit."""
 
 from __future__ import annotations
 
@@ -10,41 +11,27 @@ import sys
 
 import pytest
 import torch
-import transformers
 
-from conftest import assert_refused, launch
+from conftest import architecture, assert_refused, launch, mixture_of_experts
 from trainkit.losses import chunked_loss
 from trainkit.recipes import load_recipe
+from trainkit.run.metrics import means_of
 
-# Four MoE families transformers builds from a config, none written for this project: fused experts (Qwen3-MoE,
-# Mixtral, OLMoE) and a shared expert beside the routed ones (Qwen2-MoE).
-SIZES = {"vocab_size": 400, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-         "num_attention_heads": 4, "output_router_logits": True, "pad_token_id": 0, "eos_token_id": 0}
-MOE = {
-    "qwen3_moe": lambda **c: transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
-        **SIZES, **c, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, head_dim=8,
-        num_key_value_heads=2)),
-    "mixtral": lambda **c: transformers.MixtralForCausalLM(transformers.MixtralConfig(
-        **SIZES, **c, num_local_experts=4, num_experts_per_tok=2, num_key_value_heads=2)),
-    "olmoe": lambda **c: transformers.OlmoeForCausalLM(transformers.OlmoeConfig(
-        **SIZES, **c, num_experts=4, num_experts_per_tok=2)),
-    "qwen2_moe": lambda **c: transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
-        **SIZES, **c, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-        shared_expert_intermediate_size=16, num_key_value_heads=2)),
-}
+MOE = ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "gpt_oss")  # tests/conftest.py's mixture_of_experts
 
 
 def moe(name: str, coefficient: float) -> torch.nn.Module:
-    torch.manual_seed(0)
-    return MOE[name](router_aux_loss_coef=coefficient)
+    return mixture_of_experts(name, router_aux_loss_coef=coefficient)
 
 
 @pytest.mark.parametrize("name", sorted(MOE))
 @pytest.mark.parametrize("chunk_mib", [0.0, 0.002], ids=["whole", "chunks"])
-def test_the_causal_lm_objective_is_transformers_own_loss_with_its_balancing_term(name, chunk_mib):
-    """Plain text, every token learned: causal_lm's objective equals model(..., labels=ids).loss (the cross entropy
-    + coefficient x aux_loss) to 1e-6, with the logits whole or 5 positions at a time; the reported aux_loss is the
-    model's, summed over the rows; the coefficient changes the objective by exactly its difference x aux_loss."""
+def test_the_causal_lm_objective_is_transformers_own_loss_sequence_by_sequence(name, chunk_mib):
+    """Plain text, every token learned: causal_lm's objective on a micro-batch of two sequences is the mean of
+    model(sequence, labels=sequence).loss (the cross entropy + coefficient x aux_loss) over the two, to 1e-6, with the
+    logits whole or 5 positions at a time: each sequence balanced alone, the model's own loss for a micro-batch of
+    one; the reported aux_loss is the mean of theirs; the coefficient changes the objective by exactly its difference
+    x aux_loss."""
     recipe = load_recipe("causal_lm")
     ids = torch.randint(1, 400, (2, 12), generator=torch.Generator().manual_seed(1))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
@@ -53,29 +40,53 @@ def test_the_causal_lm_objective_is_transformers_own_loss_with_its_balancing_ter
         model = chunked_loss.configure(moe(name, coefficient), chunk_mib)
         assert model.loss_chunk_tokens == (1 if chunk_mib else 0)  # one position a chunk: 22 chunks
         objective, reported = recipe.loss(model, batch)
-        own = model(**batch, labels=ids)
-        assert abs(objective.item() - own.loss.item()) <= 1e-6 * own.loss.item(), (objective, own.loss)
-        assert reported["aux_loss"].item() == pytest.approx(2 * own.aux_loss.item(), rel=1e-6)
+        means = means_of({k: v.item() for k, v in reported.items()}, 2)
+        own = [model(input_ids=row[None], labels=row[None]) for row in ids]
+        expected = sum(out.loss.item() for out in own) / 2
+        assert abs(objective.item() - expected) <= 1e-6 * expected, (objective, expected)
+        assert means["aux_loss"] == pytest.approx(sum(out.aux_loss.item() for out in own) / 2, rel=1e-6)
         objective.backward()  # the router's parameters get the balancing term's gradient
-        router = next(p for n, p in model.named_parameters() if "gate.weight" in n and "gate_proj" not in n)
+        router = next(p for n, p in model.named_parameters() if n.endswith(("mlp.gate.weight", "mlp.router.weight")))
         assert router.grad is not None and router.grad.abs().sum() > 0
-        objectives[coefficient] = (objective.item(), own.aux_loss.item())
-        top_k, experts = model.config.num_experts_per_tok, own.router_logits[0].shape[-1]
-        for i, logits in enumerate(own.router_logits):  # each layer's busiest expert, counted by hand
+        objectives[coefficient] = (objective.item(), means["aux_loss"])
+        whole = model(**batch)  # the micro-batch's loads: each layer's busiest expert, counted by hand
+        top_k, experts = model.config.num_experts_per_tok, whole.router_logits[0].shape[-1]
+        for i, logits in enumerate(whole.router_logits):
             counts = torch.bincount(torch.topk(logits, top_k).indices.flatten(), minlength=experts)
             expected = counts.max().item() / counts.sum().item() * experts
-            assert reported[f"expert_load/layer_{i}"].item() == pytest.approx(2 * expected, rel=1e-6)
+            assert means[f"expert_load/layer_{i}"] == pytest.approx(expected, rel=1e-6)
             assert 1.0 <= expected <= experts
+        assert set(means) == {"aux_loss", "expert_load/layer_0", "expert_load/layer_1"}  # the units' total hidden
     (high, aux), (low, _) = objectives[10.0], objectives[0.01]
     assert high - low == pytest.approx((10.0 - 0.01) * aux, rel=1e-5)
 
 
+def test_the_balance_of_a_global_batch_is_the_same_however_it_is_split():
+    """Sequences of different lengths (padding), each weighing its learned tokens: the objective summed over
+    micro-batches as the runner weighs them (trainkit/step.py: each micro-batch's mean x its loss_weight / the
+    global total) is the same for one micro-batch of 4, two of 2 and four of 1, to 1e-6; the model's own aux_loss,
+    measured over each forward's batch, changes with the split (why the recipe balances each sequence alone)."""
+    recipe = load_recipe("causal_lm")
+    model = chunked_loss.configure(moe("qwen3_moe", 10.0), 0)
+    ids = torch.randint(1, 400, (4, 12), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    for row, length in enumerate((12, 7, 9, 4)):
+        mask[row, length:] = 0
+    total = float(mask[:, 1:].sum())
+    objectives, own = {}, {}
+    for size in (4, 2, 1):
+        parts = [{"input_ids": ids[i:i + size], "attention_mask": mask[i:i + size]} for i in range(0, 4, size)]
+        objectives[size] = sum(recipe.loss(model, part)[0].item() * recipe.loss_weight(None, part) / total
+                               for part in parts)
+        own[size] = sum(model(**part).aux_loss.item() for part in parts) / len(parts)
+    assert objectives[2] == pytest.approx(objectives[4], rel=1e-6)
+    assert objectives[1] == pytest.approx(objectives[4], rel=1e-6)
+    assert abs(own[1] - own[4]) > 1e-3 * own[4], own
+
+
 def test_a_dense_model_reports_no_aux_loss():
     """A model without experts: the loss is a plain scalar, as before (no aux_loss metric appears)."""
-    torch.manual_seed(0)
-    model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**{k: v for k, v in SIZES.items()
-                                                                       if k != "output_router_logits"},
-                                                                    num_key_value_heads=2))
+    model = architecture("qwen2")
     ids = torch.randint(1, 400, (2, 12))
     out = load_recipe("causal_lm").loss(chunked_loss.configure(model, 0), {"input_ids": ids,
                                                                             "attention_mask": torch.ones_like(ids)})
@@ -83,8 +94,8 @@ def test_a_dense_model_reports_no_aux_loss():
 
 
 def test_the_dpo_objective_adds_the_policys_balancing_term(tmp_path):
-    """dpo: the pair loss's mean + coefficient x the policy forward's aux_loss (chosen and rejected in one forward);
-    the reference pass adds nothing."""
+    """dpo: the pair loss's mean + coefficient x the mean of the policy's aux_loss over the answers, each alone
+    (chosen and rejected in one forward); the reference pass adds nothing."""
     from trainkit.losses import dpo as dpo_loss
 
     recipe = load_recipe("dpo")
@@ -102,13 +113,13 @@ def test_the_dpo_objective_adds_the_policys_balancing_term(tmp_path):
     batch = {**ids, "chosen_attention": ones, "rejected_attention": ones, "chosen_mask": mask, "rejected_mask": mask}
     objective, reported = recipe.loss(model, batch)
     both = torch.cat([batch["chosen_ids"], batch["rejected_ids"]])
-    aux = policy(input_ids=both, attention_mask=torch.cat([ones, ones])).aux_loss
+    aux = sum(policy(input_ids=row[None]).aux_loss for row in both) / len(both)  # each answer balanced alone
     pair_mean = objective - 10.0 * aux
     scores = [preference._scores(m, both, torch.cat([ones, ones]), torch.cat([mask, mask]))
               for m in (policy, reference)]
     expected, _ = dpo_loss.pair_losses("sigmoid", cfg.beta, scores[0], scores[1])
     assert pair_mean.item() == pytest.approx(expected.mean().item(), rel=1e-5)
-    assert reported["aux_loss"].item() == pytest.approx(2 * aux.item(), rel=1e-6)
+    assert means_of({k: v.item() for k, v in reported.items()}, 2)["aux_loss"] == pytest.approx(aux.item(), rel=1e-6)
 
 
 @pytest.mark.slow
@@ -141,4 +152,4 @@ def test_the_coefficient_flag_is_refused_for_a_model_without_a_router(check_only
     run = check_only(tmp_path / "out", "--recipe", "causal_lm", "--model_name_or_path", str(chat[0]), "--tokenizer",
                      "saved", "--data", str(chat[1]), "--chat_template", "chatml", "--router_aux_loss_coef", "0.1",
                      "--dry_run")
-    assert_refused(run, "--router_aux_loss_coef 0.1: Qwen2ForCausalLM has no router")
+    assert_refused(run, "--router_aux_loss_coef 0.1: Qwen2ForCausalLM has no router with a balancing loss")

@@ -143,4 +143,9 @@ def token_loss(objective: Objective, logps: torch.Tensor, old_logps: torch.Tenso
 
 def unit_count(loss_type: str, mask: torch.Tensor) -> float:
     """The units a micro-batch's loss is a mean over: its completion tokens (dapo, bnpo), else its completions."""
-    return float(mask.sum()) if loss_type in TOKEN_LEVEL else float(mask.shape[0])
+    return float(row_units(loss_type, mask).sum())
+
+
+def row_units(loss_type: str, mask: torch.Tensor) -> torch.Tensor:
+    """[rows]: each completion's units (unit_count)."""
+    return mask.sum(dim=1).float() if loss_type in TOKEN_LEVEL else torch.ones(mask.shape[0], device=mask.device)

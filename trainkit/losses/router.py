@@ -1,25 +1,43 @@
 """A mixture of experts' router loss, kept in the objective of a recipe that computes its own loss.
 
-transformers' MoE models (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, ...) compute a load-balancing loss from their router
-logits when their config sets `output_router_logits` (Switch Transformer, Fedus et al. 2021, eq. 4: experts x the
-sum over experts of the share of tokens routed to each times its mean router probability), return it unscaled as the
-output's `aux_loss`, and add `router_aux_loss_coef` times it to their own loss only when given `labels`. The recipes
-here compute the next-token loss from the hidden states in chunks (trainkit/losses/chunked_loss.py) and pass no labels,
-so without this the balance is silently dropped: a coefficient of 10 and of 0.01 trained to the same losses.
+transformers' MoE models (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss, ...) compute a load-balancing loss from
+their router logits when their config sets `output_router_logits` (Switch Transformer, Fedus et al. 2021, eq. 4:
+experts x the sum over experts of the share of tokens routed to each times its mean router probability), return it
+unscaled as the output's `aux_loss`, and add `router_aux_loss_coef` times it to their own loss only when given
+`labels`. The recipes here compute the next-token loss from the hidden states in chunks
+(trainkit/losses/chunked_loss.py) and pass no labels, so without this the balance is silently dropped: a coefficient
+of 10 and of 0.01 trained to the same losses.
 
-The objective is then the recipe's loss + coefficient x aux_loss, per micro-batch, as transformers' loss is per
-forward; metrics.jsonl's `loss` is that objective (what the optimizer sees) and `aux_loss` the unscaled term, a mean
-over the step's samples. Beside it, `expert_load/layer_<i>`: each layer's busiest expert's share of the micro-batch's
+Over which tokens the balance is measured. The model's own loss measures it over its forward's batch, so its value
+changes with the micro-batch: two rows balanced together are not two rows balanced alone, and a global batch split
+over 1, 2 or 4 processes, or over more accumulation steps, would train another curve. Here the model's own function
+(its modeling module's `load_balancing_loss_func`) is called on each sequence alone, as Megatron-Core's
+`seq_aux_loss` does, and the objective adds coefficient x the mean of the sequences' values, each weighed like the
+recipe's loss (its learned tokens, its completions): a sum over sequences, so the same for any split of the global
+batch (tests/test_moe.py). For a micro-batch of one sequence it is the model's own loss to the digit
+(tests/test_router_loss.py). A sequence-parallel rank holds part of each sequence: the balance would need the
+whole, so sequence parallelism refuses a router that computes one (trainkit/strategies/sequence_parallel.py).
+
+metrics.jsonl's `loss` is the objective (what the optimizer sees) and `aux_loss` the unscaled term, weighed as the
+objective weighs it. Beside it, `expert_load/layer_<i>`: each layer's busiest expert's share of the micro-batch's
 top-k assignments (padding left out) times the number of experts, 1.0 when the router spreads the tokens evenly and
-the number of experts when one expert takes them all; the mean over the step's micro-batches. transformers' MoE layers
-are dropless (no capacity), so no token is dropped to count. The coefficient is the model config's
-router_aux_loss_coef; a recipe's --router_aux_loss_coef sets it (trainkit/models/finetune.py).
+the number of experts when one expert takes them all; the mean over the step's micro-batches, weighed as the loss (a
+statistic of the micro-batch, unlike the loss). transformers' MoE layers are dropless (no capacity), so no token is
+dropped to count. The coefficient is the model config's router_aux_loss_coef; a recipe's --router_aux_loss_coef sets
+it (trainkit/models/finetune.py).
 """
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
+
 import torch
 from torch import nn
+
+from trainkit.run.metrics import PER
+
+UNITS = "_router_units"  # the reported total that aux_loss is a mean over (not a metric of its own)
 
 
 def coefficient(model: nn.Module) -> float:
@@ -28,6 +46,41 @@ def coefficient(model: nn.Module) -> float:
 
     config = getattr(extract_model_from_parallel(model), "config", None)
     return float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
+
+
+def balances(model: nn.Module) -> bool:
+    """Whether `model` (or the transformers model inside peft's wrapper) computes its router's balancing loss: its
+    config asks for the router logits."""
+    inner = getattr(model, "get_base_model", lambda: model)()
+    config = getattr(inner, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return bool(getattr(text, "output_router_logits", False))
+
+
+def own_balance(model: nn.Module) -> tuple[Callable[..., torch.Tensor], int]:
+    """The model's own load_balancing_loss_func (from the module that defines its class: under peft or a strategy's
+    wrapper, the model inside that routes) and its top-k."""
+    for module in model.modules():
+        if not hasattr(module, "num_experts_per_tok"):
+            continue
+        for cls in type(module).__mro__:  # FSDP2 makes a class of its own on top of the model's
+            defined = sys.modules.get(cls.__module__)
+            if hasattr(defined, "load_balancing_loss_func"):
+                return defined.load_balancing_loss_func, int(module.num_experts_per_tok)
+    raise TypeError(f"{type(model).__name__} returns an aux_loss, but no module of it defines "
+                    "load_balancing_loss_func beside its num_experts_per_tok")
+
+
+def sequence_balance(model: nn.Module, router_logits: tuple[torch.Tensor, ...],
+                     attention_mask: torch.Tensor | None, rows: int) -> torch.Tensor:
+    """[rows]: each sequence's balancing loss, the model's own function on that sequence alone (router_logits: one
+    [rows x length, experts] per layer, as transformers returns them; attention_mask [rows, length] or None)."""
+    balance, top_k = own_balance(model)
+    experts = router_logits[0].shape[-1]
+    layers = [logits.view(rows, -1, experts) for logits in router_logits]
+    return torch.stack([balance(tuple(layer[row] for layer in layers), experts, top_k,
+                                None if attention_mask is None else attention_mask[row:row + 1])
+                        for row in range(rows)])
 
 
 def expert_load(router_logits: tuple[torch.Tensor, ...], top_k: int,
@@ -46,19 +99,21 @@ def expert_load(router_logits: tuple[torch.Tensor, ...], top_k: int,
     return torch.stack(loads)
 
 
-def with_router_loss(model: nn.Module, loss: torch.Tensor, aux_loss: torch.Tensor | None, samples: int,
-                     router_logits: tuple[torch.Tensor, ...] | None = None, attention_mask: torch.Tensor | None = None
+def with_router_loss(model: nn.Module, loss: torch.Tensor, aux_loss: torch.Tensor | None,
+                     router_logits: tuple[torch.Tensor, ...] | None, attention_mask: torch.Tensor | None,
+                     row_weights: torch.Tensor
                      ) -> torch.Tensor | tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """`loss` as it is where the model computed no auxiliary loss; else (loss + coefficient x aux_loss, the metrics
-    aux_loss and expert_load/layer_<i> summed over the micro-batch's `samples`: a recipe loss's reported sums,
-    trainkit/recipes.py)."""
+    """`loss` as it is where the model computed no auxiliary loss; else (loss + coefficient x the row_weights-weighed
+    mean of the sequences' balancing losses, the reported sums: aux_loss and expert_load/layer_<i> over the rows'
+    weights; trainkit/recipes.py). row_weights: [rows], what each sequence weighs in the
+    recipe's loss of the micro-batch (its learned tokens, 1 per completion, ...)."""
     if aux_loss is None:
         return loss
-    reported = {"aux_loss": aux_loss.detach().float() * samples}
-    from accelerate.utils import extract_model_from_parallel
-
-    top_k = getattr(getattr(extract_model_from_parallel(model), "config", None), "num_experts_per_tok", None)
-    if router_logits and top_k:
-        loads = expert_load(router_logits, top_k, attention_mask)
-        reported.update({f"expert_load/layer_{i}": load * samples for i, load in enumerate(loads)})
-    return loss + coefficient(model) * aux_loss, reported
+    rows = len(row_weights)
+    weights = row_weights.detach().float().to(loss.device)
+    weighed = (sequence_balance(model, router_logits, attention_mask, rows).to(loss.device) * weights).sum()
+    reported = {f"aux_loss{PER}{UNITS}": weighed.detach(), UNITS: weights.sum()}
+    _, top_k = own_balance(model)
+    loads = expert_load(router_logits, top_k, attention_mask)
+    reported.update({f"expert_load/layer_{i}{PER}{UNITS}": load * weights.sum() for i, load in enumerate(loads)})
+    return loss + coefficient(model) * weighed / weights.sum().clamp(min=1e-12), reported

@@ -156,7 +156,8 @@ def _router_weighed(model: nn.Module, cfg: FineTuneConfig) -> nn.Module:
         return model
     if not hasattr(model.config, "router_aux_loss_coef"):
         raise ConfigError([Problem(f"--router_aux_loss_coef {cfg.router_aux_loss_coef:g}: {type(model).__name__} has "
-                                   "no router (its config has no router_aux_loss_coef: not a mixture of experts)",
+                                   "no router with a balancing loss (its config has no router_aux_loss_coef: not a "
+                                   "mixture of experts, or one like DeepSeek-V3 balanced by its router's bias)",
                                    "--router_aux_loss_coef", "drop --router_aux_loss_coef")])
     model.config.router_aux_loss_coef, model.config.output_router_logits = cfg.router_aux_loss_coef, True
     return model

@@ -30,7 +30,9 @@ class FlopCount:
 
     N counts the parameters that multiply: all of them except input embedding tables (a lookup is not a matmul). As
     in nanoGPT, a token embedding tied to the output layer counts (it is the output layer's matmul) and a position
-    embedding does not; an untied input embedding does not either."""
+    embedding does not; an untied input embedding does not either. In a mixture of experts a token multiplies only
+    the experts it is routed to: its routed experts count top_k / experts of theirs (the active parameters, as
+    DeepSeek-V3's and Qwen3-MoE's reports count them; shared experts and routers count whole)."""
 
     params: int  # N
     per_token: float | None  # token recipes
@@ -51,7 +53,7 @@ def count_flops(model: torch.nn.Module, tokens_per_sample: int | None) -> FlopCo
     linear_weights = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Linear)}
     lookups = {id(m.weight): m.weight.numel() for m in model.modules()
                if isinstance(m, torch.nn.Embedding) and id(m.weight) not in linear_weights}
-    params = sum(p.numel() for p in model.parameters()) - sum(lookups.values())
+    params = sum(p.numel() for p in model.parameters()) - sum(lookups.values()) - idle_expert_params(model)
     config = getattr(model, "config", None)
     layers, hidden = getattr(config, "num_hidden_layers", None), getattr(config, "hidden_size", None)
     if tokens_per_sample is None:
@@ -59,6 +61,28 @@ def count_flops(model: torch.nn.Module, tokens_per_sample: int | None) -> FlopCo
     attention = 12.0 * layers * hidden * tokens_per_sample if layers and hidden else 0.0
     per_token = 6.0 * params + attention
     return FlopCount(params, per_token, per_token * tokens_per_sample)
+
+
+def idle_expert_params(model: torch.nn.Module) -> int:
+    """The routed experts' parameters that a token does not multiply: (1 - top_k / experts) of them, for each
+    module that holds the routed experts (transformers' fused `experts` module, or a ModuleList of experts), with
+    top_k the config's num_experts_per_tok; 0 for a dense model."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    top_k = getattr(text, "num_experts_per_tok", None)
+    if not top_k:
+        return 0
+    idle = 0
+    for module in model.modules():
+        experts = getattr(module, "experts", None)
+        if isinstance(experts, torch.nn.ModuleList) and len(experts):
+            count = len(experts)
+        elif isinstance(experts, torch.nn.Module) and (params := list(experts.parameters(recurse=False))):
+            count = getattr(experts, "num_experts", None) or params[0].shape[0]
+        else:
+            continue
+        idle += round(sum(p.numel() for p in experts.parameters()) * (1 - min(top_k, count) / count))
+    return idle
 
 
 def process_seconds() -> float:
@@ -151,15 +175,23 @@ def reported_means(accelerator, reported: dict[str, torch.Tensor], every_rank_re
     totals = accelerator.reduce(torch.stack([reported[name].to(accelerator.device) for name in names]), "sum")
     by_name = dict(zip(names, totals.tolist(), strict=True))
     samples = by_name.pop(SAMPLES)
+    return means_of(by_name, samples)
+
+
+def means_of(totals: dict[str, float], samples: float) -> dict[str, float]:
+    """Each reported total over the samples, or a name "<name> per <other>" over the other's total (a token-weighted
+    mean); a name that starts with HIDDEN is only a total others are over."""
     means = {}
-    for name, total in by_name.items():  # "<name> per <other>": over the other's total (a token-weighted mean)
+    for name, total in totals.items():
         numerator, _, over = name.partition(PER)
-        count = by_name[over] if over else samples
-        means[numerator] = total / count if count else 0.0
+        count = totals[over] if over else samples
+        if not numerator.startswith(HIDDEN):
+            means[numerator] = total / count if count else 0.0
     return means
 
 
 PER = " per "  # a reported name "kl per completion_tokens": its global sum over completion_tokens' global sum
+HIDDEN = "_"  # a reported name that starts so is only a total that others are over, not a metric
 
 
 TRACKED_RUN = "train"  # the trackers' run name: TensorBoard writes under <output_dir>/train

@@ -22,7 +22,7 @@ import torch
 from trainkit.config import TrainConfig
 from trainkit.launch.launcher import Launch
 from trainkit.recipes import Recipe
-from trainkit.run.metrics import model_state_tensors
+from trainkit.run.metrics import means_of, model_state_tensors
 from trainkit.run.stopping import FiniteCheck
 from trainkit.step import StepResult
 from trainkit.strategies import accelerator, dcp_format, sequence_parallel
@@ -287,7 +287,8 @@ class Engine:
 
         The loss is the mean over every sample evaluated (each micro-batch's mean weighs its samples), or with the
         recipe's loss_weight over every unit (a learned token); each recipe metric is a sum over a micro-batch's
-        samples, divided here by the number of samples evaluated on all ranks.
+        samples, divided here by the number of samples evaluated on all ranks (or, "<name> per <other>", by the other's
+        total: trainkit/run/metrics.py's means_of).
         """
         model = self.model
         model.eval()
@@ -309,7 +310,8 @@ class Engine:
                              (loss_sum, weight_sum, sample_count, *sums.values())])
         loss_total, weight_total, samples, *metric_sums = self.accelerator.reduce(local, "sum").tolist()
         return {"eval_loss": loss_total / weight_total,
-                **{f"eval_{name}": total / samples for name, total in zip(sums, metric_sums, strict=True)}}
+                **{f"eval_{name}": mean for name, mean in
+                   means_of(dict(zip(sums, metric_sums, strict=True)), samples).items()}}
 
     def generate(self, generate_fn: Callable[[torch.nn.Module, TrainConfig, Any], list[dict[str, str]]],
                  eval_set: Any) -> list[dict[str, str]]:

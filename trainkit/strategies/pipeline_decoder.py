@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from trainkit.errors import ConfigError, Problem
+from trainkit.losses import router
 
 
 def layers(model: torch.nn.Module) -> torch.nn.ModuleList:
@@ -65,6 +66,11 @@ def _decoder(model: torch.nn.Module) -> torch.nn.Module:
             "train it without --pipeline_stages (fsdp.yaml or deepspeed_zero3.yaml shard a model that does not fit), "
             "or declare pipeline_layers, pipeline_stage and pipeline_loss in a recipe of your own "
             "(recipes/README.md; trainkit/strategies/pipeline_decoder.py shows how)")]) from None
+    if router.balances(inner):
+        raise ConfigError([Problem(
+            f"{type(inner).__name__} computes its router's balancing loss (output_router_logits) from every layer's "
+            "router logits, which no pipeline stage holds all of", "--pipeline_stages",
+            "train it without --pipeline_stages: deepspeed_zero3.yaml and fsdp.yaml shard a mixture of experts")])
     return inner
 
 
