@@ -216,6 +216,14 @@ class ZeroEngine(Engine):
                 f"the engine)" if not all(built) else ""
             self.notes.append(f"ZeRO-3: the model was built partitioned across {self.launch.world_size} process(es) "
                               f"(zero.Init): no rank held it whole{later}")
+        plugin = self.accelerator.state.deepspeed_plugin
+        if self.strategy.stage == 3 and not plugin.transformer_moe_cls_names and (blocks := expert_blocks(model)):
+            from deepspeed.utils import set_z3_leaf_modules
+
+            set_z3_leaf_modules(model, blocks)
+            self.notes.append(f"ZeRO-3: each {', '.join(sorted({b.__name__ for b in blocks}))} is gathered whole (a "
+                              "DeepSpeed leaf module): its experts run only where a token picks them, and ranks that "
+                              "gathered different ones would no longer meet in the same collectives")
         if self.sequence_parallel_size > 1:
             from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -499,6 +507,15 @@ class DeepSpeed(Strategy):
 
 
 @functools.cache
+def expert_blocks(model: torch.nn.Module) -> list[type[torch.nn.Module]]:
+    """The classes of the modules that hold one module per expert (an `experts` ModuleList), which ZeRO-3 must gather
+    whole. A transformers mixture of experts keeps its experts fused in one module, whose parameters are gathered
+    together whatever the routing: none there. A YAML's deepspeed_moe_layer_cls_names names them instead (Accelerate
+    marks those)."""
+    return list({type(module) for module in model.modules()
+                 if isinstance(getattr(module, "experts", None), torch.nn.ModuleList)})
+
+
 def _resumable_cpu_adam() -> type[torch.optim.Optimizer]:
     """DeepSpeed's CPU Adam, with the bias correction computed the same way in a resumed run as in the original.
 
