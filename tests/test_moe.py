@@ -1,0 +1,167 @@
+"""Mixtures of experts under every shipped config: the one-process curve with the router's balancing loss in it.
+
+Four families transformers builds from a config, none written for this project (tests/conftest.py's
+mixture_of_experts): Qwen3-MoE under every data-parallel config, Mixtral, gpt-oss and DeepSeek-V3 (no balancing loss:
+its router is balanced by a bias) under ZeRO-3 and FSDP2. The coefficient is 1, a hundred times the models' own, so
+that a balance measured per micro-batch instead of per sequence would show (trainkit/losses/router.py). ZeRO-3 is
+also run on a model that keeps one module per expert with each rank's tokens routed to other experts than its peer's.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import PARITY_BOUND, ROOT, assert_refused, entry, launch, max_rel_diff, mixture_of_experts
+
+# Every config that trains a whole model on each rank or shards it (tests/test_strategies.py's CONFIGS), one process's
+# global batch of 8 split as each config splits it
+CONFIGS = ["ddp", "deepspeed_zero1", "deepspeed_zero2", "deepspeed_zero2_offload", "deepspeed_zero3",
+           "deepspeed_zero3_offload", "fsdp", "fsdp_offload", "hsdp"]
+OTHERS = ["mixtral", "gpt_oss", "deepseek_v3"]
+BALANCED = {"qwen3_moe", "mixtral", "gpt_oss"}  # their config has router_aux_loss_coef; DeepSeek-V3's has none
+
+
+@pytest.fixture(scope="module")
+def moe_args(chat, tmp_path_factory):
+    """moe_args(name): causal_lm's flags that fine-tune the family `name` saved with the chat fixture's tokenizer."""
+    from transformers import AutoTokenizer
+
+    folder, data = chat
+    root = tmp_path_factory.mktemp("moe")
+
+    def args(name: str) -> list[str]:
+        model_dir = root / name
+        if not model_dir.exists():
+            mixture_of_experts(name).save_pretrained(model_dir)
+            AutoTokenizer.from_pretrained(folder).save_pretrained(model_dir)
+        coefficient = ["--router_aux_loss_coef", "1"] if name in BALANCED else []
+        return ["--recipe", "causal_lm", "--model_name_or_path", str(model_dir), "--data", str(data),
+                "--chat_template", "chatml", "--seq_len", "64", "--max_steps", "6", "--eval_every", "0",
+                "--lr", "3e-3", *coefficient]
+
+    return args
+
+
+@pytest.fixture(scope="module")
+def references(moe_args, tmp_path_factory):
+    """references(name): one process, the global batch of 8 in one micro-batch; launched once."""
+    done = {}
+
+    def reference(name: str):
+        if name not in done:
+            done[name] = launch(tmp_path_factory.mktemp(f"ref-{name}") / "out", *moe_args(name),
+                                "--batch_size", "8").check()
+        return done[name]
+
+    return reference
+
+
+def assert_one_process_curve(run, reference, balanced: bool) -> None:
+    """loss, grad_norm and aux_loss at every step within PARITY_BOUND of one process's; the balancing term in the
+    loss is not negligible (a balance per micro-batch would move it)."""
+    for key in ("loss", "grad_norm", *(["aux_loss"] if balanced else [])):
+        ours, theirs = [m[key] for m in run.metrics], [m[key] for m in reference.metrics]
+        assert len(ours) == 6 and max_rel_diff(ours, theirs) < PARITY_BOUND, (key, ours, theirs)
+    if balanced:
+        assert all(m["aux_loss"] > 0.01 * m["loss"] for m in run.metrics)
+        assert all(1.0 <= m[f"expert_load/layer_{i}"] <= 4.0 for m in run.metrics for i in range(2))
+    else:
+        assert not any("aux_loss" in m for m in run.metrics)
+
+
+def assert_export_loads(run, reference, name: str) -> None:
+    """final/ loads with from_pretrained as the family it was, its router logits on, and holds what one process
+    trained: the same weights as one process's final/, in transformers' own layout (its experts one tensor each
+    per expert on disk, fused when loaded)."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(run.output_dir / "final")
+    assert type(model).__name__ == type(mixture_of_experts(name)).__name__ and model.config.output_router_logits
+    saved, expected = (load_file(r.output_dir / "final" / "model.safetensors") for r in (run, reference))
+    assert saved.keys() == expected.keys() and any(".experts." in key for key in saved)
+    assert max((saved[k] - expected[k]).abs().max().item() for k in saved) < 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", CONFIGS)
+def test_qwen3_moe_trains_the_one_process_curve_under_every_config(moe_args, references, run_dir, config):
+    yaml, flags = entry(config, 8)
+    run = launch(run_dir("out"), *moe_args("qwen3_moe"), *flags, config=yaml).check()
+    assert_one_process_curve(run, references("qwen3_moe"), balanced=True)
+    if config in ("deepspeed_zero3", "fsdp"):
+        assert_export_loads(run, references("qwen3_moe"), "qwen3_moe")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", ["deepspeed_zero3", "fsdp"])
+@pytest.mark.parametrize("name", OTHERS)
+def test_other_families_train_the_one_process_curve_sharded(moe_args, references, run_dir, name, config):
+    yaml, flags = entry(config, 8)
+    run = launch(run_dir("out"), *moe_args(name), *flags, config=yaml).check()
+    assert_one_process_curve(run, references(name), balanced=name in BALANCED)
+    assert_export_loads(run, references(name), name)
+
+
+@pytest.mark.slow
+def test_lora_on_a_mixture_of_experts_adapts_the_attention_under_zero3(moe_args, run_dir):
+    """LoRA (peft's all-linear default) on Qwen3-MoE: adapters on the attention's projections; the router and the
+    fused experts are parameters of their own modules, not Linear layers, and stay frozen. ZeRO-3 trains the
+    one-process curve, the balancing loss included (its gradient reaches the adapters through the attention)."""
+    args = [*moe_args("qwen3_moe"), "--lora_r", "8", "--lora_alpha", "16"]
+    one = launch(run_dir("one"), *args, "--batch_size", "8").check()
+    yaml, flags = entry("deepspeed_zero3", 8)
+    zero3 = launch(run_dir("zero3"), *args, *flags, config=yaml).check()
+    assert_one_process_curve(zero3, one, balanced=True)
+    adapter = json.loads((one.output_dir / "final" / "adapter" / "adapter_config.json").read_text())
+    targets = set(adapter["target_modules"])
+    assert {"q_proj", "k_proj", "v_proj", "o_proj"} <= targets and not targets & {"gate", "experts"}, targets
+
+
+@pytest.mark.parametrize("config", ["deepspeed_zero3_sp", "pipeline"])
+def test_a_split_that_cuts_the_routers_view_is_refused(check_only, moe_args, tmp_path, config):
+    """Sequence parallelism holds part of each sequence on a rank, a pipeline stage part of the layers: the balance
+    needs every layer's router logits of whole sequences. Refused at plan time with the config that trains it."""
+    yaml, flags = entry(config, 8)
+    run = check_only(tmp_path / "out", *moe_args("qwen3_moe"), *flags, "--dry_run", "--accelerate_config",
+                     str(ROOT / "accelerate_configs" / f"{yaml}.yaml"), "--num_processes", "2")
+    assert_refused(run, "Qwen3MoeForCausalLM computes its router's balancing loss (output_router_logits)")
+    assert "deepspeed_zero3.yaml and fsdp.yaml shard a mixture of experts" in run.stderr
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "gpt_oss", "deepseek_v3"])
+def test_mfu_counts_the_active_parameters(name):
+    """The FLOPs of a token count its top 2 of the 4 routed experts (half their parameters, named by hand here),
+    the shared experts, routers and attention whole, the input embedding not at all (trainkit/run/metrics.py)."""
+    from trainkit.run.metrics import count_flops
+
+    model = mixture_of_experts(name)
+    named = dict(model.named_parameters())
+    routed = sum(p.numel() for n, p in named.items() if ".experts." in n)
+    assert routed > 0
+    lookup = named["model.embed_tokens.weight"].numel() if "lm_head.weight" in named else 0  # untied: a lookup
+    expected = sum(p.numel() for p in named.values()) - lookup - routed // 2
+    assert count_flops(model, 64).params == expected
+
+
+EXPERT_LIST = str(ROOT / "tests" / "zoo" / "expert_list_moe.py")
+
+
+@pytest.mark.slow
+def test_zero3_gathers_a_block_of_expert_modules_whole_so_routing_apart_never_hangs(run_dir):
+    """A user's MoE with one module per expert (tests/zoo/expert_list_moe.py): under ZeRO-3 each rank gathers an
+    expert when a token picks it, so ranks that pick different experts ask for different gathers (without the mark
+    below, DeepSpeed stops at the first step with "RuntimeError: rank1: [0, 1, 2, 3, 8, ...]", the modules each rank
+    ran differing). The runner marks the block a DeepSpeed leaf module (gathered whole, said in a note): with every
+    rank's tokens forced to its own experts at every step the run ends; with the model's own routing it trains one
+    process's curve."""
+    one = launch(run_dir("one"), "--recipe", EXPERT_LIST, "--batch_size", "8").check()
+    yaml, flags = entry("deepspeed_zero3", 8)
+    zero3 = launch(run_dir("zero3"), "--recipe", EXPERT_LIST, *flags, config=yaml).check()
+    assert "ZeRO-3: each MoEBlock is gathered whole (a DeepSpeed leaf module)" in zero3.stderr
+    assert max_rel_diff(zero3.losses, one.losses) < PARITY_BOUND
+    apart = launch(run_dir("apart"), "--recipe", EXPERT_LIST, *flags, "--set", "apart=true", config=yaml,
+                   env={"TRAINKIT_DIST_TIMEOUT": "60"}).check()  # a hang fails in a minute
+    assert len(apart.losses) == 6
