@@ -169,7 +169,8 @@ class GRPOModel(nn.Module):
         with **generating); "reference" / "policy": that model's log-probabilities of the completion tokens;
         "score": the reward model's score of each row (its own tokens)."""
         if mode == "generate":
-            return self.policy(input_ids=input_ids, attention_mask=attention_mask, **generating)
+            return self.policy(input_ids=input_ids, attention_mask=attention_mask, **generating,
+                               **router.generating(self.policy))
         if mode == "score":
             return self.scorer(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, 0]
         width = completion_mask.shape[1]

@@ -183,9 +183,12 @@ def architecture(name: str, attention: str = "sdpa", layers: int = 2):
     the layouts no stage class was written for: Phi-3 (fused query-key-value and gate-up projections), Gemma (scaled
     embeddings, tied), OLMo (norms without weights), Granite (embedding, residual and attention multipliers, logits
     divided), StarCoder2 (biases, LayerNorm, a sliding window) and OPT (learned positions, a projection in and out;
-    its dropout off, as the others have it, for runs on different process counts to compare)."""
+    its dropout off, as the others have it, for runs on different process counts to compare); and the mixtures of
+    experts (mixture_of_experts)."""
     import transformers
 
+    if name in MIXTURES_OF_EXPERTS:
+        return mixture_of_experts(name)
     sizes = {"vocab_size": 400, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": layers,
              "num_attention_heads": 4, "attn_implementation": attention}
     kv = {"num_key_value_heads": 2}
@@ -233,6 +236,9 @@ def architecture(name: str, attention: str = "sdpa", layers: int = 2):
                                           attn_implementation=attention))
     return GPTNeoXForCausalLM(GPTNeoXConfig(**sizes))
 
+
+
+MIXTURES_OF_EXPERTS = ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "gpt_oss", "deepseek_v3")
 
 
 def mixture_of_experts(name: str, **config):

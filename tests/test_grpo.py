@@ -305,7 +305,10 @@ PARITY = {"full-ddp": ("qwen2", "ddp", []),
                                                                   "--loss_type", "dr_grpo"]),
           "bnpo-sequence-zero2-offload": ("qwen2", "deepspeed_zero2_offload",
                                           ["--loss_type", "bnpo", "--importance_sampling_level", "sequence"]),
-          "reward-model-zero3": ("qwen2", "deepspeed_zero3", ["--reward_model", "SCORER", "--beta", "0.04"])}
+          "reward-model-zero3": ("qwen2", "deepspeed_zero3", ["--reward_model", "SCORER", "--beta", "0.04"]),
+          # mixtures of experts, their balancing loss a hundred times the models' own (tests/test_moe.py)
+          "moe-qwen3-zero3-beta": ("qwen3_moe", "deepspeed_zero3", ["--router_aux_loss_coef", "1", "--beta", "0.04"]),
+          "moe-mixtral-ddp-accum": ("mixtral", "ddp", ["--router_aux_loss_coef", "1", "--grad_accum", "2"])}
 
 
 @pytest.fixture(scope="module")

@@ -57,6 +57,13 @@ def balances(model: nn.Module) -> bool:
     return bool(getattr(text, "output_router_logits", False))
 
 
+def generating(model: nn.Module) -> dict[str, bool]:
+    """The forward's keyword that turns the balance off while sampling with a KV cache (trainkit/rl/sampling.py): a
+    step's router logits are its new tokens' alone, while the attention mask covers the whole sequence, and the
+    model's own balance fails on the difference ("The size of tensor a (8) must match the size of tensor b (456)")."""
+    return {"output_router_logits": False} if balances(model) else {}
+
+
 def own_balance(model: nn.Module) -> tuple[Callable[..., torch.Tensor], int]:
     """The model's own load_balancing_loss_func (from the module that defines its class: under peft or a strategy's
     wrapper, the model inside that routes) and its top-k."""
