@@ -120,6 +120,25 @@ def test_lora_on_a_mixture_of_experts_adapts_the_attention_under_zero3(moe_args,
     assert {"q_proj", "k_proj", "v_proj", "o_proj"} <= targets and not targets & {"gate", "experts"}, targets
 
 
+@pytest.mark.slow
+def test_the_experts_loop_and_grouped_matmuls_train_one_curve(moe_args, references, run_dir):
+    """--experts_implementation eager (a Python loop over the experts tokens picked) trains the curve of
+    transformers' default, grouped_mm (the reference), to 1e-6: the kernel changes the speed (bench/moe.py), not the
+    numbers."""
+    loop = launch(run_dir("loop"), *moe_args("qwen3_moe"), "--experts_implementation", "eager",
+                  "--batch_size", "8").check()
+    reference = references("qwen3_moe")
+    assert loop.resolved["experts_implementation"] == "eager" and reference.resolved["experts_implementation"] == ""
+    for key in ("loss", "grad_norm", "aux_loss"):
+        assert max_rel_diff([m[key] for m in loop.metrics], [m[key] for m in reference.metrics]) < 1e-6, key
+
+
+def test_an_experts_kernel_for_a_model_without_experts_is_refused(check_only, chat, tmp_path):
+    run = check_only(tmp_path / "out", "--recipe", "causal_lm", "--model_name_or_path", str(chat[0]), "--data",
+                     str(chat[1]), "--chat_template", "chatml", "--experts_implementation", "eager", "--dry_run")
+    assert_refused(run, "--experts_implementation eager: a qwen2 model has no routed experts")
+
+
 @pytest.mark.parametrize("config", ["deepspeed_zero3_sp", "pipeline"])
 def test_a_split_that_cuts_the_routers_view_is_refused(check_only, moe_args, tmp_path, config):
     """Sequence parallelism holds part of each sequence on a rank, a pipeline stage part of the layers: the balance

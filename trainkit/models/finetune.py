@@ -21,6 +21,10 @@ from trainkit.models import lora, pretrained
 
 # The attention kernels transformers' from_pretrained takes (what a model supports is its own: Gemma-2 no sdpa)
 ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
+# How a mixture of experts computes its experts (from_pretrained's experts_implementation): eager loops over the
+# experts in Python; grouped_mm (transformers' default where torch can run it) and batched_mm take every expert in
+# one call; deepgemm and sonicmoe are CUDA kernels
+EXPERTS = ("eager", "grouped_mm", "batched_mm", "deepgemm", "sonicmoe")
 
 @dataclass(kw_only=True, slots=True)
 class FineTuneConfig(TrainConfig):
@@ -36,6 +40,9 @@ class FineTuneConfig(TrainConfig):
     # The attention kernel (from_pretrained's attn_implementation): "" the model's own default (sdpa for most, eager
     # for Gemma-2), or one of ATTENTION. Sequence and context parallelism need one they can split.
     attn_implementation: str = ""
+    # A mixture of experts' kernel (EXPERTS): "" transformers' default (grouped_mm where torch runs it); the same
+    # losses either way (tests/test_moe.py), the speed in bench/moe.py.
+    experts_implementation: str = ""
     # Which tokenizer: "" (AutoTokenizer's, refused when it encodes text otherwise than the folder's tokenizer.json),
     # "saved" (that tokenizer.json as it is) or "auto" (AutoTokenizer's, unchecked). transformers picks some model
     # types' own class whatever tokenizer_config.json says (a Qwen2 folder loads as Qwen2Tokenizer).
@@ -87,6 +94,10 @@ class FineTuneConfig(TrainConfig):
             problems.append(Problem(f"attn_implementation must be one of {', '.join(ATTENTION)} (or empty: the "
                                     f"model's own), got {self.attn_implementation!r}",
                                     "config field attn_implementation", "use --attn_implementation sdpa"))
+        if self.experts_implementation not in ("", *EXPERTS):
+            problems.append(Problem(f"experts_implementation must be one of {', '.join(EXPERTS)} (or empty: "
+                                    f"transformers' default), got {self.experts_implementation!r}",
+                                    "config field experts_implementation", "use --experts_implementation grouped_mm"))
         if self.tokenizer not in ("", "saved", "auto"):
             problems.append(Problem(f"tokenizer must be saved or auto (or empty), got {self.tokenizer!r}",
                                     "config field tokenizer", "use --tokenizer saved"))
@@ -116,16 +127,18 @@ def build(cfg: FineTuneConfig, auto_class: Any, lora_task: str = "CAUSAL_LM", **
     config = pretrained.load("model's config", cfg, AutoConfig.from_pretrained)
     if cfg.attn_implementation:
         kwargs["attn_implementation"] = cfg.attn_implementation
+    if cfg.experts_implementation:
+        _check_experts(config, cfg.experts_implementation)
+        kwargs["experts_implementation"] = cfg.experts_implementation
     if torch.get_default_device().type == "meta":
         if not pretrained.sizes_only.get():  # the tokenizer the run trains with, checked as the run checks it
             tokenizer_of(cfg)
         dtype = MODEL_DTYPES[cfg.model_dtype]
-        attention = kwargs.pop("attn_implementation", None)
+        kernels = {key: kwargs.pop(key) for key in ("attn_implementation", "experts_implementation") if key in kwargs}
         for key, value in kwargs.items():
             setattr(config, key, value)
         model = pretrained.load("model", cfg, lambda path, **kw: auto_class.from_config(
-            config, dtype=getattr(config, "dtype", None) if dtype == "auto" else dtype,
-            **({"attn_implementation": attention} if attention else {}), **kw))
+            config, dtype=getattr(config, "dtype", None) if dtype == "auto" else dtype, **kernels, **kw))
         model = _router_weighed(model, cfg)
         return _trained_in_fp32(lora.with_lora(model, cfg, lora_task) if cfg.lora_r else model)
     model = pretrained.load("model", cfg, lambda path, **kw: auto_class.from_pretrained(
@@ -147,6 +160,15 @@ def build(cfg: FineTuneConfig, auto_class: Any, lora_task: str = "CAUSAL_LM", **
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model = _router_weighed(model, cfg)
     return _trained_in_fp32(lora.with_lora(model, cfg, lora_task) if cfg.lora_r else model)
+
+
+def _check_experts(config: Any, implementation: str) -> None:
+    """--experts_implementation refused for a model without routed experts (its config names no top-k)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if not getattr(text, "num_experts_per_tok", None):
+        raise ConfigError([Problem(f"--experts_implementation {implementation}: a {config.model_type} model has no "
+                                   "routed experts (its config has no num_experts_per_tok)",
+                                   "--experts_implementation", "drop --experts_implementation")])
 
 
 def _router_weighed(model: nn.Module, cfg: FineTuneConfig) -> nn.Module:

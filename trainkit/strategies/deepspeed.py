@@ -217,7 +217,8 @@ class ZeroEngine(Engine):
             self.notes.append(f"ZeRO-3: the model was built partitioned across {self.launch.world_size} process(es) "
                               f"(zero.Init): no rank held it whole{later}")
         plugin = self.accelerator.state.deepspeed_plugin
-        if self.strategy.stage == 3 and not plugin.transformer_moe_cls_names and (blocks := expert_blocks(model)):
+        named = plugin.transformer_moe_cls_names or os.environ.get("ACCELERATE_DEEPSPEED_MOE_LAYER_CLS_NAMES")
+        if self.strategy.stage == 3 and not named and (blocks := expert_blocks(model)):  # else Accelerate marks them
             from deepspeed.utils import set_z3_leaf_modules
 
             set_z3_leaf_modules(model, blocks)
