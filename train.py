@@ -208,8 +208,8 @@ def loop(plan: Plan, run: Run) -> str | None:
         micro_batches = run.stream.next_global_batch()  # read and collated here: the time the step waits for data
         data_wait_s = time.perf_counter() - waited
         rollout_metrics: dict[str, Any] = {}
-        if plan.recipe.rollout is not None:  # online RL: the step's completions, by the model as it is now
-            rolled = engine.rollout(plan.recipe.rollout, step, micro_batches)
+        # online RL's completions, KTO's reference point: made by the model as it is before the step
+        if plan.recipe.rollout is not None and (rolled := engine.rollout(plan.recipe.rollout, step, micro_batches)):
             micro_batches = rolled.micro_batches
             log.rollout_rows(step, rolled.rows)
             rollout_metrics = {**rolled.metrics, "rollout_s": time.perf_counter() - waited - data_wait_s}

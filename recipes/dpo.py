@@ -1,11 +1,12 @@
 """Preference-tune a causal language model (any AutoModelForCausalLM) with DPO or its family, the step after SFT.
 
 Trains: the model that --model_name_or_path names (a causal_lm run's final/, or a Hub id) on pairs of answers to one
-prompt, the chosen one preferred to the rejected one, in TRL's layouts (prompt/chosen/rejected as strings, or as
-lists of chat messages; trainkit/data/preference.py). --loss_type picks the objective: sigmoid (DPO), ipo, hinge, simpo
-or orpo (the last two need no reference model); --beta its strength. Reports TRL's metrics: rewards/chosen,
-rewards/rejected, rewards/accuracies, rewards/margins, logps/chosen, logps/rejected (eval_ prefixed on the held-out
-pairs; eval_loss is the objective's).
+prompt, the chosen one preferred to the rejected one, in TRL's layouts (prompt/chosen/rejected as strings, or as lists
+of chat messages; trainkit/data/preference.py). --loss_type picks the objective: sigmoid (DPO), ipo, hinge, simpo or
+orpo (the last two need no reference model); --beta its strength. --loss_type kto learns instead from unpaired answers
+with a thumbs-up or down (prompt/completion/label), --desirable_weight and --undesirable_weight weighing them. Reports
+TRL's metrics: rewards/chosen, rewards/rejected, rewards/accuracies, rewards/margins, logps/chosen, logps/rejected
+(eval_ prefixed on the held-out pairs; eval_loss is the objective's).
 Output: final/ loads with AutoModelForCausalLM.from_pretrained, as the causal_lm recipe exports it (under LoRA the
 adapters merged, and alone in final/adapter/).
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -36,6 +38,7 @@ from trainkit.errors import Problem
 from trainkit.losses import chunked_loss, router
 from trainkit.losses import dpo as dpo_loss
 from trainkit.models import finetune, tiled_mlp
+from trainkit.recipes import Rollout
 
 
 @dataclass(kw_only=True, slots=True)
@@ -48,6 +51,10 @@ class Config(PairsConfig):  # settings: trainkit/models/finetune.py (model), tra
     beta: float = 0.1
     label_smoothing: float = 0.0
     simpo_gamma: float = 0.5
+    # KTO: the weights of the desirable and the undesirable answers' losses (the paper advises keeping
+    # desirable_weight x desirables / (undesirable_weight x undesirables) within [1, 4/3])
+    desirable_weight: float = 1.0
+    undesirable_weight: float = 1.0
     # The reference's log-probabilities of every pair computed once, before the first step, with the model as it
     # starts: a full fine-tune then keeps no reference copy (half the weights), and no step runs the reference's
     # forward. The values travel with their pairs and with every checkpoint (trainkit/data/precompute.py).
@@ -62,9 +69,20 @@ class Config(PairsConfig):  # settings: trainkit/models/finetune.py (model), tra
 
     may_change_on_resume = PairsConfig.may_change_on_resume | {"loss_chunk_mib", "tiled_mlp"}
 
+    def unpaired(self) -> bool:
+        return self.loss_type in dpo_loss.UNPAIRED
+
     def check(self) -> list[Problem]:
         problems = PairsConfig.check(self) + dpo_loss.loss_problems(self.loss_type, self.beta, self.label_smoothing)
         problems += chunked_loss.problems(self.loss_chunk_mib)
+        for name in ("desirable_weight", "undesirable_weight"):
+            if getattr(self, name) <= 0:
+                problems.append(Problem(f"{name} must be > 0, got {getattr(self, name)}", f"--{name}",
+                                        f"use --{name} 1"))
+        if self.precompute_ref_logps and self.unpaired():
+            problems.append(Problem("--precompute_ref_logps is not wired for --loss_type kto (its KL rows would need "
+                                    "the reference's log-probabilities too)", "--precompute_ref_logps",
+                                    "drop --precompute_ref_logps"))
         if self.precompute_ref_logps and self.loss_type in dpo_loss.REFERENCE_FREE:
             problems.append(Problem(f"--loss_type {self.loss_type} uses no reference model, so there are no "
                                     "reference log-probabilities to precompute", "--precompute_ref_logps",
@@ -83,6 +101,7 @@ class Preference(nn.Module):
         self.policy, self.reference, self.lora = policy, reference, bool(cfg.lora_r)
         self.loss_type, self.beta = cfg.loss_type, cfg.beta
         self.label_smoothing, self.gamma = cfg.label_smoothing, cfg.simpo_gamma
+        self.weights = cfg.desirable_weight, cfg.undesirable_weight
         self.config = policy.config  # what the runner reads of a transformers model (sizes, FLOPs)
         # Tensor parallelism cuts the policy and its frozen copy alike, by the policy's own plan (tp.yaml)
         plan = getattr(policy, "_tp_plan", None) or {}
@@ -96,7 +115,42 @@ class Preference(nn.Module):
             self.reference.eval()
         return self
 
-    def forward(self, chosen_ids: torch.Tensor, rejected_ids: torch.Tensor, chosen_attention: torch.Tensor,
+    def forward(self, **batch: torch.Tensor) -> Any:
+        """A micro-batch of pairs (_pairs), or of unpaired answers (_answers: --loss_type kto)."""
+        return self._answers(**batch) if "completion_ids" in batch else self._pairs(**batch)
+
+    def _answers(self, completion_ids: torch.Tensor, kl_ids: torch.Tensor, completion_attention: torch.Tensor,
+                 kl_attention: torch.Tensor, completion_mask: torch.Tensor, kl_mask: torch.Tensor,
+                 label: torch.Tensor, kto_kl: torch.Tensor | None = None,
+                 kl_only: bool = False) -> Any:
+        """KTO: the loss and the metrics' sums of a micro-batch of answers, against kto_kl (the global batch's
+        reference point, given by the rollout hook before a training step; a held-out micro-batch's own otherwise);
+        with kl_only, the log-ratio of each KL row (for that hook)."""
+        if kl_only or kto_kl is None:
+            with torch.no_grad():
+                ratio = self._logps(self.policy, kl_ids, kl_attention, kl_mask)[0] - \
+                    self._reference_logps(kl_ids, kl_attention, kl_mask)
+            if kl_only:
+                return ratio
+            kl = ratio.mean().clamp(min=0)
+        else:
+            kl = kto_kl[0]
+        logps, out = self._logps(self.policy, completion_ids, completion_attention, completion_mask)
+        reference = self._reference_logps(completion_ids, completion_attention, completion_mask)
+        losses, rewards = dpo_loss.kto_losses(self.beta, logps, reference, kl, label, *self.weights)
+        wanted = label.float()
+        sums = {"rewards/chosen per _desirable": (rewards * wanted).sum(),
+                "rewards/rejected per _undesirable": (rewards * (1 - wanted)).sum(),
+                "logps/chosen per _desirable": (logps.detach() * wanted).sum(),
+                "logps/rejected per _undesirable": (logps.detach() * (1 - wanted)).sum(),
+                "_desirable": wanted.sum(), "_undesirable": (1 - wanted).sum(), "kl": kl.detach() * len(label)}
+        if out.aux_loss is None:
+            return losses.mean(), sums
+        objective, reported = router.with_router_loss(self.policy, losses.mean(), out.aux_loss, out.router_logits,
+                                                      completion_attention, torch.ones(len(label)))
+        return objective, {**sums, **reported}
+
+    def _pairs(self, chosen_ids: torch.Tensor, rejected_ids: torch.Tensor, chosen_attention: torch.Tensor,
                 rejected_attention: torch.Tensor, chosen_mask: torch.Tensor, rejected_mask: torch.Tensor,
                 ref_chosen_logps: torch.Tensor | None = None, ref_rejected_logps: torch.Tensor | None = None,
                 reference_only: bool = False) -> tuple[torch.Tensor, dict[str, torch.Tensor]] | dict[str, torch.Tensor]:
@@ -128,9 +182,23 @@ class Preference(nn.Module):
     def _reference(self, ids: torch.Tensor, attention: torch.Tensor, mask: torch.Tensor) -> dpo_loss.Sequences:
         """The reference's scores: its frozen copy, the policy with its adapters off, or (a full fine-tune that
         precomputes them) the policy itself, which is the reference only before the first step."""
-        lora_off = self.policy.disable_adapter() if self.reference is None and self.lora else nullcontext()
-        with torch.no_grad(), lora_off:
+        with torch.no_grad(), self._reference_on():
             return self._scores(self.reference or self.policy, ids, attention, mask)
+
+    def _reference_logps(self, ids: torch.Tensor, attention: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """[rows]: the reference's log-probability of each row's masked tokens (_reference)."""
+        with torch.no_grad(), self._reference_on():
+            return self._logps(self.reference or self.policy, ids, attention, mask)[0]
+
+    def _reference_on(self) -> Any:
+        return self.policy.disable_adapter() if self.reference is None and self.lora else nullcontext()
+
+    @staticmethod
+    def _logps(model: nn.Module, ids: torch.Tensor, attention: torch.Tensor,
+               mask: torch.Tensor) -> tuple[torch.Tensor, chunked_loss.TokenLosses]:
+        """[rows]: each row's summed log-probability of its masked tokens, and the whole forward's output."""
+        out = chunked_loss.next_token_losses(model, input_ids=ids, attention_mask=attention, use_cache=False)
+        return dpo_loss.sequence_logps(out.losses, mask)[0], out
 
     @staticmethod
     def _scores(model: nn.Module, ids: torch.Tensor, attention: torch.Tensor,
@@ -163,6 +231,36 @@ def loss(model: nn.Module, batch: dict) -> tuple[torch.Tensor, dict[str, torch.T
     """The mean over the micro-batch's pairs, and the metrics' sums over them (reported by the runner as means over
     the step's global batch, and eval_<name> on the held-out pairs)."""
     return model(**batch)
+
+
+def rollout(model: Preference, cfg: Config, step: int, micro_batches: list[dict]) -> Rollout | None:
+    """KTO's reference point before each step: the mean log-ratio of every KL row of the global batch (this rank's
+    micro-batches, summed with every other rank's), clamped at 0, given to each micro-batch as kto_kl; None for the
+    paired losses, which need none."""
+    if not cfg.unpaired():
+        return None
+    import torch.distributed as dist
+
+    device = next(model.parameters()).device
+    total = torch.zeros(2, device=device)
+    for batch in micro_batches:
+        ratio = model(**{key: value.to(device) for key, value in batch.items()}, kl_only=True)
+        total += torch.stack([ratio.sum().float(), torch.tensor(float(len(ratio)), device=device)])
+    if dist.is_initialized():
+        dist.all_reduce(total)
+    kl = (total[0] / total[1]).clamp(min=0)
+    return Rollout([{**batch, "kto_kl": kl.cpu().expand(len(batch["label"]))} for batch in micro_batches],
+                   {"kl": kl.item()}, [])
+
+
+def check_strategy(cfg: Config, strategy: Any) -> list[Problem]:
+    """KTO's reference point sums the KL rows over every rank: ranks that share a batch (tensor parallelism) would
+    count theirs twice."""
+    if cfg.unpaired() and strategy.splits_model:
+        return [Problem(f"--loss_type kto sums its reference point over the ranks, and {strategy.label} has ranks "
+                        "that share a batch", "the config",
+                        "train KTO under ddp.yaml, a deepspeed_zero*.yaml or fsdp.yaml (any data-parallel config)")]
+    return []
 
 
 def precompute(cfg: Config):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import sys
 from pathlib import Path
 
@@ -105,6 +106,13 @@ def pairs(chat, tmp_path_factory):
 
     (root / "pairs.jsonl").write_text("".join(json.dumps(pair(i)) + "\n" for i in range(96)))
     (root / "held.jsonl").write_text("".join(json.dumps(pair(i)) + "\n" for i in range(100, 116)))
+    for name, numbers in (("answers.jsonl", range(48)), ("held_answers.jsonl", range(100, 108))):
+        # KTO's unpaired layout: each pair's two answers apart, one desirable and one not, in a shuffled order (an
+        # answer's KL row takes the completion of the record before it: another prompt's)
+        answers = [{"prompt": pair(i)["prompt"], "completion": pair(i)[side], "label": side == "chosen"}
+                   for i in numbers for side in ("chosen", "rejected")]
+        random.Random(0).shuffle(answers)
+        (root / name).write_text("".join(json.dumps(a) + "\n" for a in answers))
     return root
 
 
@@ -230,7 +238,7 @@ def test_the_reward_model_ranks_and_exports(check_only, chat, pairs, tmp_path, l
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--loss_type", "kto"], "unknown loss_type 'kto' (config field loss_type): use one of sigmoid, ipo, hinge"),
+    (["--loss_type", "kpo"], "unknown loss_type 'kpo' (config field loss_type): use one of sigmoid, ipo, hinge"),
     (["--loss_type", "ipo", "--label_smoothing", "0.1"], "label_smoothing is cDPO's, of the sigmoid loss, not of ipo"),
     (["--beta", "0"], "beta must be > 0, got 0.0"),
     (["--loss_type", "orpo", "--precompute_ref_logps"], "--loss_type orpo uses no reference model, so there are no "
@@ -452,3 +460,85 @@ def test_log_probabilities_in_chunks_train_the_whole_logits_curve(one_process, t
     assert max_rel_diff(chunked.losses, whole.losses) <= PARITY_BOUND
     for name in ("eval_loss", "eval_rewards/margins"):
         assert chunked.metrics[-1][name] == pytest.approx(whole.metrics[-1][name], rel=1e-4, abs=1e-6), name
+
+
+# --- KTO: unpaired answers with a thumbs-up or down ------------------------------------------------------------------
+
+def kto_args(chat, pairs, *extra: str) -> list[str]:
+    return [*dpo_args(chat, pairs, "--loss_type", "kto"), "--data", str(pairs / "answers.jsonl"), "--eval_data",
+            str(pairs / "held_answers.jsonl"), *extra]
+
+
+def test_the_kto_loss_is_the_papers_formula():
+    """KTO (Ethayarajh et al. 2024, eq. 8) as TRL computes it, by hand: a desirable answer's loss is
+    w_d (1 - sigmoid(beta (r - z0))), an undesirable one's w_u (1 - sigmoid(beta (z0 - r))); r = 0 = z0 gives half
+    the weight."""
+    logps, ref = torch.tensor([-3.0, -5.0, -4.0, -4.0]), torch.tensor([-4.0, -4.5, -4.0, -4.0])
+    label = torch.tensor([1, 0, 1, 0])
+    losses, rewards = dpo_loss.kto_losses(0.5, logps, ref, torch.tensor(0.2), label, 2.0, 1.5)
+    sig = lambda x: 1 / (1 + math.exp(-x))  # noqa: E731
+    expected = [2.0 * (1 - sig(0.5 * (1.0 - 0.2))), 1.5 * (1 - sig(0.5 * (0.2 + 0.5))), 2.0 * (1 - sig(-0.1)),
+                1.5 * (1 - sig(0.1))]
+    assert losses.tolist() == pytest.approx(expected, rel=1e-6)
+    assert rewards.tolist() == pytest.approx([0.5, -0.25, 0.0, 0.0])
+    zero, _ = dpo_loss.kto_losses(0.1, ref, ref, torch.tensor(0.0), label, 1.0, 1.0)
+    assert zero.tolist() == [0.5] * 4
+
+
+@pytest.mark.parametrize("weights, first", [((1.0, 1.0), 0.5), ((3.0, 3.0), 1.5)])
+def test_kto_starts_at_half_its_weights_with_trls_metrics(check_only, chat, pairs, tmp_path, weights, first):
+    """The policy starts as its reference: every r = 0 and z0 = 0, so the first step's loss is exactly 0.5 x the
+    weights (equal), its rewards and KL 0; the metrics carry TRL's KTO names, eval_ prefixed on the held-out answers."""
+    run = check_only(tmp_path / "out", *kto_args(chat, pairs, "--max_steps", "1", "--desirable_weight",
+                                                 str(weights[0]), "--undesirable_weight", str(weights[1])))
+    assert run.returncode == 0, run.stderr
+    record = json.loads((tmp_path / "out" / "metrics.jsonl").read_text().splitlines()[0])
+    assert record["loss"] == pytest.approx(first, rel=1e-7) and record["eval_loss"] == pytest.approx(first, rel=1e-7)
+    assert record["kl"] == 0.0 and record["rewards/chosen"] == 0.0 == record["rewards/rejected"]
+    names = {"rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected", "kl"}
+    assert names <= set(record) and {f"eval_{name}" for name in names} <= set(record)
+    assert not any(name.startswith(("_", "eval__")) for name in record)
+
+
+@pytest.mark.parametrize("loss_type, data, message", [
+    ("kto", "pairs.jsonl", "is a pair (prompt, chosen, rejected): --loss_type kto trains on unpaired answers"),
+    ("sigmoid", "answers.jsonl", "is an unpaired answer (prompt, completion, label): --loss_type kto trains on those")])
+def test_pairs_and_unpaired_answers_each_name_their_loss(check_only, chat, pairs, tmp_path, loss_type, data,
+                                                         message):
+    run = check_only(tmp_path / "out", *dpo_args(chat, pairs, "--loss_type", loss_type), "--data",
+                     str(pairs / data), "--eval_data", str(pairs / data), "--dry_run")
+    assert_refused(run, f"{pairs / data}:1 {message}")
+
+
+def test_a_label_that_is_not_true_or_false_is_named(check_only, chat, pairs, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": "2 plus 2?", "completion": "4", "label": "yes"}) + "\n")
+    run = check_only(tmp_path / "out", *kto_args(chat, pairs), "--data", str(bad), "--dry_run")
+    assert_refused(run, f"{bad}:1 has label 'yes': true (a desirable answer) or false (an undesirable one)")
+
+
+@pytest.fixture(scope="module")
+def kto_reference(chat, pairs, tmp_path_factory):
+    """KTO on one process, the global batch of 8 answers in one micro-batch."""
+    return launch(tmp_path_factory.mktemp("kto") / "one", *kto_args(chat, pairs, "--max_steps", "6", "--eval_every",
+                                                                      "3", "--lr", "1e-3", "--batch_size", "8")).check()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config, flags", [("ddp", ["--batch_size", "2", "--grad_accum", "2"]),
+                                           ("deepspeed_zero3", ["--batch_size", "4"]),
+                                           ("fsdp", ["--batch_size", "4"])], ids=["ddp-accum", "zero3", "fsdp"])
+def test_kto_trains_like_one_process_under_each_config(chat, pairs, kto_reference, tmp_path, config, flags):
+    """The reference point is the whole global batch's (the rollout hook sums every rank's KL rows before the step),
+    so the loss, the gradient norm and kl of every step are one process's under any split (TRL averages it per
+    micro-batch: its curve changes with the split). A held-out micro-batch takes its own KL rows' mean, as TRL's
+    evaluation does: the eval loss follows the evaluation's micro-batch size, within 1e-3 here."""
+    run = launch(tmp_path / "out", *kto_args(chat, pairs, "--max_steps", "6", "--eval_every", "3", "--lr", "1e-3",
+                                             *flags), config=config).check()
+    for key in ("loss", "grad_norm", "kl"):
+        ours, one = [m[key] for m in run.metrics], [m[key] for m in kto_reference.metrics]
+        assert max_rel_diff(ours, one) < PARITY_BOUND, (key, ours, one)
+    last = kto_reference.metrics[-1]  # it moved, and the held-out answers' loss fell below the first step's 0.5
+    assert last["kl"] > 0 and last["eval_loss"] < 0.5 and last["eval_rewards/chosen"] > last["eval_rewards/rejected"]
+    evals = [[m["eval_loss"] for m in r.metrics if "eval_loss" in m] for r in (run, kto_reference)]
+    assert max_rel_diff(*evals) < 1e-3

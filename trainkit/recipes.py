@@ -47,9 +47,10 @@ and, for online RL (recipes/grpo.py):
                                     -> a Rollout: the micro-batches this rank trains on at `step`, made from the
                                     ones the data gave (prompts) by the model as it is before the step (completions,
                                     rewards, advantages), the step's metrics (the same on every rank), and rows for
-                                    rollouts.jsonl (this rank's; rank 0 writes every rank's, in rank order). Called
-                                    at every step as `generate` is (eval mode, no_grad, the recipe's own module):
-                                    under ZeRO-3 and FSDP2 every rank runs as many forwards
+                                    rollouts.jsonl (this rank's; rank 0 writes every rank's, in rank order); or None
+                                    where this configuration makes nothing (recipes/dpo.py's: only KTO's reference
+                                    point). Called at every step as `generate` is (eval mode, no_grad, the recipe's own
+                                    module): under ZeRO-3 and FSDP2 every rank runs as many forwards
     rollout_state()                 -> what the rollout hook holds for the next steps (a dict of tensors and numbers:
                                     --num_iterations' completions), saved per rank with every checkpoint; None: nothing
     load_rollout_state(state)       at a resume, that dict back

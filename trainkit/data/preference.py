@@ -11,6 +11,15 @@ Data, in TRL's layouts (https://huggingface.co/docs/trl/dataset_formats), one pa
     implicit prompt  {"chosen": ..., "rejected": ...}, strings or lists of messages: the prompt is what both begin
                      with (TRL's rule: a string's completions start at the space before their first difference)
 
+Unpaired feedback (a thumbs-up or down per answer, for --loss_type kto), TRL's unpaired layout, one answer per record:
+
+    unpaired         {"prompt": ..., "completion": ..., "label": true}: prompt and completion strings, or lists of
+                     chat messages; label true for a desirable answer, false for an undesirable one
+
+Each answer also carries its KL row: its prompt with the completion of the record before it in the file (the first
+with the last's), the mismatched pair whose log-ratio estimates KTO's reference point (TRL pairs each prompt with
+another record's completion the same way, within the batches of its data preparation).
+
 A completion starts where the tokenised prompt and prompt + completion part (TRL's rule: a template or a merge
 across the boundary can make the two differ at the prompt's end). A pair is two rows of seq_len tokens, chosen and
 rejected, with a mask of the completion's tokens; prompt + completion keeps its first seq_len tokens (the completion's
@@ -39,6 +48,10 @@ LEFT_OUT = {"prompt": "whose prompt fills --seq_len (pass a larger --seq_len)",
             "same": "whose chosen answer equals its rejected one (nothing to prefer)"}
 # A pair as the model reads it (encode_pair)
 PAIR_COLUMNS = ("chosen_ids", "rejected_ids", "chosen_attention", "rejected_attention", "chosen_mask", "rejected_mask")
+# One line of an unpaired file, and an answer as the model reads it (encode_unpaired): its row, its KL row, its label
+UNPAIRED_RECORD = '{"prompt": "...", "completion": "...", "label": true}'
+UNPAIRED_COLUMNS = ("completion_ids", "kl_ids", "completion_attention", "kl_attention", "completion_mask", "kl_mask",
+                    "label")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -52,13 +65,19 @@ class PairsConfig(FineTuneConfig):
     preview: int = 0  # which pair --dry_run shows as the model reads it (from 0)
     may_change_on_resume = FineTuneConfig.may_change_on_resume | {"preview"}
 
+    def unpaired(self) -> bool:
+        """Whether the data are unpaired answers with a label (dpo's --loss_type kto) rather than pairs."""
+        return False
+
     def check(self) -> list[Problem]:
         problems = FineTuneConfig.check(self)
+        record = UNPAIRED_RECORD if self.unpaired() else PAIR_RECORD
         if not self.data:
-            return [*problems, Problem("no preference pairs to train on", "config field data",
-                                       "pass --data with .jsonl files of prompt/chosen/rejected records")]
+            return [*problems, Problem("no preference data to train on", "config field data",
+                                       f"pass --data with .jsonl files of {record} records")]
         files = [(data, flag) for data, flag in ((self.data, "--data"), (self.eval_data, "--eval_data")) if data]
-        return problems + text.records_problems(files, PAIR_RECORD, check_records)
+        return problems + text.records_problems(
+            files, record, lambda path, flag, limit: check_records(path, flag, limit, self.unpaired()))
 
 
 def preview(cfg: PairsConfig, cache_dir: Path) -> str:
@@ -81,7 +100,8 @@ def preview(cfg: PairsConfig, cache_dir: Path) -> str:
 
 
 def tokens_per_pair(cfg: PairsConfig) -> int:
-    """A pair's tokens, for tokens/s and MFU: its chosen and its rejected row."""
+    """A pair's tokens, for tokens/s and MFU: its chosen and its rejected row (an unpaired answer: its row and its KL
+    row)."""
     return 2 * cfg.seq_len
 
 
@@ -97,21 +117,26 @@ def pair_datasets(cfg: PairsConfig, cache_dir: Path):
 def _pairs(cfg: PairsConfig, data: str, cache_dir: Path, split: str = "train"):
     """The pairs of `data` encoded (PAIR_COLUMNS); those with nothing to learn (LEFT_OUT) counted and said, and all of
     them left out refused; a record that is not a pair, or of another layout than the first, refused naming it."""
-    flag = cfg.flag_of(data)
-    records = text.load_records(data, cfg.data_config, None, cache_dir, split, flag, PAIR_RECORD)
+    flag, unpaired = cfg.flag_of(data), cfg.unpaired()
+    record_text = UNPAIRED_RECORD if unpaired else PAIR_RECORD
+    records = text.load_records(data, cfg.data_config, None, cache_dir, split, flag, record_text)
     tokenizer = tokenizer_of(cfg)
     template, pad = sft.chat_template(tokenizer, cfg.chat_template), sft.pad_id(tokenizer)
     first = layout(records[0]) if len(records) else None
+    if unpaired and len(records):  # each answer's KL row: its prompt, the completion of the record before it
+        records = records.add_column("kl_completion", [records[i - 1]["completion"] for i in range(len(records))])
+    columns = UNPAIRED_COLUMNS if unpaired else PAIR_COLUMNS
 
     def encode(batch, indices):
-        listed = text.listed_records(batch, indices, lambda record: record_problem(record, first), data, flag,
-                                     f"mend that record: a pair is {PAIR_RECORD}, strings or lists of chat messages, "
-                                     "in one layout per file")
-        if template is None and any(isinstance(record["chosen"], list) for record in listed):
-            raise ConfigError([Problem("the tokenizer has no chat template to render conversational pairs with",
+        listed = text.listed_records(batch, indices, lambda record: record_problem(record, first, unpaired), data,
+                                     flag, f"mend that record: {'an answer' if unpaired else 'a pair'} is "
+                                     f"{record_text}, strings or lists of chat messages, in one layout per file")
+        if template is None and any(isinstance(record.get("prompt"), list) for record in listed):
+            raise ConfigError([Problem("the tokenizer has no chat template to render conversational records with",
                                        "--chat_template", f"pass --chat_template {' or '.join(sft.TEMPLATES)}")])
-        made = [encode_pair(record, tokenizer, template, cfg.seq_len, pad) for record in listed]
-        return {**{key: [pair[key] if isinstance(pair, dict) else [] for pair in made] for key in PAIR_COLUMNS},
+        made = [encode_unpaired(record, tokenizer, template, cfg.seq_len, pad) if unpaired else
+                encode_pair(record, tokenizer, template, cfg.seq_len, pad) for record in listed]
+        return {**{key: [pair[key] if isinstance(pair, dict) else [] for pair in made] for key in columns},
                 "left_out": ["" if isinstance(pair, dict) else pair for pair in made], "record": indices}
 
     encoded = records.map(encode, batched=True, with_indices=True, remove_columns=records.column_names)
@@ -131,9 +156,12 @@ def _pairs(cfg: PairsConfig, data: str, cache_dir: Path, split: str = "train"):
 
 
 def layout(record: Mapping[str, Any]) -> str | None:
-    """standard, conversational, implicit (strings or messages without a prompt: what both begin with), or None for
-    another record."""
+    """standard, conversational, implicit (strings or messages without a prompt: what both begin with), unpaired
+    (prompt, completion and label), or None for another record."""
     chosen, rejected, prompt = record.get("chosen"), record.get("rejected"), record.get("prompt")
+    if "completion" in record and "label" in record:
+        same_kind = any(isinstance(prompt, kind) and isinstance(record["completion"], kind) for kind in (str, list))
+        return "unpaired" if same_kind else None
     for kind, named in ((str, "standard"), (list, "conversational")):
         if isinstance(chosen, kind) and isinstance(rejected, kind):
             return "implicit" if "prompt" not in record else named if isinstance(prompt, kind) else None
@@ -166,11 +194,24 @@ def _answer_problem(side: str, completion: Any) -> str | None:
     return None
 
 
-def record_problem(record: Any, first: str | None = None) -> str | None:
-    """What keeps a record from being a pair, in words, or None; `first`: the layout of the file's first record,
-    which every record shares."""
+def record_problem(record: Any, first: str | None = None, unpaired: bool = False) -> str | None:
+    """What keeps a record from being a pair (unpaired: an answer with a label), in words, or None; `first`: the
+    layout of the file's first record, which every record shares."""
     if not isinstance(record, Mapping):
         return f"is not an object ({type(record).__name__})"
+    if unpaired and "chosen" in record:
+        return f"is a pair (prompt, chosen, rejected): --loss_type kto trains on unpaired answers, {UNPAIRED_RECORD}"
+    if not unpaired and "completion" in record:
+        return "is an unpaired answer (prompt, completion, label): --loss_type kto trains on those"
+    if unpaired:
+        missing = [key for key in ("prompt", "completion", "label") if key not in record]
+        if missing:
+            return f"has no {' and no '.join(missing)} field (an answer is prompt, completion and label)"
+        if not isinstance(record["label"], bool):
+            return f"has label {record['label']!r}: true (a desirable answer) or false (an undesirable one)"
+        if layout(record) is None:
+            return "has a prompt and a completion of different kinds: both strings, or both lists of messages"
+        return _answer_problem("completion", record["completion"])
     missing = [key for key in ("chosen", "rejected") if key not in record]
     if missing:
         return f"has no {' and no '.join(missing)} field (a pair is prompt, chosen and rejected)"
@@ -184,17 +225,20 @@ def record_problem(record: Any, first: str | None = None) -> str | None:
     return next((why for side in ("chosen", "rejected") if (why := _answer_problem(side, parts[side]))), None)
 
 
-def check_records(path: Path, flag: str, limit: int | None = None) -> Problem | None:
-    """The first record of a local JSON-lines file (its first `limit` bytes; None: all of it) that is not a pair, or
-    not of the first record's layout, named by file and line; or, where every pair read has the same chosen and
-    rejected answer, that (nothing could be learned from the file)."""
+def check_records(path: Path, flag: str, limit: int | None = None, unpaired: bool = False) -> Problem | None:
+    """The first record of a local JSON-lines file (its first `limit` bytes; None: all of it) that is not a pair
+    (unpaired: an answer with a label), or not of the first record's layout, named by file and line; or, where every
+    pair read has the same chosen and rejected answer, that (nothing could be learned from the file)."""
     first, same, read = None, 0, 0
     for number, record in sft.json_records(path, limit):
-        if what := record_problem(record, first):
+        if what := record_problem(record, first, unpaired):
             return Problem(f"{path}:{number} {what}", f"{flag} {path}",
-                           f"mend that record: a pair is {PAIR_RECORD}, strings or lists of chat messages, in one "
-                           "layout per file")
+                           f"mend that record: {'an answer' if unpaired else 'a pair'} is "
+                           f"{UNPAIRED_RECORD if unpaired else PAIR_RECORD}, strings or lists of chat messages, in "
+                           "one layout per file")
         first = first or layout(record)
+        if unpaired:
+            continue
         parts = split_pair(record)
         same, read = same + (parts["chosen"] == parts["rejected"]), read + 1
     if read and same == read:
@@ -220,20 +264,39 @@ def encode_pair(record: Mapping[str, Any], tokenizer: Any, template: str | None,
     turns = split_pair(record)
     if turns["chosen"] == turns["rejected"]:
         return "same"
-    if isinstance(turns["chosen"], str):
+    return _completions(turns["prompt"], {side: turns[side] for side in ("chosen", "rejected")}, tokenizer, template,
+                        seq_len, pad)
+
+
+def encode_unpaired(record: Mapping[str, Any], tokenizer: Any, template: str | None, seq_len: int,
+                    pad: int) -> dict[str, Any] | str:
+    """An unpaired answer as the model reads it: completion_ids and kl_ids (its KL row: the prompt with the record
+    before's completion, kl_completion), their attention and completion masks, and its label (1 desirable, 0 not);
+    or, for an answer whose prompt fills seq_len, why (a key of LEFT_OUT)."""
+    encoded = _completions(record["prompt"], {"completion": record["completion"], "kl": record["kl_completion"]},
+                           tokenizer, template, seq_len, pad)
+    return encoded if isinstance(encoded, str) else {**encoded, "label": int(record["label"])}
+
+
+def _completions(prompt_turns: Any, completions: dict[str, Any], tokenizer: Any, template: str | None, seq_len: int,
+                 pad: int) -> dict[str, list[int]] | str:
+    """Each completion after the prompt (strings: EOS appended where one lacks it; messages: rendered by the
+    template) as <name>_ids, <name>_attention and <name>_mask (its tokens), seq_len long; "prompt" where the prompt
+    fills seq_len."""
+    if isinstance(prompt_turns, str):
         eos = tokenizer.eos_token
-        prompt = tokenizer(turns["prompt"])["input_ids"]
-        full = {side: tokenizer(turns["prompt"] + text + ("" if text.endswith(eos) else eos))["input_ids"]
-                for side in ("chosen", "rejected") for text in [turns[side]]}
+        prompt = tokenizer(prompt_turns)["input_ids"]
+        full = {name: tokenizer(prompt_turns + text + ("" if text.endswith(eos) else eos))["input_ids"]
+                for name, text in completions.items()}
     else:
         def ids(messages: list, opened: bool) -> list[int]:
             text = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
                                                  add_generation_prompt=opened)
             return tokenizer(text, add_special_tokens=False)["input_ids"]
 
-        prompt = ids(turns["prompt"], True)
-        full = {side: ids(turns["prompt"] + turns[side], False) for side in ("chosen", "rejected")}
-    start = min(_common_prefix(prompt, full["chosen"]), _common_prefix(prompt, full["rejected"]))
+        prompt = ids(prompt_turns, True)
+        full = {name: ids(prompt_turns + messages, False) for name, messages in completions.items()}
+    start = min(_common_prefix(prompt, tokens) for tokens in full.values())
     if start >= seq_len:
         return "prompt"
     pair: dict[str, list[int]] = {}

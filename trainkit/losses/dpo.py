@@ -14,6 +14,17 @@ under the reference, and `avg` the same divided by the completion's tokens (refe
 
 Every loss is a mean over pairs of a per-pair value, so a step's loss is the mean over the pairs of its global batch
 however they are split. The rewards TRL reports: beta (logps - ref_logps) (beta logps without a reference).
+
+KTO (Ethayarajh et al. 2024, eq. 8, as TRL's KTOTrainer computes it) learns from unpaired answers, each desirable or
+not: with r = logps - ref_logps of the answer and z0 the reference point (kto_losses):
+
+    kto      desirable:   w_d (1 - s(beta (r - z0)))      undesirable:   w_u (1 - s(beta (z0 - r)))
+
+z0 estimates KL(policy || reference) by the mean log-ratio of the KL rows (each prompt with another record's
+completion: trainkit/data/preference.py), clamped at 0 and without gradient. TRL takes that mean over each
+micro-batch on every process; here it is the whole global batch's, computed before the step (recipes/dpo.py's
+rollout), so that a step's loss does not depend on how the global batch is split. At the first step the policy is its
+reference: r = z0 = 0 and every answer's loss is its weight x 0.5.
 """
 
 from __future__ import annotations
@@ -25,7 +36,8 @@ import torch.nn.functional as F  # noqa: N812
 
 from trainkit.errors import Problem
 
-LOSS_TYPES = ("sigmoid", "ipo", "hinge", "simpo", "orpo")
+LOSS_TYPES = ("sigmoid", "ipo", "hinge", "simpo", "orpo", "kto")
+UNPAIRED = ("kto",)  # losses that learn from unpaired answers with a label
 REFERENCE_FREE = ("simpo", "orpo")  # losses that need no reference model
 # TRL's metric names, as metrics.jsonl, TensorBoard and the plots carry them (eval_ prefixed at evaluation)
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
@@ -81,6 +93,16 @@ def pair_losses(loss_type: str, beta: float, policy: Sequences, reference: Seque
         rewards_c, rewards_r = beta * ratio_c.detach(), beta * ratio_r.detach()
     return losses, dict(zip(METRICS, (rewards_c, rewards_r, (rewards_c > rewards_r).float(), rewards_c - rewards_r,
                                       policy.chosen.detach(), policy.rejected.detach()), strict=True))
+
+
+def kto_losses(beta: float, logps: torch.Tensor, ref_logps: torch.Tensor, kl: torch.Tensor, desirable: torch.Tensor,
+               desirable_weight: float, undesirable_weight: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each answer's KTO loss (the module docstring's formula; kl: z0) and its reward beta r."""
+    ratio = logps - ref_logps
+    wanted = desirable.bool()
+    losses = torch.where(wanted, desirable_weight * (1 - torch.sigmoid(beta * (ratio - kl))),
+                         undesirable_weight * (1 - torch.sigmoid(beta * (kl - ratio))))
+    return losses, beta * ratio.detach()
 
 
 def loss_problems(loss_type: str, beta: float, label_smoothing: float) -> list[Problem]:
