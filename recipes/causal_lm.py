@@ -293,8 +293,11 @@ def _token_losses(model: nn.Module, batch: dict, top_guess: bool = False
     ids, mask, positions = batch["input_ids"], batch["attention_mask"], batch.get("position_ids")
     if "segment" in batch:  # packed rows: each example attends only to itself
         attention = _attention_of(model)
-        # flash attention's variable-length path finds the examples from the restarting position_ids alone
-        mask = None if attention.startswith("flash") else sft.block_mask(batch["segment"], attention == "eager")
+        # flash attention's variable-length path finds the examples from the restarting position_ids alone, and so
+        # does transformers' own mask without a KV cache: the way for a mixture of experts, whose own balancing
+        # loss reads a 2-D mask only (a block mask failed it)
+        alone = attention.startswith("flash") or router.balances(model)
+        mask = None if alone else sft.block_mask(batch["segment"], attention == "eager")
     # No KV cache: in training it would only copy every layer's keys and values (generate() still uses one).
     out = chunked_loss.next_token_losses(model, top_guess, input_ids=ids, attention_mask=mask, position_ids=positions,
                                          use_cache=False)

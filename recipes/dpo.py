@@ -249,8 +249,8 @@ def rollout(model: Preference, cfg: Config, step: int, micro_batches: list[dict]
     if dist.is_initialized():
         dist.all_reduce(total)
     kl = (total[0] / total[1]).clamp(min=0)
-    return Rollout([{**batch, "kto_kl": kl.cpu().expand(len(batch["label"]))} for batch in micro_batches],
-                   {"kl": kl.item()}, [])
+    # kl in metrics.jsonl is what the loss reports of it (held-out: each micro-batch's own)
+    return Rollout([{**batch, "kto_kl": kl.cpu().expand(len(batch["label"]))} for batch in micro_batches], {}, [])
 
 
 def check_strategy(cfg: Config, strategy: Any) -> list[Problem]:

@@ -49,9 +49,12 @@ def coefficient(model: nn.Module) -> float:
 
 
 def balances(model: nn.Module) -> bool:
-    """Whether `model` (or the transformers model inside peft's wrapper) computes its router's balancing loss: its
-    config asks for the router logits."""
-    inner = getattr(model, "get_base_model", lambda: model)()
+    """Whether `model` (or the transformers model inside a strategy's or peft's wrapper) computes its router's
+    balancing loss: its config asks for the router logits."""
+    from accelerate.utils import extract_model_from_parallel
+
+    inner = extract_model_from_parallel(model)
+    inner = getattr(inner, "get_base_model", lambda: inner)()
     config = getattr(inner, "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     return bool(getattr(text, "output_router_logits", False))

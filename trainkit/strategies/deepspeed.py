@@ -509,12 +509,13 @@ class DeepSpeed(Strategy):
 
 @functools.cache
 def expert_blocks(model: torch.nn.Module) -> list[type[torch.nn.Module]]:
-    """The classes of the modules that hold one module per expert (an `experts` ModuleList), which ZeRO-3 must gather
-    whole. A transformers mixture of experts keeps its experts fused in one module, whose parameters are gathered
-    together whatever the routing: none there. A YAML's deepspeed_moe_layer_cls_names names them instead (Accelerate
-    marks those)."""
-    return list({type(module) for module in model.modules()
-                 if isinstance(getattr(module, "experts", None), torch.nn.ModuleList)})
+    """The classes of the modules below the model's root that hold one module per expert (an `experts` ModuleList),
+    which ZeRO-3 must gather whole. A transformers mixture of experts keeps its experts fused in one module, whose
+    parameters are gathered together whatever the routing: none there. The root is never one (a leaf root would leave
+    nothing partitioned: DeepSpeed failed on tests/zoo/vision_moe.py so). A YAML's deepspeed_moe_layer_cls_names names
+    them instead (Accelerate marks those)."""
+    return list({type(module) for name, module in model.named_modules()
+                 if name and isinstance(getattr(module, "experts", None), torch.nn.ModuleList)})
 
 
 def _resumable_cpu_adam() -> type[torch.optim.Optimizer]:
