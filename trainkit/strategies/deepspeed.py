@@ -507,7 +507,6 @@ class DeepSpeed(Strategy):
         return Estimate(self.label, params, low * math.ceil(t / w), optimizer, host, activations)
 
 
-@functools.cache
 def expert_blocks(model: torch.nn.Module) -> list[type[torch.nn.Module]]:
     """The classes of the modules below the model's root that hold one module per expert (an `experts` ModuleList),
     which ZeRO-3 must gather whole. A transformers mixture of experts keeps its experts fused in one module, whose
@@ -518,6 +517,7 @@ def expert_blocks(model: torch.nn.Module) -> list[type[torch.nn.Module]]:
                  if name and isinstance(getattr(module, "experts", None), torch.nn.ModuleList)})
 
 
+@functools.cache
 def _resumable_cpu_adam() -> type[torch.optim.Optimizer]:
     """DeepSpeed's CPU Adam, with the bias correction computed the same way in a resumed run as in the original.
 
