@@ -35,6 +35,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from trainkit.models import pretrained
 from trainkit.run.metrics import PER
 
 UNITS = "_router_units"  # the reported total that aux_loss is a mean over (not a metric of its own)
@@ -56,7 +57,7 @@ def balances(model: nn.Module) -> bool:
     inner = extract_model_from_parallel(model)
     inner = getattr(inner, "get_base_model", lambda: inner)()
     config = getattr(inner, "config", None)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = pretrained.text_config(config)
     return bool(getattr(text, "output_router_logits", False))
 
 
@@ -81,11 +82,11 @@ def own_balance(model: nn.Module) -> tuple[Callable[..., torch.Tensor], int]:
                     "load_balancing_loss_func beside its num_experts_per_tok")
 
 
-def sequence_balance(model: nn.Module, router_logits: tuple[torch.Tensor, ...],
+def sequence_balance(balance: Callable[..., torch.Tensor], top_k: int, router_logits: tuple[torch.Tensor, ...],
                      attention_mask: torch.Tensor | None, rows: int) -> torch.Tensor:
-    """[rows]: each sequence's balancing loss, the model's own function on that sequence alone (router_logits: one
-    [rows x length, experts] per layer, as transformers returns them; attention_mask [rows, length] or None)."""
-    balance, top_k = own_balance(model)
+    """[rows]: each sequence's balancing loss, the model's own function (own_balance) on that sequence alone
+    (router_logits: one [rows x length, experts] per layer, as transformers returns them; attention_mask [rows,
+    length] or None)."""
     experts = router_logits[0].shape[-1]
     layers = [logits.view(rows, -1, experts) for logits in router_logits]
     return torch.stack([balance(tuple(layer[row] for layer in layers), experts, top_k,
@@ -119,11 +120,11 @@ def with_router_loss(model: nn.Module, loss: torch.Tensor, aux_loss: torch.Tenso
     recipe's loss of the micro-batch (its learned tokens, 1 per completion, ...)."""
     if aux_loss is None:
         return loss
-    rows = len(row_weights)
+    balance, top_k = own_balance(model)
     weights = row_weights.detach().float().to(loss.device)
-    weighed = (sequence_balance(model, router_logits, attention_mask, rows).to(loss.device) * weights).sum()
+    each = sequence_balance(balance, top_k, router_logits, attention_mask, len(weights))
+    weighed = (each.to(loss.device) * weights).sum()
     reported = {f"aux_loss{PER}{UNITS}": weighed.detach(), UNITS: weights.sum()}
-    _, top_k = own_balance(model)
     loads = expert_load(router_logits, top_k, attention_mask)
     reported.update({f"expert_load/layer_{i}{PER}{UNITS}": load * weights.sum() for i, load in enumerate(loads)})
     return loss + coefficient(model) * weighed / weights.sum().clamp(min=1e-12), reported

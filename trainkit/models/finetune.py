@@ -164,7 +164,7 @@ def build(cfg: FineTuneConfig, auto_class: Any, lora_task: str = "CAUSAL_LM", **
 
 def _check_experts(config: Any, implementation: str) -> None:
     """--experts_implementation refused for a model without routed experts (its config names no top-k)."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = pretrained.text_config(config)
     if not getattr(text, "num_experts_per_tok", None):
         raise ConfigError([Problem(f"--experts_implementation {implementation}: a {config.model_type} model has no "
                                    "routed experts (its config has no num_experts_per_tok)",

@@ -81,6 +81,11 @@ def source(model_name_or_path: str) -> str:
     return str(folder.resolve()) if folder.is_dir() else model_name_or_path
 
 
+def text_config(config: Any) -> Any:
+    """A transformers config's language model part (a vision-language model nests it), or the config itself."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
 def load(what: str, cfg: Any, from_pretrained: Callable[..., Any]) -> Any:
     """from_pretrained(cfg.model_name_or_path) with the recipe's safety settings (trust_remote_code; allow_pickle
     where the caller passes it on); a failure is a config problem naming the model and the fix."""

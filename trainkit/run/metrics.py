@@ -19,6 +19,7 @@ import torch
 from tqdm.auto import tqdm
 
 from trainkit.errors import Problem, writing
+from trainkit.models import pretrained
 from trainkit.recipes import SAMPLES
 
 
@@ -68,7 +69,7 @@ def idle_expert_params(model: torch.nn.Module) -> int:
     module that holds the routed experts (transformers' fused `experts` module, or a ModuleList of experts), with
     top_k the config's num_experts_per_tok; 0 for a dense model."""
     config = getattr(model, "config", None)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = pretrained.text_config(config)
     top_k = getattr(text, "num_experts_per_tok", None)
     if not top_k:
         return 0
