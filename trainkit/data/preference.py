@@ -115,11 +115,12 @@ def pair_datasets(cfg: PairsConfig, cache_dir: Path):
 
 
 def _pairs(cfg: PairsConfig, data: str, cache_dir: Path, split: str = "train"):
-    """The pairs of `data` encoded (PAIR_COLUMNS); those with nothing to learn (LEFT_OUT) counted and said, and all of
-    them left out refused; a record that is not a pair, or of another layout than the first, refused naming it."""
+    """The pairs of `data` encoded (PAIR_COLUMNS; unpaired answers: UNPAIRED_COLUMNS); those with nothing to learn
+    (LEFT_OUT) counted and said, and all of them left out refused; a record that is not a pair (an answer), or of
+    another layout than the first, refused naming it."""
     flag, unpaired = cfg.flag_of(data), cfg.unpaired()
-    record_text = UNPAIRED_RECORD if unpaired else PAIR_RECORD
-    records = text.load_records(data, cfg.data_config, None, cache_dir, split, flag, record_text)
+    records = text.load_records(data, cfg.data_config, None, cache_dir, split, flag,
+                                UNPAIRED_RECORD if unpaired else PAIR_RECORD)
     tokenizer = tokenizer_of(cfg)
     template, pad = sft.chat_template(tokenizer, cfg.chat_template), sft.pad_id(tokenizer)
     first = layout(records[0]) if len(records) else None
@@ -129,8 +130,7 @@ def _pairs(cfg: PairsConfig, data: str, cache_dir: Path, split: str = "train"):
 
     def encode(batch, indices):
         listed = text.listed_records(batch, indices, lambda record: record_problem(record, first, unpaired), data,
-                                     flag, f"mend that record: {'an answer' if unpaired else 'a pair'} is "
-                                     f"{record_text}, strings or lists of chat messages, in one layout per file")
+                                     flag, mend(unpaired))
         if template is None and any(isinstance(record.get("prompt"), list) for record in listed):
             raise ConfigError([Problem("the tokenizer has no chat template to render conversational records with",
                                        "--chat_template", f"pass --chat_template {' or '.join(sft.TEMPLATES)}")])
@@ -225,6 +225,13 @@ def record_problem(record: Any, first: str | None = None, unpaired: bool = False
     return next((why for side in ("chosen", "rejected") if (why := _answer_problem(side, parts[side]))), None)
 
 
+def mend(unpaired: bool) -> str:
+    """The fix for a record that is not a pair (unpaired: an answer with a label)."""
+    return (f"mend that record: {'an answer' if unpaired else 'a pair'} is "
+            f"{UNPAIRED_RECORD if unpaired else PAIR_RECORD}, strings or lists of chat messages, in one layout per "
+            "file")
+
+
 def check_records(path: Path, flag: str, limit: int | None = None, unpaired: bool = False) -> Problem | None:
     """The first record of a local JSON-lines file (its first `limit` bytes; None: all of it) that is not a pair
     (unpaired: an answer with a label), or not of the first record's layout, named by file and line; or, where every
@@ -232,10 +239,7 @@ def check_records(path: Path, flag: str, limit: int | None = None, unpaired: boo
     first, same, read = None, 0, 0
     for number, record in sft.json_records(path, limit):
         if what := record_problem(record, first, unpaired):
-            return Problem(f"{path}:{number} {what}", f"{flag} {path}",
-                           f"mend that record: {'an answer' if unpaired else 'a pair'} is "
-                           f"{UNPAIRED_RECORD if unpaired else PAIR_RECORD}, strings or lists of chat messages, in "
-                           "one layout per file")
+            return Problem(f"{path}:{number} {what}", f"{flag} {path}", mend(unpaired))
         first = first or layout(record)
         if unpaired:
             continue
