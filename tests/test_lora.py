@@ -37,13 +37,17 @@ def lora_args(chat, output_dir) -> list[str]:
 @pytest.fixture(scope="module")
 def lora_runs(chat, tmp_path_factory):
     """lora_runs(config): 10 LoRA steps of global batch 8 under a shipped config ("single": one process), a
-    checkpoint at step 5; launched on first use and shared by the tests below."""
+    checkpoint at step 5; launched on first use and shared by the tests below. ZeRO-3 generates from the model
+    gathered once (--gather_for_generation, its default); the offload cell from a gather per layer and token, so that
+    both paths give one process's answers."""
     done = {}
 
     def run(config: str):
         if config not in done:
             out = tmp_path_factory.mktemp(f"lora-{config}") / "out"
             yaml, flags = ("single", ["--batch_size", "8"]) if config == "single" else entry(config, 8)
+            if config == "deepspeed_zero3_offload":
+                flags += ["--gather_for_generation", "false"]
             done[config] = launch(out, *lora_args(chat, out), *flags,
                                   config=None if yaml == "single" else yaml).check()
         return done[config]

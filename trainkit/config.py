@@ -58,14 +58,19 @@ class TrainConfig:
     # (trainkit/models/activation_offload.py): device memory for the copies' time. On a CPU run they already are in host
     # memory.
     activation_offload: bool = False
+    # ZeRO-3: the whole model gathered once for each generation (eval answers, rollouts) rather than every layer again
+    # for every token (DeepSpeed's unwrap_model_for_generation, TRL's ds3_gather_for_generation): many times faster,
+    # but each rank holds the whole model meanwhile. False where it does not fit on one device.
+    gather_for_generation: bool = True
 
     # What a resumed run may set anew (--resume restores every other field from the checkpoint and refuses a flag that
     # differs): the schedule's length, evaluation, how the global batch is split (its size is checked on its own) and
-    # how the model is (pipeline stages), DDP's search for unused parameters, torch.compile and activation offload
-    # (speed and memory, not math). A recipe adds its own, e.g. gradient checkpointing (memory, not math).
+    # how the model is (pipeline stages), DDP's search for unused parameters, torch.compile, activation offload and the gather for
+    # generation (speed and memory, not math). A recipe adds its own, e.g. gradient checkpointing (memory, not math).
     may_change_on_resume: ClassVar[frozenset[str]] = frozenset({
         "max_steps", "eval_every", "eval_batches", "batch_size", "grad_accum", "find_unused_parameters",
-        "pipeline_stages", "pipeline_schedule", "pipeline_split", "compile", "activation_offload"})
+        "pipeline_stages", "pipeline_schedule", "pipeline_split", "compile", "activation_offload",
+        "gather_for_generation"})
     # Named sizes a recipe offers, selected by its `size` field (`--size NAME`): {name: {field: value}}. build_config
     # applies the chosen one over the recipe's defaults, under a resumed checkpoint's values and the flags
     # (`--size cpu --layers 2`: the cpu preset with 2 layers). A recipe with presets declares `size: str` too,

@@ -349,6 +349,18 @@ class ZeroEngine(Engine):
     def unwrapped_model(self) -> torch.nn.Module:
         return self.accelerator.unwrap_model(self.model)  # the engine's module
 
+    def in_eval_mode(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Under ZeRO-3 with --gather_for_generation (the default), the parameters gathered once for the whole call
+        and the engine's hooks set aside meanwhile (DeepSpeed's unwrap_model_for_generation): a generation's every
+        token would otherwise gather every layer again, two collectives per module per token. The same weights:
+        the same tokens and log-probs, on any number of ranks."""
+        if self.strategy.stage != 3 or not self.cfg.gather_for_generation:
+            return super().in_eval_mode(fn, *args)
+        from deepspeed.runtime.zero import unwrap_model_for_generation
+
+        with unwrap_model_for_generation(self.deepspeed_engine):
+            return super().in_eval_mode(fn, *args)
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """ZeRO-3 gathers the partitions (zero3_save_16bit_model / stage3_gather_16bit_weights_on_model_save)."""
         return self.accelerator.get_state_dict(self.model)
