@@ -21,7 +21,7 @@ from unittest import mock
 import pytest
 from helpers import forked_launch
 
-from conftest import ROOT, SERVER_ENV, TEST_ENV, forkable, launch
+from conftest import ROOT, SERVER_ENV, TEST_ENV, forkable, forked_run_config
 
 PAGES = [ROOT / "README.md", ROOT / "recipes" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 STARTS = ("python train.py", "accelerate launch", "python -m trainkit.")
@@ -164,14 +164,6 @@ def chains(prepared_page: list[tuple[str, list[str] | None, str]]) -> list[list[
 def side_by_side(args: list[str]) -> list[str]:
     """Two launches at once on one machine need a port each: `--main_process_port 0`, as the README says."""
     return [*args[:2], "--main_process_port", "0", *args[2:]] if args[:2] == ["accelerate", "launch"] else args
-
-
-def forked_run_config(config, output_dir, args, num_processes=None, launch_args=(), script="train.py", env=None,
-                      timeout=None):
-    """trainkit.tools.compare's runs as the suite launches them (tests/helpers/launching.py: forked, where
-    tests/test_forked_launch.py shows that path to train as the real command does)."""
-    processes = ("--num_processes", str(num_processes)) if num_processes else ()
-    return launch(output_dir, *args, config=config, extra_launch=(*launch_args, *processes), script=script, env=env)
 
 
 def run(command: str, args: list[str]) -> tuple[int, str]:

@@ -29,6 +29,7 @@ from conftest import (
     assert_refused,
     entry,
     error_lines,
+    forked_run_config,
     launch,
     max_rel_diff,
     processes,
@@ -281,6 +282,7 @@ def test_compare_tool_reports_and_plots(tmp_path, capsys, test_env, monkeypatch)
         return figure
 
     monkeypatch.setattr(trainkit.tools.compare, "plot", plot_and_look)
+    monkeypatch.setattr(trainkit.tools.compare, "run_config", forked_run_config)
     assert compare_main(["--recipe", "mlp", "--configs", f"ddp,{mine}", "--max_steps", "5", "--png", str(png)]) == 0
     assert len(plotted) == 3 and all(len(ys) == 5 and ys == losses for ys, losses in plotted)  # not a blank plot
     out = capsys.readouterr().out

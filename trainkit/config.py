@@ -65,8 +65,8 @@ class TrainConfig:
 
     # What a resumed run may set anew (--resume restores every other field from the checkpoint and refuses a flag that
     # differs): the schedule's length, evaluation, how the global batch is split (its size is checked on its own) and
-    # how the model is (pipeline stages), DDP's search for unused parameters, torch.compile, activation offload and the gather for
-    # generation (speed and memory, not math). A recipe adds its own, e.g. gradient checkpointing (memory, not math).
+    # how the model is (pipeline stages), DDP's search for unused parameters, torch.compile, activation offload and
+    # the gather for generation (speed and memory, not math). A recipe adds its own, e.g. gradient checkpointing.
     may_change_on_resume: ClassVar[frozenset[str]] = frozenset({
         "max_steps", "eval_every", "eval_batches", "batch_size", "grad_accum", "find_unused_parameters",
         "pipeline_stages", "pipeline_schedule", "pipeline_split", "compile", "activation_offload",

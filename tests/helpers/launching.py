@@ -126,6 +126,14 @@ def launch(output_dir: Path, *args: str, config: str | None = None, extra_launch
     return run
 
 
+def forked_run_config(config, output_dir, args, num_processes=None, launch_args=(), script="train.py", env=None,
+                      timeout=None) -> Run:
+    """trainkit.tools.compare's run_config as the suite launches its runs: forked, where tests/test_forked_launch.py
+    shows that path to train as the real command does (tests/test_docs.py and tests/test_strategies.py patch it in)."""
+    processes = ("--num_processes", str(num_processes)) if num_processes else ()
+    return launch(output_dir, *args, config=config, extra_launch=(*launch_args, *processes), script=script, env=env)
+
+
 def _launch(output_dir: Path, *args: str, config: str | None = None, extra_launch: tuple[str, ...] = (),
             script: str = "train.py", env: dict | None = None) -> Run:
     """`python train.py ARGS` (config None) or `accelerate launch --config_file <config>.yaml train.py ARGS`,
