@@ -275,10 +275,24 @@ def preview(cfg: Config, cache_dir: Path) -> str | None:
 PACK_WINDOW = 64
 
 
-def _learned(batch: dict) -> torch.Tensor:
+def learned_positions(batch: dict) -> torch.Tensor:
     """Which next-token predictions the loss learns from: the real tokens of plain text, the answers of instruction
     and chat data."""
     return batch["labels"][:, 1:] != sft.IGNORE if "labels" in batch else batch["attention_mask"][:, 1:].bool()
+
+
+def model_inputs(model: nn.Module, batch: dict) -> dict[str, Any]:
+    """What `model` (wrapped by its strategy or not) reads of a micro-batch of rows, without a KV cache (in training
+    it would only copy every layer's keys and values; generate() still uses one)."""
+    ids, mask, positions = batch["input_ids"], batch["attention_mask"], batch.get("position_ids")
+    if "segment" in batch:  # packed rows: each example attends only to itself
+        attention = _attention_of(model)
+        # flash attention's variable-length path finds the examples from the restarting position_ids alone, and so
+        # does transformers' own mask without a KV cache: the way for a mixture of experts, whose own balancing
+        # loss reads a 2-D mask only (a block mask failed it)
+        alone = attention.startswith("flash") or router.balances(model)
+        mask = None if alone else sft.block_mask(batch["segment"], attention == "eager")
+    return {"input_ids": ids, "attention_mask": mask, "position_ids": positions, "use_cache": False}
 
 
 def _token_losses(model: nn.Module, batch: dict, top_guess: bool = False
@@ -290,18 +304,9 @@ def _token_losses(model: nn.Module, batch: dict, top_guess: bool = False
         out = chunked_loss.next_token_losses(model, top_guess, targets, input_ids=batch["input_ids"],
                                              position_ids=batch["position_ids"], use_cache=False)
         return out.losses, targets != sft.IGNORE, out.guess == targets if top_guess else None, out
-    ids, mask, positions = batch["input_ids"], batch["attention_mask"], batch.get("position_ids")
-    if "segment" in batch:  # packed rows: each example attends only to itself
-        attention = _attention_of(model)
-        # flash attention's variable-length path finds the examples from the restarting position_ids alone, and so
-        # does transformers' own mask without a KV cache: the way for a mixture of experts, whose own balancing
-        # loss reads a 2-D mask only (a block mask failed it)
-        alone = attention.startswith("flash") or router.balances(model)
-        mask = None if alone else sft.block_mask(batch["segment"], attention == "eager")
-    # No KV cache: in training it would only copy every layer's keys and values (generate() still uses one).
-    out = chunked_loss.next_token_losses(model, top_guess, input_ids=ids, attention_mask=mask, position_ids=positions,
-                                         use_cache=False)
-    return out.losses, _learned(batch), out.guess == ids[:, 1:] if top_guess else None, out
+    out = chunked_loss.next_token_losses(model, top_guess, **model_inputs(model, batch))
+    ids = batch["input_ids"]
+    return out.losses, learned_positions(batch), out.guess == ids[:, 1:] if top_guess else None, out
 
 
 def _weights(batch: dict) -> torch.Tensor:
@@ -310,7 +315,7 @@ def _weights(batch: dict) -> torch.Tensor:
     if "shift_labels" in batch:  # a sequence-parallel shard (trainkit/strategies/sequence_parallel.py)
         return batch["shift_weight"].float() if "shift_weight" in batch else \
             (batch["shift_labels"] != sft.IGNORE).float()
-    return batch["weight"][:, 1:].float() if "weight" in batch else _learned(batch).float()
+    return batch["weight"][:, 1:].float() if "weight" in batch else learned_positions(batch).float()
 
 
 def _attention_of(model: nn.Module) -> str:

@@ -80,7 +80,7 @@ def next_token_losses(model: nn.Module, top_guess: bool = False, targets: torch.
         return TokenLosses(_cross_entropy(logits, targets), logits.argmax(dim=-1) if top_guess else None,
                            getattr(output, "aux_loss", None), _entropy(logits) if entropy else None,
                            getattr(output, "router_logits", None))
-    project, hidden, last, output = _head_and_hidden(model, inner, inputs)
+    project, hidden, last, output = head_and_hidden(model, inner, inputs)
     rows = hidden[:, predicting].reshape(-1, hidden.shape[-1])
     losses, guesses, entropies = [], [], []
     for part, wanted in zip(rows.split(chunk), targets.reshape(-1).split(chunk), strict=True):
@@ -135,7 +135,7 @@ def after_head(config: Any) -> Callable[[torch.Tensor], torch.Tensor]:
 Projection = Callable[[torch.Tensor], torch.Tensor]
 
 
-def _head_and_hidden(model: nn.Module, inner: nn.Module, inputs: dict[str, Any]
+def head_and_hidden(model: nn.Module, inner: nn.Module, inputs: dict[str, Any]
                      ) -> tuple[Projection, torch.Tensor, torch.Tensor, Any]:
     """The logits of given hidden states (the output head, then after_head); the head's input at every position
     from model(**inputs) (`inner`: the model out of its strategy's wrapper), run with a head that projects only the
