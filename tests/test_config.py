@@ -99,8 +99,8 @@ def test_the_hint_for_a_broken_recipe_works_when_pasted(check_only, tmp_path):
 
 def test_unknown_recipe_name(check_only, tmp_path):
     assert_refused(check_only(tmp_path / "out", "--recipe", "gpt5"),
-                   "no shipped recipe named 'gpt5' (--recipe): use one of causal_lm, dpo, grpo, image_classifier, mlp, "
-                   "reward, tiny_transformer")
+                   "no shipped recipe named 'gpt5' (--recipe): use one of causal_lm, distill, dpo, grpo, "
+                   "image_classifier, mlp, reward, tiny_transformer")
 
 
 def test_dry_run_prints_the_resolved_config_and_trains_nothing(check_only, tmp_path):

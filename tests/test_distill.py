@@ -1,0 +1,249 @@
+"""The distill recipe (recipes/distill.py): the divergences against their formulas computed by hand, the chunked
+divergence against the whole logits', the tokenizer check, the refusals, and launched runs of a Qwen2 student taught
+by a Llama teacher of another depth with tied embeddings (neither written for this project) under DDP with
+accumulation, ZeRO-3, FSDP2 and ZeRO-2 with offload, off-policy and on-policy, against one process."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import pytest
+import torch
+from torch.nn import functional as F  # noqa: N812
+
+from conftest import PARITY_BOUND, architecture, assert_refused, launch, max_rel_diff
+from trainkit.losses import distill as distill_loss
+from trainkit.recipes import load_recipe
+
+
+def test_each_divergence_is_its_formula():
+    """Computed by hand at a few positions of a 5-token vocabulary: beta 0 the forward KL (torch's kl_div of the
+    teacher against the student), 1 the reverse KL, 0.5 the JSD with the half-and-half mixture, 0.3 the generalized
+    JSD with the mixture 0.3 teacher + 0.7 student; identical distributions give 0 at every beta."""
+    torch.manual_seed(0)
+    student, teacher = torch.randn(4, 5, dtype=torch.float64), torch.randn(4, 5, dtype=torch.float64)
+    p_s, p_t = student.softmax(-1), teacher.softmax(-1)
+
+    def kl(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        return (p * (p / q).log()).sum(-1)
+
+    forward = distill_loss.generalized_jsd(student, teacher, 0.0)
+    assert torch.allclose(forward, kl(p_t, p_s).float(), rtol=1e-5)
+    assert torch.allclose(forward, F.kl_div(student.log_softmax(-1), teacher.log_softmax(-1), reduction="none",
+                                            log_target=True).sum(-1).float(), rtol=1e-6)
+    assert torch.allclose(distill_loss.generalized_jsd(student, teacher, 1.0), kl(p_s, p_t).float(), rtol=1e-5)
+    half = (p_s + p_t) / 2
+    assert torch.allclose(distill_loss.generalized_jsd(student, teacher, 0.5),
+                          (0.5 * kl(p_t, half) + 0.5 * kl(p_s, half)).float(), rtol=1e-5)
+    mixture = 0.3 * p_t + 0.7 * p_s
+    assert torch.allclose(distill_loss.generalized_jsd(student, teacher, 0.3),
+                          (0.3 * kl(p_t, mixture) + 0.7 * kl(p_s, mixture)).float(), rtol=1e-5)
+    assert (forward > 0).all() and (distill_loss.generalized_jsd(student, teacher, 0.5) <= math.log(2)).all()
+    for beta in (0.0, 0.3, 0.5, 1.0):
+        assert distill_loss.generalized_jsd(student, student.clone(), beta).abs().max() < 1e-6
+
+
+@pytest.fixture(scope="module")
+def teacher(chat, tmp_path_factory):
+    """A Llama of 3 layers with tied embeddings on the chat fixture's tokenizer: another architecture than the
+    Qwen2 student, and deeper."""
+    from transformers import PreTrainedTokenizerFast
+
+    folder = tmp_path_factory.mktemp("teacher") / "llama"
+    torch.manual_seed(1)
+    architecture("llama", layers=3).save_pretrained(folder)
+    PreTrainedTokenizerFast.from_pretrained(chat[0]).save_pretrained(folder)
+    return folder
+
+
+def settings(chat, teacher=None, **more):
+    """The recipe's fields for the chat fixture's Qwen2 (or `model_name_or_path`) taught by `teacher`."""
+    return {"model_name_or_path": str(chat[0]), "tokenizer": "saved", "data": str(chat[1]), "chat_template": "chatml",
+            "seq_len": 96, **({"teacher_model_name_or_path": str(teacher)} if teacher else {}),
+            **more}
+
+
+def test_the_chunked_divergence_is_the_whole_logits_one(chat, teacher, tmp_path):
+    """The learned positions a few at a time through both heads, under checkpoint, against the whole logits at once:
+    the loss and the student's gradients agree to float32 rounding; the teacher gets no gradient."""
+    recipe = load_recipe("distill")
+    cfg = recipe.Config(**settings(chat, teacher, beta=0.5, sft_weight=0.5))
+    train, _ = recipe.make_datasets(cfg, tmp_path)
+    batch = {k: torch.stack([train[i][k] for i in range(4)]) for k in train[0]}
+    found = []
+    for chunk in (0, 7):
+        torch.manual_seed(0)
+        model = recipe.build_model(cfg)
+        model.chunk = chunk
+        loss, sums = model(**batch)
+        loss.backward()
+        found.append((loss.item(), sums["divergence per _tokens"].item(),
+                      {n: p.grad.clone() for n, p in model.student.named_parameters()}))
+        assert all(p.grad is None for p in model.teacher.parameters())
+    (whole, whole_sum, whole_grads), (cut, cut_sum, cut_grads) = found
+    assert cut == pytest.approx(whole, rel=1e-6) and cut_sum == pytest.approx(whole_sum, rel=1e-6)
+    assert all(torch.allclose(cut_grads[n], whole_grads[n], rtol=1e-4, atol=1e-7) for n in whole_grads)
+
+
+def test_a_teacher_that_is_the_student_teaches_nothing(chat, tmp_path):
+    """The student as its own teacher: every divergence is 0, so the loss is (sft_weight 0)."""
+    recipe = load_recipe("distill")
+    cfg = recipe.Config(**settings(chat, chat[0]))
+    train, _ = recipe.make_datasets(cfg, tmp_path)
+    batch = {k: torch.stack([train[i][k] for i in range(4)]) for k in train[0]}
+    loss, sums = recipe.build_model(cfg)(**batch)
+    assert loss.item() == 0.0 and sums["_tokens"] > 0 and sums["cross_entropy per _tokens"] > 0
+
+
+def other_tokenizer_teacher(chat, folder):
+    """The teacher model with a tokenizer trained on other text: other merges, other ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    bpe.train_from_iterator(["What is the sum of two numbers? It is their total."] * 20, trainer=trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    torch.manual_seed(0)
+    architecture("llama").save_pretrained(folder)
+    PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>").save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("flags, message", [
+    ([], "the teacher's tokenizer differs from the student's: "),
+    (["--beta", "1.5"], "beta must be in [0, 1] (0 forward KL, 0.5 JSD, 1 reverse KL), got 1.5"),
+    (["--lmbda", "0.5", "--packing"], "--lmbda > 0 samples completions of the data's prompts: it needs instruction "
+                                      "or chat examples one per row (packed rows hold none)"),
+], ids=["other-tokenizer", "beta", "on-policy-packed"])
+def test_what_cannot_be_distilled_is_refused_before_training(chat, teacher, check_only, tmp_path, flags, message):
+    folder = other_tokenizer_teacher(chat, tmp_path / "other") if flags == [] else teacher
+    run = check_only(tmp_path / "out", "--recipe", "distill", "--model_name_or_path", str(chat[0]), "--tokenizer",
+                     "saved", "--teacher_model_name_or_path", str(folder), "--data", str(chat[1]), "--chat_template",
+                     "chatml", *flags)
+    assert_refused(run, message)
+    if flags == []:  # the first id that differs, named with both tokenizers' sizes
+        assert re.search(r"is id (\d+|None) to the student and (\d+|None) to the teacher \(\d+ and \d+ tokens\)",
+                         run.stderr), run.stderr
+
+
+def test_tensor_parallelism_is_refused_with_the_configs_that_work(chat, teacher, check_only, tmp_path):
+    run = check_only(tmp_path / "out", "--recipe", "distill", *sum(([f"--{k}", str(v)] for k, v in settings(
+        chat, teacher).items()), []), "--dry_run", "--accelerate_config", "accelerate_configs/tp.yaml")
+    assert_refused(run, "the distill recipe runs the student and a teacher (of any architecture) whole on each "
+                        "rank's data")
+
+
+def test_on_policy_steps_are_drawn_from_the_seed_and_the_step():
+    import sys
+
+    load_recipe("distill")
+    on_policy = sys.modules["recipe_distill"].on_policy
+    half = [on_policy(0.5, 0, step) for step in range(1, 201)]
+    assert 80 < sum(half) < 120 and half[:6] == [True, False, True, True, False, False]
+    assert half != [on_policy(0.5, 1, step) for step in range(1, 201)]  # another seed, other steps
+    assert not any(on_policy(0.0, 0, step) for step in range(1, 50))
+    assert all(on_policy(1.0, 0, step) for step in range(1, 50))
+
+
+# --- launched: every config against one process ---------------------------------------------------------------------
+
+PARITY = {"reverse-kl-ddp-accum": ("qwen2", "llama", "ddp", ["--grad_accum", "2"]),
+          "jsd-half-on-policy-zero3": ("qwen2", "llama", "deepspeed_zero3", ["--beta", "0.5", "--lmbda", "0.5"]),
+          "forward-kl-sft-packed-fsdp": ("qwen2", "llama", "fsdp", ["--beta", "0", "--sft_weight", "0.5",
+                                                                    "--packing"]),
+          "on-policy-zero2-offload": ("qwen2", "llama", "deepspeed_zero2_offload", ["--lmbda", "1"]),
+          # a tied student with LoRA taught by a GPT-NeoX, and a GPT-NeoX student taught by an untied Qwen2
+          "lora-tied-student-zero3-offload": ("llama", "gpt_neox", "deepspeed_zero3_offload", ["--lora_r", "8"]),
+          "gpt-neox-student-on-policy-fsdp-offload": ("gpt_neox", "qwen2", "fsdp_offload", ["--lmbda", "0.5",
+                                                                                           "--beta", "0"])}
+
+
+@pytest.fixture(scope="module")
+def models(chat, tmp_path_factory):
+    """models(name, depth) -> a folder: conftest.architecture's model with the chat fixture's tokenizer, saved once."""
+    from transformers import PreTrainedTokenizerFast
+
+    made = {}
+
+    def folder(name: str, layers: int):
+        if (name, layers) not in made:
+            path = tmp_path_factory.mktemp(f"{name}{layers}") / "model"
+            torch.manual_seed(layers)
+            architecture(name, layers=layers).save_pretrained(path)
+            PreTrainedTokenizerFast.from_pretrained(chat[0]).save_pretrained(path)
+            made[name, layers] = path
+        return made[name, layers]
+
+    return folder
+
+
+def rollouts(run) -> list[dict]:
+    path = run.output_dir / "rollouts.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", PARITY)
+def test_distillation_trains_like_one_process_under_each_config(chat, models, tmp_path, case):
+    """6 steps of global batch 8 (lr 3e-3), students of 2 layers, teachers of 3: the loss within 1e-5 of one
+    process's, every on-policy completion the one-process run's, the teacher held as the student is (ZeRO-3 and
+    FSDP2: half of it per rank, counted by the estimate), and final/ the student alone, loadable with
+    from_pretrained. The DDP run also stops at step 3 and resumes to the same losses, bit for bit."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    student, teacher, config, flags = PARITY[case]
+    accumulation = int(flags[flags.index("--grad_accum") + 1]) if "--grad_accum" in flags else 1
+    folders = {"model_name_or_path": str(models(student, 2)), "teacher_model_name_or_path": str(models(teacher, 3))}
+    args = ["--recipe", "distill", *sum(([f"--{k}", str(v)] for k, v in settings(chat, **folders).items()), []),
+            "--max_steps", "6", "--eval_every", "3", "--lr", "3e-3", *flags]
+    one = launch(tmp_path / "one", *args, "--batch_size", str(8 // accumulation)).check()
+    cut = launch(tmp_path / "cut", *args, "--batch_size", str(4 // accumulation), "--save_every", "3",
+                 config=config).check()
+    assert cut.resolved["global_batch_size"] == 8
+    assert max_rel_diff(cut.losses, one.losses) <= PARITY_BOUND, (cut.losses, one.losses)
+    assert cut.metrics[-1]["eval_loss"] == pytest.approx(one.metrics[-1]["eval_loss"], rel=1e-5)
+    divergences = [m["divergence"] for m in one.metrics]
+    assert divergences[-1] < divergences[0]  # the student moves toward the teacher
+    policy = [m.get("on_policy", 0.0) for m in one.metrics]
+    assert policy == [m.get("on_policy", 0.0) for m in cut.metrics]
+    if "--lmbda" in flags:  # on-policy steps, their completions the same on 2 processes as on 1
+        assert sum(policy) >= 3 and rollouts(cut) == rollouts(one) and len(rollouts(one)) == 8 * sum(policy)
+        assert all(r["completion"] for r in rollouts(one))
+    else:
+        assert sum(policy) == 0 and not rollouts(one)
+    if config.startswith(("deepspeed_zero3", "fsdp")):  # each rank holds half of the student and the teacher, and
+        held = cut.metrics[0]["state_bytes"]  # the engine's own buffers (ZeRO-3: 60% of one process's bytes)
+        assert held < 0.65 * one.metrics[0]["state_bytes"]
+        assert abs(cut.resolved["estimated_state_bytes"] - held) <= 0.1 * held, (cut.resolved, held)
+    weights = load_file(cut.output_dir / "final" / "model.safetensors")
+    exported, started = (AutoModelForCausalLM.from_pretrained(path) for path in (cut.output_dir / "final",
+                                                                                folders["model_name_or_path"]))
+    assert type(exported) is type(started) and not any(k.startswith(("teacher", "student")) for k in weights)
+    assert sum(p.numel() for p in exported.parameters()) == sum(p.numel() for p in started.parameters())
+    assert (cut.output_dir / "final" / "adapter" / "adapter_config.json").is_file() == ("--lora_r" in flags)
+    if config == "ddp":  # the same folder, from step 3: metrics.jsonl cut back there, the same losses after it
+        whole = list(cut.losses)
+        resumed = launch(tmp_path / "cut", *args, "--batch_size", str(4 // accumulation), "--resume",
+                         str(cut.output_dir / "checkpoints" / "step_3"), config=config).check()
+        assert [m["step"] for m in resumed.metrics] == list(range(1, 7)) and resumed.losses == whole
+    if case == "forward-kl-sft-packed-fsdp":
+        assert evaluated(chat, folders, cut, beta=0.0, sft_weight=0.5, packing=True) == \
+            pytest.approx(cut.metrics[-1]["eval_loss"], rel=1e-5)
+
+
+def evaluated(chat, folders, run, **flags) -> float:
+    """The eval loss recomputed here from final/ and the teacher: the mean over the held-out rows' learned tokens of
+    the divergence plus sft_weight x the cross entropy, in one batch."""
+    recipe = load_recipe("distill")
+    cfg = recipe.Config(**settings(chat, **{**folders, "model_name_or_path": str(run.output_dir / "final")}),
+                        **flags)
+    _, held_out = recipe.make_datasets(cfg, run.output_dir.parent / "cache")
+    batch = {k: torch.stack([row[k] for row in held_out]) for k in held_out[0]}
+    with torch.no_grad():
+        loss, _ = recipe.build_model(cfg).eval()(**batch)
+    return loss.item()
