@@ -251,29 +251,33 @@ def rollout(model: Distillation, cfg: Config, step: int, micro_batches: list[dic
     stop = {tokenizer.eos_token_id, *(vocab[end] for end in sft.TURN_ENDS if end in vocab)} - {None}
     pad = sft.pad_id(tokenizer)
     how = sampling.Sampling(cfg.max_completion_length, cfg.temperature, stop=tuple(sorted(stop)), pad=pad)
-    width = cfg.seq_len - cfg.max_completion_length
-    made_batches, rows, lengths = [], [], []
+    width = cfg.seq_len - cfg.max_completion_length  # the longest prompt kept: its last tokens
+    made_batches, rows = [], []
     for batch in micro_batches:
-        learned = causal_lm.learned_positions(batch)
-        starts = learned.int().argmax(dim=1) + 1  # the first learned token (learned positions predict t + 1)
-        lengths = starts.clamp(max=width)
+        starts = causal_lm.learned_positions(batch).int().argmax(dim=1) + 1  # each row's first learned token
+        kept = starts.clamp(max=width)
         prompts = torch.full((len(starts), width), pad, dtype=torch.long)
-        for r, n in enumerate(lengths.tolist()):
-            prompts[r, :n] = batch["input_ids"][r, :n]
-        seeds = [sampling.slot_seed(cfg.seed, step, zlib.crc32(bytes(str(p[:n].tolist()), "utf-8")), 0)
-                 for p, n in zip(prompts, lengths.tolist(), strict=True)]
-        made = sampling.sample(lambda **kw: model(mode="generate", **kw), prompts.to(device), lengths.to(device),
-                               seeds, how, _processes() > 1)
-        ids, attention = sampling.left_padded(prompts.to(device), lengths.to(device), pad)
+        for r, (start, n) in enumerate(zip(starts.tolist(), kept.tolist(), strict=True)):
+            prompts[r, :n] = batch["input_ids"][r, start - n:start]
+        seeds = [sampling.slot_seed(cfg.seed, step, zlib.crc32(str(p[:n].tolist()).encode()), 0)
+                 for p, n in zip(prompts, kept.tolist(), strict=True)]
+        made = sampling.sample(lambda **kw: model(mode="generate", **kw), prompts.to(device), kept.to(device), seeds,
+                               how, _processes() > 1)
+        ids, attention = sampling.left_padded(prompts.to(device), kept.to(device), pad)
         input_ids, mask = torch.cat([ids, made.ids], 1), torch.cat([attention, made.mask], 1)
         labels = torch.where(torch.cat([torch.zeros_like(attention), made.mask], 1).bool(), input_ids, sft.IGNORE)
         made_batches.append({"input_ids": input_ids.cpu(), "attention_mask": mask.cpu(), "labels": labels.cpu(),
-                             "position_ids": sampling.positions(mask).cpu(),
-                             "generated": torch.ones(len(starts))})
+                             "position_ids": sampling.positions(mask).cpu(), "generated": torch.ones(len(starts))})
         rows += [{"prompt": tokenizer.decode(p[:n]), "completion": tokenizer.decode(c[m.bool()])}
-                 for p, n, c, m in zip(prompts, lengths.tolist(), made.ids.cpu(), made.mask.cpu(), strict=True)]
-    lengths = torch.cat([b["labels"][:, 1:].ne(sft.IGNORE).sum(1).float() for b in made_batches])
-    return Rollout(made_batches, {"on_policy": 1.0, "completions/mean_length": lengths.mean().item()}, rows)
+                 for p, n, c, m in zip(prompts, kept.tolist(), made.ids.cpu(), made.mask.cpu(), strict=True)]
+    # the global batch's mean completion length, the same number on any number of processes
+    total = torch.tensor([float(sum(b["generated"].numel() for b in made_batches)),
+                          float(sum(int(b["labels"].ne(sft.IGNORE).sum()) for b in made_batches))], device=device)
+    if _processes() > 1:
+        import torch.distributed as dist
+
+        dist.all_reduce(total)
+    return Rollout(made_batches, {"on_policy": 1.0, "completions/mean_length": (total[1] / total[0]).item()}, rows)
 
 
 def _processes() -> int:

@@ -181,6 +181,10 @@ def models(chat, tmp_path_factory):
     return folder
 
 
+def answers(run) -> list[dict]:
+    return [json.loads(line) for line in (run.output_dir / "generations.jsonl").read_text().splitlines()]
+
+
 def rollouts(run) -> list[dict]:
     path = run.output_dir / "rollouts.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
@@ -207,6 +211,7 @@ def test_distillation_trains_like_one_process_under_each_config(chat, models, tm
     assert cut.resolved["global_batch_size"] == 8
     assert max_rel_diff(cut.losses, one.losses) <= PARITY_BOUND, (cut.losses, one.losses)
     assert cut.metrics[-1]["eval_loss"] == pytest.approx(one.metrics[-1]["eval_loss"], rel=1e-5)
+    assert answers(cut) == answers(one) and len(answers(one)) == 4  # the student's greedy answers at steps 3 and 6
     divergences = [m["divergence"] for m in one.metrics]
     assert divergences[-1] < divergences[0]  # the student moves toward the teacher
     policy = [m.get("on_policy", 0.0) for m in one.metrics]
@@ -214,6 +219,8 @@ def test_distillation_trains_like_one_process_under_each_config(chat, models, tm
     if "--lmbda" in flags:  # on-policy steps, their completions the same on 2 processes as on 1
         assert sum(policy) >= 3 and rollouts(cut) == rollouts(one) and len(rollouts(one)) == 8 * sum(policy)
         assert all(r["completion"] for r in rollouts(one))
+        lengths = [[m["completions/mean_length"] for m in r.metrics if "on_policy" in m] for r in (cut, one)]
+        assert lengths[0] == pytest.approx(lengths[1]) and len(lengths[0]) == sum(policy)
     else:
         assert sum(policy) == 0 and not rollouts(one)
     if config.startswith(("deepspeed_zero3", "fsdp")):  # each rank holds half of the student and the teacher, and
