@@ -172,11 +172,13 @@ def run(command: str, args: list[str]) -> tuple[int, str]:
     (tests/helpers/forked_launch.py), as does `python train.py ARGS`; but the README's main job runs through the
     script itself, and a launch whose rank reads its launcher's command line as itself (tests/helpers/launching.py's
     forkable).
-    `python -m trainkit.tools.compare ARGS` runs its main in this process, each of its runs launched as above."""
-    if args[:3] == ["python", "-m", "trainkit.tools.compare"]:  # in this process, its runs forked
-        from trainkit.tools import compare
+    `python -m trainkit.tools.ask ARGS` and `trainkit.tools.compare ARGS` run the module's main on ARGS in this
+    process, as its `__main__` block does, without a new interpreter's imports (compare's runs launched as above);
+    tests/test_lora.py runs ask as the console command, from another folder."""
+    if args[:3] in (["python", "-m", "trainkit.tools.ask"], ["python", "-m", "trainkit.tools.compare"]):
+        import importlib
 
-        return compare.main(args[3:]), "(its table and errors printed above)"
+        return importlib.import_module(args[2]).main(args[3:]), "(its output and errors printed above)"
     args = side_by_side(args)
     env = {**os.environ, **TEST_ENV}
     config = args[args.index("--config_file") + 1] if "--config_file" in args else None
