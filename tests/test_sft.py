@@ -51,6 +51,21 @@ def test_each_layout_learns_exactly_its_answers(tokenizer, layout, record, learn
     assert everything == ids
 
 
+def test_a_prompt_completion_file_is_checked_and_encoded(chat, check_only, tmp_path):
+    """prompt/completion strings from a file pass the record check (which read them as chat turns before: a
+    KeyError), and a record whose completion is not a string is named by file and line."""
+    data = tmp_path / "pc.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"What is {i} plus 2?", "completion": f" {i + 2}."}) + "\n"
+                            for i in range(20)))
+    args = ["--recipe", "causal_lm", "--model_name_or_path", str(chat[0]), "--tokenizer", "saved", "--data", str(data),
+            "--seq_len", "32", "--dry_run"]
+    run = check_only(tmp_path / "out", *args)
+    assert run.returncode == 0 and "example 0 (prompt_completion, 3 of 10 tokens learned" in run.stderr, run.stderr
+    assert "What is 0 plus 2?[[ 2.<|endoftext|>]]" in run.stderr
+    data.write_text(data.read_text() + json.dumps({"prompt": "Hi", "completion": ["5"]}) + "\n")
+    assert_refused(check_only(tmp_path / "out", *args), f"{data}:21 has a completion that is not a string")
+
+
 def test_a_sharegpt_turn_from_an_unknown_speaker_is_named(tokenizer):
     record = {"conversations": [{"from": "human", "value": "Hi"}, {"from": "bot", "value": "Hello"}]}
     with pytest.raises(ConfigError, match=r"a record has a turn from bot, a role no chat template knows \(known: "

@@ -86,6 +86,11 @@ def record_problem(record: Any, layout: str, role_map: Mapping[str, str]) -> str
         return f"is a JSON {type(record).__name__}, not an object with the {layout} layout's fields"
     if missing := [f for f in FIELDS[layout] if f not in record]:
         return f"has no field(s) {', '.join(missing)} of the {layout} layout (its fields: {', '.join(record)})"
+    if layout == "prompt_completion":  # two strings, read as they are (render); no turns to check
+        if other := [f for f in FIELDS[layout] if not isinstance(record[f], str)]:
+            return (f"has a {' and a '.join(other)} that is not a string (a conversation's turns go in one "
+                    "`messages` list)")
+        return None
     try:
         to_messages(record, layout, role_map)
     except RecordError as e:
