@@ -152,14 +152,17 @@ def test_on_policy_steps_are_drawn_from_the_seed_and_the_step():
 # --- launched: every config against one process ---------------------------------------------------------------------
 
 PARITY = {"reverse-kl-ddp-accum": ("qwen2", "llama", "ddp", ["--grad_accum", "2"]),
-          "jsd-half-on-policy-zero3": ("qwen2", "llama", "deepspeed_zero3", ["--beta", "0.5", "--lmbda", "0.5"]),
+          # --loss_chunk_mib 0.02: both heads 6 positions at a time (chunked = whole: the test above), under sharding
+          "jsd-half-on-policy-chunked-zero3": ("qwen2", "llama", "deepspeed_zero3", ["--beta", "0.5", "--lmbda", "0.5",
+                                                                                     "--loss_chunk_mib", "0.02"]),
           "forward-kl-sft-packed-fsdp": ("qwen2", "llama", "fsdp", ["--beta", "0", "--sft_weight", "0.5",
                                                                     "--packing"]),
           "on-policy-zero2-offload": ("qwen2", "llama", "deepspeed_zero2_offload", ["--lmbda", "1"]),
           # a tied student with LoRA taught by a GPT-NeoX, and a GPT-NeoX student taught by an untied Qwen2
           "lora-tied-student-zero3-offload": ("llama", "gpt_neox", "deepspeed_zero3_offload", ["--lora_r", "8"]),
-          "gpt-neox-student-on-policy-fsdp-offload": ("gpt_neox", "qwen2", "fsdp_offload", ["--lmbda", "0.5",
-                                                                                           "--beta", "0"])}
+          "gpt-neox-student-on-policy-chunked-fsdp-offload": ("gpt_neox", "qwen2", "fsdp_offload",
+                                                              ["--lmbda", "0.5", "--beta", "0", "--loss_chunk_mib",
+                                                               "0.02"])}
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,8 @@ The mixture's form tends to 0, not to a KL, as beta nears 0 or 1: the two ends a
 
 Both models' logits at every position are the step's largest tensors (2 x tokens x vocabulary, in fp32). Beyond one
 chunk (trainkit/losses/chunked_loss.py's size) each model runs with a head that projects only its last position
-(chunked_loss.head_and_hidden), and the learned positions go through both heads and the divergence a chunk at a time
-under torch.utils.checkpoint: a chunk's logits are freed once its divergence is known and made again in backward.
+(chunked_loss.head_and_hidden), and the positions go through both heads and the divergence a chunk at a time under
+torch.utils.checkpoint: a chunk's logits are freed once its divergence is known and made again in backward.
 """
 
 from __future__ import annotations
@@ -72,26 +72,30 @@ def learned_divergences(student: nn.Module, teacher: nn.Module, student_inputs: 
     prediction of token t + 1 at t), the teacher without gradients. Each model gets its own inputs (the mask of packed
     rows depends on its attention). `chunk`: the positions per chunk (0: the whole logits at once); `vocab`: the
     logits' entries compared (both models' first `vocab`: the tokenizer's, where one model pads its embeddings)."""
-    targets = student_inputs["input_ids"][:, 1:][learned]
+    targets = student_inputs["input_ids"][:, 1:]
     if not chunk or targets.numel() <= chunk:
         out = student(**student_inputs)
         with torch.no_grad():
             taught = teacher(**teacher_inputs).logits[:, :-1][learned]
-        divergence, cross_entropy = _chunk(nn.Identity(), nn.Identity(), out.logits[:, :-1][learned], taught, targets,
-                                           beta, temperature, vocab)
+        divergence, cross_entropy = _chunk(nn.Identity(), nn.Identity(), out.logits[:, :-1][learned], taught,
+                                           targets[learned], beta, temperature, vocab)
         return Divergences(divergence, cross_entropy, getattr(out, "aux_loss", None),
                            getattr(out, "router_logits", None))
     project, hidden, last, out = chunked_loss.head_and_hidden(student, student, student_inputs)
     with torch.no_grad():
         teach, taught, _, _ = chunked_loss.head_and_hidden(teacher, teacher, teacher_inputs)
-    rows, taught = hidden[:, :-1][learned], taught[:, :-1][learned]
+    # Every position, learned or not, a chunk at a time: each chunk calls both heads, which under ZeRO-3 gathers
+    # their weights (a collective), so every rank must make as many chunks (its micro-batch's shape, the same on
+    # every rank), not as many as its learned positions need; the learned ones are kept after.
+    rows, taught = hidden[:, :-1].reshape(-1, hidden.shape[-1]), taught[:, :-1].reshape(-1, taught.shape[-1])
     parts = [checkpoint(_chunk, project, teach, mine, theirs, wanted, beta, temperature, vocab, use_reentrant=False)
              if torch.is_grad_enabled() else _chunk(project, teach, mine, theirs, wanted, beta, temperature, vocab)
-             for mine, theirs, wanted in zip(rows.split(chunk), taught.split(chunk), targets.split(chunk),
+             for mine, theirs, wanted in zip(rows.split(chunk), taught.split(chunk), targets.reshape(-1).split(chunk),
                                              strict=True)]
+    kept = learned.reshape(-1)
     # + 0 x the model's own output: backward passes through it, where FSDP2 hooks its gradients' reduction
-    divergence = torch.cat([d for d, _ in parts]) + 0 * last.sum()
-    return Divergences(divergence, torch.cat([c for _, c in parts]), getattr(out, "aux_loss", None),
+    divergence = torch.cat([d for d, _ in parts])[kept] + 0 * last.sum()
+    return Divergences(divergence, torch.cat([c for _, c in parts])[kept], getattr(out, "aux_loss", None),
                        getattr(out, "router_logits", None))
 
 
