@@ -20,24 +20,10 @@ from pathlib import Path
 
 import torch
 from datasets import Dataset
-from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback, set_seed
+from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
 from trl.trainer.distillation_config import DistillationConfig
 from trl.trainer.distillation_trainer import DistillationTrainer
-
-
-class Record(TrainerCallback):
-    """The end time of every optimizer step and what the Trainer logs for it."""
-
-    def __init__(self) -> None:
-        self.ends: list[float] = []
-        self.logs: list[dict] = []
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self.ends.append(time.perf_counter())
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if logs and "loss" in logs:
-            self.logs.append(logs)
+from trl_record import Record
 
 
 def main() -> None:

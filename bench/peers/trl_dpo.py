@@ -15,27 +15,11 @@ import torch
 from datasets import Dataset
 from peft import LoraConfig, get_peft_model
 from torch.utils.data import SequentialSampler
-from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback, set_seed
+from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
 from trl import DPOConfig, DPOTrainer
+from trl_record import Record
 
 from trainkit.data.sft import CHATML
-
-
-class Record(TrainerCallback):
-    """The end time of every optimizer step and the loss the Trainer logs for it."""
-
-    def __init__(self) -> None:
-        self.ends: list[float] = []
-        self.losses: list[float] = []
-        self.logs: list[dict] = []
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self.ends.append(time.perf_counter())
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if logs and "loss" in logs:
-            self.losses.append(logs["loss"])
-            self.logs.append(logs)
 
 
 class InOrder(DPOTrainer):

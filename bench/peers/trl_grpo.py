@@ -16,25 +16,11 @@ from pathlib import Path
 import torch
 from datasets import Dataset
 from grpo_rewards import share_of_low_ids
-from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback, set_seed
+from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
 from trl import GRPOConfig, GRPOTrainer
+from trl_record import Record
 
 from trainkit.data.sft import CHATML
-
-
-class Record(TrainerCallback):
-    """The end time of every optimizer step and what the Trainer logs for it."""
-
-    def __init__(self) -> None:
-        self.ends: list[float] = []
-        self.logs: list[dict] = []
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self.ends.append(time.perf_counter())
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if logs and "reward" in logs:
-            self.logs.append(logs)
 
 
 def main() -> None:
@@ -64,7 +50,7 @@ def main() -> None:
         use_cpu=not torch.cuda.is_available(), seed=0, shuffle_dataset=False, log_completions=False,
         # TRL's defaults that trainkit's run does not have: bf16 autocast (even on a CPU) and activation checkpointing
         bf16=False, gradient_checkpointing=False)
-    record = Record()
+    record = Record("reward")
     trainer = GRPOTrainer(model=model, reward_funcs=[share_of_low_ids], args=config, train_dataset=data,
                       processing_class=tokenizer, callbacks=[record])
     started = time.perf_counter()

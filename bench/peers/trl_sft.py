@@ -21,25 +21,11 @@ from pathlib import Path
 import torch
 from datasets import Dataset
 from peft import LoraConfig
-from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback, set_seed
+from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
 from trl import SFTConfig, SFTTrainer
+from trl_record import Record
 
 from trainkit.data.sft import CHATML
-
-
-class Record(TrainerCallback):
-    """The end time of every optimizer step and the loss the Trainer logs for it."""
-
-    def __init__(self) -> None:
-        self.ends: list[float] = []
-        self.losses: list[float] = []
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self.ends.append(time.perf_counter())
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if logs and "loss" in logs:
-            self.losses.append(logs["loss"])
 
 
 def contamination(model, collator, rows: list[dict]) -> float:
