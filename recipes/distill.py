@@ -262,7 +262,7 @@ def rollout(model: Distillation, cfg: Config, step: int, micro_batches: list[dic
         seeds = [sampling.slot_seed(cfg.seed, step, zlib.crc32(str(p[:n].tolist()).encode()), 0)
                  for p, n in zip(prompts, kept.tolist(), strict=True)]
         made = sampling.sample(lambda **kw: model(mode="generate", **kw), prompts.to(device), kept.to(device), seeds,
-                               how, _processes() > 1)
+                               how, sampling.processes() > 1)
         ids, attention = sampling.left_padded(prompts.to(device), kept.to(device), pad)
         input_ids, mask = torch.cat([ids, made.ids], 1), torch.cat([attention, made.mask], 1)
         labels = torch.where(torch.cat([torch.zeros_like(attention), made.mask], 1).bool(), input_ids, sft.IGNORE)
@@ -273,17 +273,11 @@ def rollout(model: Distillation, cfg: Config, step: int, micro_batches: list[dic
     # the global batch's mean completion length, the same number on any number of processes
     total = torch.tensor([float(sum(b["generated"].numel() for b in made_batches)),
                           float(sum(int(b["labels"].ne(sft.IGNORE).sum()) for b in made_batches))], device=device)
-    if _processes() > 1:
+    if sampling.processes() > 1:
         import torch.distributed as dist
 
         dist.all_reduce(total)
     return Rollout(made_batches, {"on_policy": 1.0, "completions/mean_length": (total[1] / total[0]).item()}, rows)
-
-
-def _processes() -> int:
-    import torch.distributed as dist
-
-    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def check_strategy(cfg: Config, strategy: Any) -> list[Problem]:

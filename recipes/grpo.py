@@ -348,11 +348,11 @@ def rollout(model: GRPOModel, cfg: Config, step: int, micro_batches: list[dict])
     import time
 
     if (step - 1) % cfg.num_iterations:  # the same completions, trained on again
-        if "rollout" not in _held or _held["processes"] != _processes():
+        if "rollout" not in _held or _held["processes"] != sampling.processes():
             raise TrainingError(
                 f"step {step} trains again on the completions sampled at step {step - (step - 1) % cfg.num_iterations}"
                 f" (--num_iterations {cfg.num_iterations}), which this checkpoint does not hold for "
-                f"{_processes()} processes", "resume on the processes that wrote it, or from a checkpoint at a "
+                f"{sampling.processes()} processes", "resume on the processes that wrote it, or from a checkpoint at a "
                 "step that is a multiple of --num_iterations")
         return Rollout(_held["rollout"].micro_batches, _held["rollout"].metrics, [])
     scoring, device = _scoring(cfg), next(model.parameters()).device
@@ -362,7 +362,7 @@ def rollout(model: GRPOModel, cfg: Config, step: int, micro_batches: list[dict])
              for p, g in zip(batch["index"], batch["generation"], strict=True)]
     started = time.perf_counter()
     made = sampling.sample(lambda **kw: model(mode="generate", **kw), batch["prompt_ids"], batch["prompt_length"],
-                           seeds, scoring.how, _processes() > 1, scoring.ended)
+                           seeds, scoring.how, sampling.processes() > 1, scoring.ended)
     generation_s = time.perf_counter() - started
     per_function, shown = _score(scoring, batch, made, model)
     per_function = per_function.to(device)
@@ -400,14 +400,8 @@ def rollout(model: GRPOModel, cfg: Config, step: int, micro_batches: list[dict])
         "tokens": int(loss_mask[i].sum())}
         for i, (text, g) in enumerate(zip(shown, batch["generation"], strict=True))]
     if cfg.num_iterations > 1:
-        _held.update(rollout=Rollout(trained, metrics, []), processes=_processes())
+        _held.update(rollout=Rollout(trained, metrics, []), processes=sampling.processes())
     return Rollout(trained, metrics, logged)
-
-
-def _processes() -> int:
-    import torch.distributed as dist
-
-    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def _rank() -> int:
@@ -418,11 +412,11 @@ def _rank() -> int:
 
 def _gathered(values: torch.Tensor) -> torch.Tensor:
     """[rows, this rank's columns] -> [rows, every rank's columns, in rank order]."""
-    if _processes() == 1:
+    if sampling.processes() == 1:
         return values
     import torch.distributed as dist
 
-    parts = [torch.empty_like(values) for _ in range(_processes())]
+    parts = [torch.empty_like(values) for _ in range(sampling.processes())]
     dist.all_gather(parts, values.contiguous())
     return torch.cat(parts, dim=1)
 
@@ -440,7 +434,7 @@ def _held_out(model: nn.Module, batch: dict) -> tuple[torch.Tensor, dict[str, to
 
     scoring = _scoring(extract_model_from_parallel(model).settings)
     made = sampling.sample(lambda **kw: model(mode="generate", **kw), batch["prompt_ids"], batch["prompt_length"],
-                           None, scoring.how, _processes() > 1, scoring.ended)
+                           None, scoring.how, sampling.processes() > 1, scoring.ended)
     per_function, _ = _score(scoring, batch, made, model)
     per_function = per_function.to(made.ids.device)
     total = (per_function * scoring.weights[:, None].to(made.ids.device)).sum(0)

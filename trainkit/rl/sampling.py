@@ -115,6 +115,14 @@ def sample(forward: Callable[..., Any], prompts: torch.Tensor, lengths: torch.Te
                        torch.nn.functional.pad(mask, (0, width)), ~done)
 
 
+def processes() -> int:
+    """The processes of the run (1 outside a distributed launch): with more than one, every one samples its share and
+    they step together (sample's synced)."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
 def _all_done(done: torch.Tensor, synced: bool) -> bool:
     """Whether this rank's rows, and with synced every rank's, have finished."""
     finished = torch.tensor([float(bool(done.all()))], device=done.device)
