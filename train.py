@@ -29,7 +29,7 @@ from accelerate.utils import set_seed
 
 from trainkit.command_line import parse_command_line
 from trainkit.data.batches import BatchLayout, EvalLayout, TrainStream, eval_batches, split_layouts
-from trainkit.data.precompute import attach
+from trainkit.data.precompute import OwnModel, attach
 from trainkit.data.stream import StreamedTrain, open_stream
 from trainkit.errors import ConfigError, TrainingError, failure_in_user_code, out_of_memory, said, writing
 from trainkit.launch.hardware import Compute
@@ -168,15 +168,17 @@ def build(plan: Plan) -> Run:
     layout = BatchLayout(cfg.batch_size, cfg.grad_accum, engine.data_parallel_rank, engine.data_parallel_size)
     held_out, note = split_layouts(layout, train_set, eval_set, cfg.eval_batches)  # refuses empty splits
     notes += [note] if note else []
+    checkpointer = Checkpointer(engine, options.output_dir, options.keep_last, options.async_save)
+    precompute, resumed = recipe.precompute(cfg), plan.resume.path if plan.resume else None
+    if isinstance(precompute, OwnModel):  # values per sample from a model of the recipe's own, before this one
+        train_set, eval_set, checkpointer.precomputed = attach(engine, precompute, train_set, eval_set, layout, resumed)
     set_seed(cfg.seed)  # the same initial weights on every rank and in a one-process run
     model = recipe.make_model(cfg)
-    checkpointer = Checkpointer(engine, options.output_dir, options.keep_last, options.async_save)
     if plan.resume and (note := checkpointer.before_prepare(plan.resume, model)):
         notes.append(note)
     engine.prepare(model, build_optimizer, build_scheduler)
-    if (precompute := recipe.precompute(cfg)) is not None:  # values per sample from the model as it starts
-        train_set, eval_set, checkpointer.precomputed = attach(engine, precompute, train_set, eval_set, layout,
-                                                               plan.resume.path if plan.resume else None)
+    if precompute is not None and not isinstance(precompute, OwnModel):  # values from the model as it starts
+        train_set, eval_set, checkpointer.precomputed = attach(engine, precompute, train_set, eval_set, layout, resumed)
     stream = open_stream(train_set, layout, cfg.seed, options.data_workers)
     notes += [stream.note] if stream.note else []
     run = Run(engine, resolved, checkpointer, stream, eval_set, layout, held_out, compute.peak.flops)

@@ -18,9 +18,14 @@ Output: final/ holds the student only, as the causal_lm recipe exports it.
 
 The teacher is held inside the model this recipe builds, beside the student, so every strategy holds it as it holds
 the student: ZeRO-3 partitions it, FSDP2 shards it (its decoder layers are blocks too), the offload configs offload
-it, --estimate and state_bytes count it. Both tokenizers must give the same ids (checked at plan time on the data's
-first records, naming the first difference). Where one model pads its embeddings past the tokenizer (a Qwen2.5-7B's
-152,064 against a 0.5B's 151,936), the logits are compared on the tokenizer's entries.
+it, --estimate and state_bytes count it. Offline, with --precompute_teacher_topk K, the run holds no teacher: before
+the student is built, the teacher (whole on every process, in --model_dtype) computes its K likeliest tokens at every
+position of both splits once, each process a share (trainkit/data/precompute.py; the tables take rows x seq_len x K
+x 8 bytes of memory per process and go into every checkpoint), and is freed; the divergence then compares the student
+with those K and the rest's mass (trainkit/losses/distill.py: K the whole vocabulary gives the live teacher's loss).
+Both tokenizers must give the same ids (checked at plan time on the data's first records, naming the first
+difference). Where one model pads its embeddings past the tokenizer (a Qwen2.5-7B's 152,064 against a 0.5B's
+151,936), the logits are compared on the tokenizer's entries.
 
     python train.py --recipe distill --model_name_or_path runs/small/final --teacher_model_name_or_path runs/big/final
     accelerate launch --config_file accelerate_configs/deepspeed_zero3.yaml train.py --recipe distill \\
@@ -43,6 +48,7 @@ import torch
 from torch import nn
 
 from trainkit.data import sft
+from trainkit.data.precompute import OwnModel
 from trainkit.errors import Problem
 from trainkit.losses import chunked_loss, router
 from trainkit.losses import distill as distill_loss
@@ -66,6 +72,9 @@ class Config(causal_lm.Config):  # the student's and the data's settings: recipe
     # The share of steps trained on the student's own completions (GKD's lambda; 0: all on the data's answers)
     lmbda: float = 0.0
     max_completion_length: int = 64  # tokens the student generates per prompt on an on-policy step, at most
+    # Offline: the teacher's K likeliest tokens per position computed once before the student is built, then no
+    # teacher held (0: the teacher held and run at every step)
+    precompute_teacher_topk: int = 0
     lr: float = 5e-5
 
     may_change_on_resume = causal_lm.Config.may_change_on_resume
@@ -87,6 +96,11 @@ class Config(causal_lm.Config):  # the student's and the data's settings: recipe
             problems.append(Problem(f"max_completion_length must be between 1 and seq_len - 1, got "
                                     f"{self.max_completion_length} with seq_len {self.seq_len}",
                                     "--max_completion_length", f"pass --max_completion_length below {self.seq_len}"))
+        if self.precompute_teacher_topk < 0 or self.precompute_teacher_topk and self.lmbda:
+            problems.append(Problem(f"--precompute_teacher_topk {self.precompute_teacher_topk} with --lmbda "
+                                    f"{self.lmbda}: the teacher's tables cover the data's tokens, not the completions "
+                                    "the student will sample", "--precompute_teacher_topk",
+                                    "pass a K > 0 with --lmbda 0, or --precompute_teacher_topk 0 (the teacher held)"))
         if not problems:
             problems += vocabulary_problems(self.model_name_or_path, self.teacher_model_name_or_path, self.tokenizer,
                                             self.trust_remote_code, self.data)
@@ -108,8 +122,6 @@ def vocabulary_problems(student_folder: str, teacher_folder: str, tokenizer: str
                         data: str) -> list[Problem]:
     """The student's and the teacher's tokenizers: the same token for every id, and the same ids for the text of the
     data's first records (a teacher whose logits mean other tokens would teach nonsense without an error)."""
-    from transformers import AutoConfig
-
     cfg = FineTuneConfig(model_name_or_path=student_folder, tokenizer=tokenizer, trust_remote_code=trust_remote_code)
     student, teacher = tokenizer_of(cfg), tokenizer_of(dataclasses.replace(cfg, model_name_or_path=teacher_folder))
     mine, theirs = student.get_vocab(), teacher.get_vocab()
@@ -128,8 +140,7 @@ def vocabulary_problems(student_folder: str, teacher_folder: str, tokenizer: str
             return [Problem(f"the two tokenizers encode record {i} of {data} differently from token {at} on "
                             f"(student {a[at:at + 4]}, teacher {b[at:at + 4]}): their normalisers or pre-tokenisers "
                             "differ", "--teacher_model_name_or_path", fix)]
-    sizes = [pretrained.text_config(pretrained.load("model's config", c, AutoConfig.from_pretrained)).vocab_size
-             for c in (cfg, dataclasses.replace(cfg, model_name_or_path=teacher_folder))]
+    sizes = logit_entries(cfg, dataclasses.replace(cfg, model_name_or_path=teacher_folder))
     if min(sizes) < len(student):
         return [Problem(f"the models' logits have {sizes[0]} (student) and {sizes[1]} (teacher) entries, fewer than "
                         f"the tokenizer's {len(student)} tokens", "--teacher_model_name_or_path", fix)]
@@ -167,13 +178,11 @@ class Distillation(nn.Module):
     returns the loss and the metrics' sums, so that the strategy's wrapper runs the whole objective and holds the
     teacher as it holds the student (ZeRO-3's and FSDP2's gathers)."""
 
-    def __init__(self, student: nn.Module, teacher: nn.Module, cfg: Config) -> None:
+    def __init__(self, student: nn.Module, teacher: nn.Module | None, cfg: Config) -> None:
         super().__init__()
-        self.student, self.teacher = student, teacher
+        self.student, self.teacher = student, teacher  # teacher None: its top K come with the batch
         self.beta, self.temperature, self.sft_weight = cfg.beta, cfg.temperature, cfg.sft_weight
-        sizes = [pretrained.text_config(m.config).vocab_size for m in (student, teacher)]
-        # the tokenizer's entries where the models pad their embeddings differently (vocabulary_problems checked it)
-        self.vocab = len(tokenizer_of(cfg)) if sizes[0] != sizes[1] else sizes[0]
+        self.vocab = compared_vocab(cfg)
         # both models' logits live in a chunk: each gets half of --loss_chunk_mib
         self.chunk = chunked_loss.chunk_tokens(cfg.loss_chunk_mib / 2, self.vocab)
         self.config = student.config  # what the runner reads of a transformers model (sizes, FLOPs)
@@ -183,18 +192,26 @@ class Distillation(nn.Module):
 
     def train(self, mode: bool = True) -> Distillation:
         super().train(mode)
-        self.teacher.eval()  # it never trains: no dropout in its pass
+        if self.teacher is not None:
+            self.teacher.eval()  # it never trains: no dropout in its pass
         return self
 
-    def forward(self, mode: str = "loss", generated: torch.Tensor | None = None, **batch: Any) -> Any:
+    def forward(self, mode: str = "loss", generated: torch.Tensor | None = None,
+                teacher_topk_logps: torch.Tensor | None = None, teacher_topk_ids: torch.Tensor | None = None,
+                teacher_rest_logp: torch.Tensor | None = None, **batch: Any) -> Any:
         """mode "loss": the micro-batch's mean over its learned tokens and the metrics' sums; "generate": the
-        student's output (sampling). `generated` marks the rows the student wrote (on-policy): no cross entropy."""
+        student's output (sampling). `generated` marks the rows the student wrote (on-policy): no cross entropy.
+        teacher_topk_*: the teacher's top K at every position (--precompute_teacher_topk), in place of the teacher."""
         if mode == "generate":
             return self.student(**batch, **router.generating(self.student))
         learned = causal_lm.learned_positions(batch)
-        found = distill_loss.learned_divergences(
-            self.student, self.teacher, causal_lm.model_inputs(self.student, batch),
-            causal_lm.model_inputs(self.teacher, batch), learned, self.beta, self.temperature, self.chunk, self.vocab)
+        if self.teacher is None:
+            teacher, teacher_inputs = distill_loss.TopK(teacher_topk_logps, teacher_topk_ids, teacher_rest_logp), {}
+        else:
+            teacher, teacher_inputs = self.teacher, causal_lm.model_inputs(self.teacher, batch)
+        found = distill_loss.learned_divergences(self.student, teacher, causal_lm.model_inputs(self.student, batch),
+                                                 teacher_inputs, learned, self.beta, self.temperature, self.chunk,
+                                                 self.vocab)
         tokens = learned.sum().float()
         divergence, cross_entropy = found.divergence.sum(), found.cross_entropy.sum()
         total = divergence + (self.sft_weight * cross_entropy if self.sft_weight and generated is None else 0.0)
@@ -209,11 +226,43 @@ class Distillation(nn.Module):
         return objective, {**sums, **reported}
 
 
-def build_model(cfg: Config) -> nn.Module:
+def logit_entries(*models: FineTuneConfig) -> list[int]:
+    """Each model's logits' entries (its config's vocab_size)."""
+    from transformers import AutoConfig
+
+    return [pretrained.text_config(pretrained.load("model's config", c, AutoConfig.from_pretrained)).vocab_size
+            for c in models]
+
+
+def compared_vocab(cfg: Config) -> int:
+    """The logits' entries compared: both models', or the tokenizer's where they pad their embeddings differently
+    (vocabulary_problems checked that they cover it)."""
+    student, teacher = logit_entries(cfg, teacher_config(cfg))
+    return len(tokenizer_of(cfg)) if student != teacher else student
+
+
+def build_teacher(cfg: Config) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
-    return Distillation(causal_lm.build_model(cfg),
-                        finetune.build(teacher_config(cfg), AutoModelForCausalLM).requires_grad_(False), cfg)
+    return finetune.build(teacher_config(cfg), AutoModelForCausalLM).requires_grad_(False)
+
+
+def build_model(cfg: Config) -> nn.Module:
+    return Distillation(causal_lm.build_model(cfg), None if cfg.precompute_teacher_topk else build_teacher(cfg), cfg)
+
+
+def precompute(cfg: Config) -> OwnModel | None:
+    """--precompute_teacher_topk: the teacher's top K at every position of every row, before the student exists."""
+    if not cfg.precompute_teacher_topk:
+        return None
+    vocab = compared_vocab(cfg)
+
+    def topk(teacher: nn.Module, batch: dict) -> dict[str, torch.Tensor]:
+        logits = teacher(**causal_lm.model_inputs(teacher, batch)).logits[:, :-1, :vocab]
+        found = distill_loss.teacher_topk(logits, cfg.precompute_teacher_topk, cfg.temperature)
+        return {"teacher_topk_logps": found.logps, "teacher_topk_ids": found.ids, "teacher_rest_logp": found.rest}
+
+    return OwnModel(functools.partial(build_teacher, cfg), topk)
 
 
 # The causal_lm recipe's rows, their --dry_run preview, its summary line's padding share, its tokens per sample

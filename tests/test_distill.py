@@ -5,9 +5,11 @@ accumulation, ZeRO-3, FSDP2 and ZeRO-2 with offload, off-policy and on-policy, a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
+import sys
 
 import pytest
 import torch
@@ -45,6 +47,35 @@ def test_each_divergence_is_its_formula():
         assert distill_loss.generalized_jsd(student, student.clone(), beta).abs().max() < 1e-6
 
 
+def test_a_teacher_as_its_top_k_is_both_distributions_coarsened_alike():
+    """K the whole vocabulary: every beta's divergence is the full one, the empty rest held finite; K = 2: by hand,
+    both distributions as the teacher's 2 likeliest tokens and one outcome for all the others."""
+    torch.manual_seed(0)
+    student, teacher = torch.randn(4, 6), torch.randn(4, 6)
+    whole = distill_loss.teacher_topk(teacher, 6, 1.0)
+    assert (whole.logps.exp().sum(-1) - 1).abs().max() < 1e-6 and (whole.rest == distill_loss.REST_FLOOR).all()
+    for beta in (0.0, 0.5, 1.0):
+        assert torch.allclose(distill_loss.topk_jsd(student, whole, beta),
+                              distill_loss.generalized_jsd(student, teacher, beta), atol=1e-6)
+    p_s, p_t = student.double().softmax(-1), teacher.double().softmax(-1)
+    top = p_t.topk(2, dim=-1).indices
+
+    def coarse(p: torch.Tensor) -> torch.Tensor:
+        kept = p.gather(-1, top)
+        return torch.cat([kept, 1 - kept.sum(-1, keepdim=True)], -1)
+
+    c_s, c_t = coarse(p_s), coarse(p_t)
+    two = distill_loss.teacher_topk(teacher, 2, 1.0)
+    assert torch.equal(two.ids.long(), top) and torch.allclose(two.rest.double().exp(), c_t[:, -1], rtol=1e-5)
+    assert torch.allclose(distill_loss.topk_jsd(student, two, 0.0).double(), (c_t * (c_t / c_s).log()).sum(-1),
+                          rtol=1e-5)
+    assert torch.allclose(distill_loss.topk_jsd(student, two, 1.0).double(), (c_s * (c_s / c_t).log()).sum(-1),
+                          rtol=1e-5)
+    # at temperature 2 the tables are the teacher's softmax of logits / 2
+    halved = distill_loss.teacher_topk(teacher, 2, 2.0)
+    assert torch.allclose(halved.logps, (teacher / 2).log_softmax(-1).topk(2).values)
+
+
 @pytest.fixture(scope="module")
 def teacher(chat, tmp_path_factory):
     """A Llama of 3 layers with tied embeddings on the chat fixture's tokenizer: another architecture than the
@@ -65,26 +96,68 @@ def settings(chat, teacher=None, **more):
             **more}
 
 
-def test_the_chunked_divergence_is_the_whole_logits_one(chat, teacher, tmp_path):
-    """The learned positions a few at a time through both heads, under checkpoint, against the whole logits at once:
-    the loss and the student's gradients agree to float32 rounding; the teacher gets no gradient."""
+def batch_of(train, rows: int = 4) -> dict[str, torch.Tensor]:
+    return {k: torch.stack([train[i][k] for i in range(rows)]) for k in train[0]}
+
+
+@pytest.mark.parametrize("topk", [0, 5], ids=["live-teacher", "top-5-tables"])
+def test_the_chunked_divergence_is_the_whole_logits_one(chat, teacher, tmp_path, topk):
+    """The learned positions a few at a time through both heads (or the student's and the teacher's tables), under
+    checkpoint, against the whole logits at once: the loss and the student's gradients agree to float32 rounding; the
+    teacher gets no gradient."""
     recipe = load_recipe("distill")
-    cfg = recipe.Config(**settings(chat, teacher, beta=0.5, sft_weight=0.5))
+    cfg = recipe.Config(**settings(chat, teacher, beta=0.5, sft_weight=0.5, precompute_teacher_topk=topk))
     train, _ = recipe.make_datasets(cfg, tmp_path)
-    batch = {k: torch.stack([train[i][k] for i in range(4)]) for k in train[0]}
+    batch = batch_of(train)
+    if topk:  # the precompute pass's columns, from the teacher
+        precompute = recipe.precompute(cfg)
+        batch.update(precompute.fn(precompute.build(), batch))
     found = []
     for chunk in (0, 7):
         torch.manual_seed(0)
         model = recipe.build_model(cfg)
+        assert (model.teacher is None) == bool(topk)
         model.chunk = chunk
         loss, sums = model(**batch)
         loss.backward()
         found.append((loss.item(), sums["divergence per _tokens"].item(),
                       {n: p.grad.clone() for n, p in model.student.named_parameters()}))
-        assert all(p.grad is None for p in model.teacher.parameters())
+        assert all(p.grad is None for p in model.teacher.parameters()) if model.teacher else True
     (whole, whole_sum, whole_grads), (cut, cut_sum, cut_grads) = found
     assert cut == pytest.approx(whole, rel=1e-6) and cut_sum == pytest.approx(whole_sum, rel=1e-6)
     assert all(torch.allclose(cut_grads[n], whole_grads[n], rtol=1e-4, atol=1e-7) for n in whole_grads)
+
+
+def test_the_top_k_tables_are_the_teachers_distribution_coarsened(chat, teacher, tmp_path):
+    """The recipe's loss on a batch with the precompute pass's top-4 tables is the divergence by hand of the
+    student's and the live teacher's softmax, both coarsened to the teacher's 4 likeliest tokens and the rest, at
+    every learned position; with K the vocabulary it is the live teacher's loss."""
+    recipe = load_recipe("distill")
+    cfg = recipe.Config(**settings(chat, teacher, beta=0.0, temperature=2.0, precompute_teacher_topk=4))
+    train, _ = recipe.make_datasets(cfg, tmp_path)
+    batch = batch_of(train)
+    precompute = recipe.precompute(cfg)
+    live = precompute.build()
+    tables = precompute.fn(live, batch)
+    assert tables["teacher_topk_logps"].shape == (4, cfg.seq_len - 1, 4)
+    torch.manual_seed(0)
+    student = recipe.build_model(cfg)
+    loss, sums = student(**batch, **tables)
+    learned = batch["labels"][:, 1:] != -100
+    with torch.no_grad():
+        p_s = (student.student(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+               / 2).double().softmax(-1)[learned]
+        p_t = (live(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+               / 2).double().softmax(-1)[learned]
+    top = tables["teacher_topk_ids"][learned].long()
+    c_s, c_t = (torch.cat([p.gather(-1, top), 1 - p.gather(-1, top).sum(-1, keepdim=True)], -1) for p in (p_s, p_t))
+    assert loss.item() == pytest.approx((c_t * (c_t / c_s).log()).sum(-1).mean().item(), rel=1e-5)
+    whole = recipe.Config(**settings(chat, teacher, beta=0.0, temperature=2.0,
+                                     precompute_teacher_topk=sys.modules["recipe_distill"].compared_vocab(cfg)))
+    torch.manual_seed(0)
+    online = recipe.build_model(dataclasses.replace(whole, precompute_teacher_topk=0))
+    assert student(**batch, **recipe.precompute(whole).fn(live, batch))[0].item() == \
+        pytest.approx(online(**batch)[0].item(), rel=1e-5)
 
 
 def test_a_teacher_that_is_the_student_teaches_nothing(chat, tmp_path):
@@ -92,8 +165,7 @@ def test_a_teacher_that_is_the_student_teaches_nothing(chat, tmp_path):
     recipe = load_recipe("distill")
     cfg = recipe.Config(**settings(chat, chat[0]))
     train, _ = recipe.make_datasets(cfg, tmp_path)
-    batch = {k: torch.stack([train[i][k] for i in range(4)]) for k in train[0]}
-    loss, sums = recipe.build_model(cfg)(**batch)
+    loss, sums = recipe.build_model(cfg)(**batch_of(train))
     assert loss.item() == 0.0 and sums["_tokens"] > 0 and sums["cross_entropy per _tokens"] > 0
 
 
@@ -118,7 +190,10 @@ def other_tokenizer_teacher(chat, folder):
     (["--beta", "1.5"], "beta must be in [0, 1] (0 forward KL, 0.5 JSD, 1 reverse KL), got 1.5"),
     (["--lmbda", "0.5", "--packing"], "--lmbda > 0 samples completions of the data's prompts: it needs instruction "
                                       "or chat examples one per row (packed rows hold none)"),
-], ids=["other-tokenizer", "beta", "on-policy-packed"])
+    (["--precompute_teacher_topk", "8", "--lmbda", "0.5"], "--precompute_teacher_topk 8 with --lmbda 0.5: the "
+                                                            "teacher's tables cover the data's tokens, not the "
+                                                            "completions the student will sample"),
+], ids=["other-tokenizer", "beta", "on-policy-packed", "tables-on-policy"])
 def test_what_cannot_be_distilled_is_refused_before_training(chat, teacher, check_only, tmp_path, flags, message):
     folder = other_tokenizer_teacher(chat, tmp_path / "other") if flags == [] else teacher
     run = check_only(tmp_path / "out", "--recipe", "distill", "--model_name_or_path", str(chat[0]), "--tokenizer",
@@ -138,8 +213,6 @@ def test_tensor_parallelism_is_refused_with_the_configs_that_work(chat, teacher,
 
 
 def test_on_policy_steps_are_drawn_from_the_seed_and_the_step():
-    import sys
-
     load_recipe("distill")
     on_policy = sys.modules["recipe_distill"].on_policy
     half = [on_policy(0.5, 0, step) for step in range(1, 201)]
@@ -257,3 +330,38 @@ def evaluated(chat, folders, run, **flags) -> float:
     with torch.no_grad():
         loss, _ = recipe.build_model(cfg).eval()(**batch)
     return loss.item()
+
+
+@pytest.mark.slow
+def test_a_precomputed_teacher_trains_like_the_live_one_and_is_never_held(chat, models, tmp_path):
+    """--precompute_teacher_topk with K the whole vocabulary under ZeRO-3 (the student sharded, the teacher's pass
+    a share of the rows per rank): the loss within 1e-5 of one process with the live teacher, its held-out loss and
+    answers the same; the run holds the student's state alone; every checkpoint carries the tables, and a resume
+    reads them there (the teacher's folder then holds other weights) to the same losses."""
+    import shutil
+
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    taught_by = tmp_path / "teacher"
+    shutil.copytree(models("llama", 3), taught_by)
+    folders = {"model_name_or_path": str(models("qwen2", 2)), "teacher_model_name_or_path": str(taught_by)}
+    args = ["--recipe", "distill", *sum(([f"--{k}", str(v)] for k, v in settings(chat, **folders).items()), []),
+            "--max_steps", "6", "--eval_every", "3", "--lr", "3e-3", "--beta", "0.5"]
+    live = launch(tmp_path / "live", *args, "--batch_size", "8").check()
+    tables = ["--precompute_teacher_topk", "400", "--batch_size", "4"]
+    offline = launch(tmp_path / "offline", *args, *tables, "--save_every", "3", config="deepspeed_zero3").check()
+    assert max_rel_diff(offline.losses, live.losses) <= PARITY_BOUND, (offline.losses, live.losses)
+    assert offline.metrics[-1]["eval_loss"] == pytest.approx(live.metrics[-1]["eval_loss"], rel=1e-5)
+    assert answers(offline) == answers(live)
+    student = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(folders["model_name_or_path"]).parameters())
+    # half of the student's weights, gradients and Adam moments (16 bytes a parameter) and ZeRO-3's own buffers;
+    # a teacher held beside it would add more than a third
+    assert offline.metrics[0]["state_bytes"] < 0.65 * 16 * student
+    with safe_open(offline.output_dir / "checkpoints" / "step_3" / "precomputed.safetensors", "pt") as saved:
+        assert saved.get_slice("train/teacher_topk_logps").get_shape()[1:] == [95, 400]
+        assert saved.get_slice("eval/teacher_topk_ids").get_shape()[1:] == [95, 400]
+    torch.manual_seed(99)  # another teacher in its folder: a resume that ran the teacher again would train on it
+    architecture("llama", layers=3).save_pretrained(taught_by)
+    resumed = launch(tmp_path / "offline", *args, *tables, "--resume", "latest", config="deepspeed_zero3").check()
+    assert resumed.losses == offline.losses

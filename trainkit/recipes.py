@@ -39,7 +39,9 @@ and optionally (the defaults are `Recipe`'s):
                                     starts (prepared by the strategy, eval mode, no_grad), before the first step;
                                     each sample then carries its values under those names in every batch, and the
                                     checkpoints keep them (trainkit/data/precompute.py; recipes/dpo.py's
-                                    --precompute_ref_logps); default None
+                                    --precompute_ref_logps). Or a precompute.OwnModel(build, fn): fn runs on the
+                                    model build() makes, whole on every rank, before the trained model is built
+                                    (recipes/distill.py's --precompute_teacher_topk); default None
 
 and, for online RL (recipes/grpo.py):
 
@@ -94,6 +96,7 @@ from typing import Any
 import torch
 
 from trainkit.config import TrainConfig, config_dict
+from trainkit.data.precompute import OwnModel, PrecomputeFn
 from trainkit.errors import ConfigError, Problem
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -180,7 +183,7 @@ class Recipe:
     preview: Callable[[Any, Path], str | None] = no_preview
     generate: Callable[[torch.nn.Module, Any, Any], list[dict[str, str]]] = no_generations
     loss_weight: Callable[[Any, Any], Any] | None = None
-    precompute: Callable[[Any], Callable[[torch.nn.Module, Any], dict[str, torch.Tensor]] | None] = no_precompute
+    precompute: Callable[[Any], PrecomputeFn | OwnModel | None] = no_precompute
     rollout: Callable[[torch.nn.Module, Any, int, list], Rollout] | None = None
     rollout_state: Callable[[], dict[str, Any] | None] = nothing_held
     load_rollout_state: Callable[[dict[str, Any]], None] = hold_nothing

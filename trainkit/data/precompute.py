@@ -1,16 +1,19 @@
-"""Values computed once per sample from the model as it starts, before the first step (a recipe's precompute hook:
-recipes/dpo.py's --precompute_ref_logps, the reference model's log-probabilities, so that no reference is kept).
+"""Values computed once per sample before the first step (a recipe's precompute hook): recipes/dpo.py's
+--precompute_ref_logps, the reference model's log-probabilities from the model as it starts, so that no reference is
+kept; recipes/distill.py's --precompute_teacher_topk, the teacher's top K per position, so that no teacher is kept.
 
-The pass runs every sample of both splits once, on the prepared model (sharded as it trains: every rank a share of
-the micro-batches, in eval mode, under no_grad), and one reduction gives every rank the whole table. The values then
-travel with their samples: each split is read through WithColumns, which adds a sample's values to it by index, so
-they follow the global batch order on any process count. Every checkpoint holds the tables (FILE), and a resumed run
-reads them back there: by then the model has trained, and the start it would need is gone.
+The pass runs every sample of both splits once, in eval mode under no_grad, every rank a share of the micro-batches,
+and one reduction gives every rank the whole table. It runs the prepared model (sharded as it trains), or a model of
+the recipe's own (OwnModel: whole on every rank, before the trained model is built, so that the two are never held
+together). The values then travel with their samples: each split is read through WithColumns, which adds a sample's
+values to it by index, so they follow the global batch order on any process count. Every checkpoint holds the tables
+(FILE), and a resumed run reads them back there: by then the model has trained, and the start it would need is gone.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +23,19 @@ from torch.utils.data import Dataset
 from trainkit.data.batches import BatchLayout, EvalLayout, eval_batches
 from trainkit.errors import ConfigError, Problem
 
-PrecomputeFn = Callable[[torch.nn.Module, Any], dict[str, torch.Tensor]]  # (model, micro-batch) -> one value per sample
+# (model, micro-batch) -> {column: a value per sample, [samples, ...]}
+PrecomputeFn = Callable[[torch.nn.Module, Any], dict[str, torch.Tensor]]
 FILE = "precomputed.safetensors"  # in each checkpoint: "<split>/<column>" -> a value per sample of the split
 SPLITS = ("train", "eval")
+
+
+@dataclass(frozen=True, slots=True)
+class OwnModel:
+    """A pass over a model of the recipe's own (`build()`), not over the one it trains (recipes/distill.py's
+    teacher): run before that one is built (attach with no engine model yet), and freed after."""
+
+    build: Callable[[], torch.nn.Module]
+    fn: PrecomputeFn
 
 
 class WithColumns(Dataset):
@@ -44,7 +57,7 @@ class WithColumns(Dataset):
                 for sample, i in zip(samples, indices, strict=True)]
 
 
-def attach(engine: Any, fn: PrecomputeFn, train_set: Any, eval_set: Any, layout: BatchLayout,
+def attach(engine: Any, precompute: PrecomputeFn | OwnModel, train_set: Any, eval_set: Any, layout: BatchLayout,
            resumed: Path | None) -> tuple[WithColumns, WithColumns, dict[str, torch.Tensor]]:
     """(train, eval) with their values, and the tables a checkpoint keeps: computed now on a fresh start, read from
     the checkpoint `resumed` from."""
@@ -52,27 +65,38 @@ def attach(engine: Any, fn: PrecomputeFn, train_set: Any, eval_set: Any, layout:
         raise ConfigError([Problem("values precomputed per sample need the whole training split before the first "
                                    "step, and a streamed one is read as it trains", "--streaming",
                                    "pass --streaming false (the split prepared first), or drop the precomputation")])
-    tables = _read(resumed) if resumed is not None else {
-        f"{split}/{name}": values for split, dataset in zip(SPLITS, (train_set, eval_set), strict=True)
-        for name, values in _pass(engine, fn, dataset, layout).items()}
+    if resumed is not None:
+        tables = _read(resumed)
+    else:
+        own = isinstance(precompute, OwnModel)
+        if own:
+            with engine.building_alone():  # whole on this rank, never partitioned as it is built (ZeRO-3's zero.Init)
+                model = precompute.build().to(engine.accelerator.device)
+        else:
+            model = engine.model
+        fn = precompute.fn if own else precompute
+        tables = {f"{split}/{name}": values for split, dataset in zip(SPLITS, (train_set, eval_set), strict=True)
+                  for name, values in _pass(engine, model, fn, dataset, layout).items()}
+        del model  # an own model's last reference: freed before the trained model is built
     train, held_out = ({name.split("/", 1)[1]: values for name, values in tables.items()
                         if name.startswith(f"{split}/")} for split in SPLITS)
     return WithColumns(train_set, train), WithColumns(eval_set, held_out), tables
 
 
-def _pass(engine: Any, fn: PrecomputeFn, dataset: Any, layout: BatchLayout) -> dict[str, torch.Tensor]:
+def _pass(engine: Any, model: torch.nn.Module, fn: PrecomputeFn, dataset: Any,
+          layout: BatchLayout) -> dict[str, torch.Tensor]:
     """fn over every sample once, each rank a share (EvalLayout's dealing: every rank runs as many forwards, a
     collective under ZeRO-3 and FSDP2), then summed across ranks into one table per column, on the CPU."""
     held = EvalLayout.of(layout, len(dataset), 0)
     tables: dict[str, torch.Tensor] = {}
-    model = engine.model
     model.eval()
-    with torch.no_grad():
+    with torch.no_grad(), engine.accelerator.autocast():
         for (indices, real), (batch, _) in zip(held.micro_batches(), eval_batches(dataset, held), strict=True):
             for name, value in fn(model, engine.cast_batch(batch)).items():
-                table = tables.setdefault(name, torch.zeros(len(dataset), device=engine.accelerator.device))
+                kept = torch.float32 if value.is_floating_point() else value.dtype  # ids stay integers
+                table = tables.setdefault(name, value.new_zeros(len(dataset), *value.shape[1:], dtype=kept))
                 if real:  # not a copy that only keeps the ranks' forwards in step
-                    table[indices] = value.detach().float().reshape(-1)
+                    table[indices] = value.detach().to(kept)
     model.train()
     return {name: engine.accelerator.reduce(table, "sum").cpu() for name, table in tables.items()}
 

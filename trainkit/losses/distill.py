@@ -14,6 +14,12 @@ Both models' logits at every position are the step's largest tensors (2 x tokens
 chunk (trainkit/losses/chunked_loss.py's size) each model runs with a head that projects only its last position
 (chunked_loss.head_and_hidden), and the positions go through both heads and the divergence a chunk at a time under
 torch.utils.checkpoint: a chunk's logits are freed once its divergence is known and made again in backward.
+
+Offline, the teacher is its top-K entries per position, computed once (teacher_topk: their log-probabilities, their
+ids and the log of the rest's mass). Both distributions are then compared on K + 1 outcomes: the K tokens, and
+"another token" (the student's mass off those K). With K the whole vocabulary the rest is empty and the divergence is
+the full one; with fewer it is the divergence of the two distributions coarsened alike (the teacher's tail is one
+outcome, its shape unknown).
 """
 
 from __future__ import annotations
@@ -56,6 +62,42 @@ def generalized_jsd(student_logits: torch.Tensor, teacher_logits: torch.Tensor, 
         (1 - beta) * F.kl_div(mixture, student, reduction="none", log_target=True).sum(-1)
 
 
+REST_FLOOR = -1e4  # the log of an empty rest (K the whole vocabulary): a mass of exactly 0 that kl_div keeps finite
+
+
+class TopK(NamedTuple):
+    """A teacher as its top-K entries per position (teacher_topk), at the positions of a batch or of a chunk."""
+
+    logps: torch.Tensor  # [..., K]: log softmax(logits / temperature) of its K likeliest tokens, likeliest first
+    ids: torch.Tensor  # [..., K]: those tokens
+    rest: torch.Tensor  # [...]: the log of every other token's mass (REST_FLOOR where there is none)
+
+    def at(self, where: Any) -> TopK:
+        return TopK(*(t[where] for t in self))
+
+    def flat(self) -> TopK:  # every position in row-major order
+        return TopK(self.logps.flatten(0, -2), self.ids.flatten(0, -2), self.rest.reshape(-1))
+
+
+def teacher_topk(logits: torch.Tensor, k: int, temperature: float) -> TopK:
+    """The teacher's K likeliest tokens at each position of logits [..., vocabulary], and the rest's mass."""
+    logps = F.log_softmax(logits.float() / temperature, dim=-1)
+    top, ids = logps.topk(min(k, logps.shape[-1]), dim=-1)
+    rest = torch.logsumexp(logps.scatter(-1, ids, -math.inf), dim=-1)
+    return TopK(top, ids.int(), rest.clamp(min=REST_FLOOR))
+
+
+def topk_jsd(student_logits: torch.Tensor, teacher: TopK, beta: float) -> torch.Tensor:
+    """[positions]: generalized_jsd of the student (logits [positions, vocabulary] already divided by the
+    temperature) and a teacher given as its top K, both as K + 1 outcomes: the teacher's K tokens and all others."""
+    student = F.log_softmax(student_logits.float(), dim=-1)
+    ids = teacher.ids.long()
+    rest = torch.logsumexp(student.scatter(-1, ids, -math.inf), dim=-1).clamp(min=REST_FLOOR)
+    mine = torch.cat([student.gather(-1, ids), rest[:, None]], dim=-1)
+    theirs = torch.cat([teacher.logps.float(), teacher.rest.float()[:, None]], dim=-1)
+    return generalized_jsd(mine, theirs, beta)
+
+
 class Divergences(NamedTuple):
     """What learned_divergences finds at the learned positions, in row-major order."""
 
@@ -65,33 +107,41 @@ class Divergences(NamedTuple):
     router_logits: tuple[torch.Tensor, ...] | None
 
 
-def learned_divergences(student: nn.Module, teacher: nn.Module, student_inputs: dict[str, Any],
+def learned_divergences(student: nn.Module, teacher: nn.Module | TopK, student_inputs: dict[str, Any],
                         teacher_inputs: dict[str, Any], learned: torch.Tensor, beta: float, temperature: float,
                         chunk: int, vocab: int) -> Divergences:
     """The divergence and the student's cross entropy at every learned position ([rows, tokens - 1] bool: the
-    prediction of token t + 1 at t), the teacher without gradients. Each model gets its own inputs (the mask of packed
-    rows depends on its attention). `chunk`: the positions per chunk (0: the whole logits at once); `vocab`: the
-    logits' entries compared (both models' first `vocab`: the tokenizer's, where one model pads its embeddings)."""
+    prediction of token t + 1 at t), the teacher without gradients: a model, or its top K at every position ([rows,
+    tokens - 1, K], precomputed). Each model gets its own inputs (the mask of packed rows depends on its attention).
+    `chunk`: the positions per chunk (0: the whole logits at once); `vocab`: the logits' entries compared (both
+    models' first `vocab`: the tokenizer's, where one model pads its embeddings)."""
     targets = student_inputs["input_ids"][:, 1:]
     if not chunk or targets.numel() <= chunk:
         out = student(**student_inputs)
-        with torch.no_grad():
-            taught = teacher(**teacher_inputs).logits[:, :-1][learned]
-        divergence, cross_entropy = _chunk(nn.Identity(), nn.Identity(), out.logits[:, :-1][learned], taught,
-                                           targets[learned], beta, temperature, vocab)
+        if isinstance(teacher, TopK):
+            taught = teacher.at(learned)
+        else:
+            with torch.no_grad():
+                taught = teacher(**teacher_inputs).logits[:, :-1][learned]
+        divergence, cross_entropy = _chunk(nn.Identity(), None if isinstance(teacher, TopK) else nn.Identity(),
+                                           out.logits[:, :-1][learned], taught, targets[learned], beta, temperature,
+                                           vocab)
         return Divergences(divergence, cross_entropy, getattr(out, "aux_loss", None),
                            getattr(out, "router_logits", None))
     project, hidden, last, out = chunked_loss.head_and_hidden(student, student, student_inputs)
-    with torch.no_grad():
-        teach, taught, _, _ = chunked_loss.head_and_hidden(teacher, teacher, teacher_inputs)
+    if isinstance(teacher, TopK):
+        teach, chunks = None, _chunks(teacher.flat(), chunk)
+    else:
+        with torch.no_grad():
+            teach, taught, _, _ = chunked_loss.head_and_hidden(teacher, teacher, teacher_inputs)
+        chunks = taught[:, :-1].reshape(-1, taught.shape[-1]).split(chunk)
     # Every position, learned or not, a chunk at a time: each chunk calls both heads, which under ZeRO-3 gathers
     # their weights (a collective), so every rank must make as many chunks (its micro-batch's shape, the same on
     # every rank), not as many as its learned positions need; the learned ones are kept after.
-    rows, taught = hidden[:, :-1].reshape(-1, hidden.shape[-1]), taught[:, :-1].reshape(-1, taught.shape[-1])
+    rows = hidden[:, :-1].reshape(-1, hidden.shape[-1])
     parts = [checkpoint(_chunk, project, teach, mine, theirs, wanted, beta, temperature, vocab, use_reentrant=False)
              if torch.is_grad_enabled() else _chunk(project, teach, mine, theirs, wanted, beta, temperature, vocab)
-             for mine, theirs, wanted in zip(rows.split(chunk), taught.split(chunk), targets.reshape(-1).split(chunk),
-                                             strict=True)]
+             for mine, theirs, wanted in zip(rows.split(chunk), chunks, targets.reshape(-1).split(chunk), strict=True)]
     kept = learned.reshape(-1)
     # + 0 x the model's own output: backward passes through it, where FSDP2 hooks its gradients' reduction
     divergence = torch.cat([d for d, _ in parts])[kept] + 0 * last.sum()
@@ -99,11 +149,19 @@ def learned_divergences(student: nn.Module, teacher: nn.Module, student_inputs: 
                        getattr(out, "router_logits", None))
 
 
-def _chunk(project: Callable[[torch.Tensor], torch.Tensor], teach: Callable[[torch.Tensor], torch.Tensor],
-           rows: torch.Tensor, taught: torch.Tensor, targets: torch.Tensor, beta: float, temperature: float,
+def _chunks(table: TopK, size: int) -> list[TopK]:
+    return [TopK(*parts) for parts in zip(*(t.split(size) for t in table), strict=True)]
+
+
+def _chunk(project: Callable[[torch.Tensor], torch.Tensor], teach: Callable[[torch.Tensor], torch.Tensor] | None,
+           rows: torch.Tensor, taught: torch.Tensor | TopK, targets: torch.Tensor, beta: float, temperature: float,
            vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`teach`: the teacher's head, of its hidden states `taught`; None where `taught` is its top K."""
     logits = project(rows).float()[:, :vocab]
-    with torch.no_grad():
-        teacher = teach(taught).float()[:, :vocab]
-    return (generalized_jsd(logits / temperature, teacher / temperature, beta),
-            F.cross_entropy(logits, targets, reduction="none"))
+    if teach is None:
+        divergence = topk_jsd(logits / temperature, taught, beta)
+    else:
+        with torch.no_grad():
+            teacher = teach(taught).float()[:, :vocab]
+        divergence = generalized_jsd(logits / temperature, teacher / temperature, beta)
+    return divergence, F.cross_entropy(logits, targets, reduction="none")
