@@ -43,10 +43,12 @@ from pathlib import Path
 from typing import NoReturn
 
 TRAIN = Path(__file__).resolve().parents[2] / "train.py"
-# A rank's imports beyond train.py's own, imported by the server before it forks. Not datasets: its pyarrow starts
-# a thread at import (jemalloc's), and a forked process must not have had any.
+# A rank's imports beyond train.py's own, imported by the server before it forks. datasets too (half a second of
+# every rank that reads text): its pyarrow's jemalloc starts a thread at import unless JE_ARROW_MALLOC_CONF, read
+# then, says not to (serve), and a forked process must not have had any thread.
 PRELOADED = ["torch._dynamo", "deepspeed", "deepspeed.runtime.zero.muon.muon_optimizer", "transformers",
-             "transformers.models.llama.modeling_llama", "peft"]
+             "transformers.models.llama.modeling_llama", "peft", "datasets"]
+ARROW_THREADS_OFF = {"JE_ARROW_MALLOC_CONF": "background_thread:false"}  # the allocator's housekeeping thread
 # What may differ between the server's environment and a forked rank's: read when a run starts, not at import.
 RUN_TIME_ENV = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
                 "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
@@ -176,12 +178,15 @@ def serve(path: str) -> None:
     import accelerate.commands.launch  # noqa: F401 - the launcher's imports
 
     runpy.run_path(str(TRAIN), run_name="preloaded_train")  # a rank's: train.py's own imports, and the later ones
+    preloaded_env = dict(os.environ)
+    os.environ.update(ARROW_THREADS_OFF)  # for the imports only: the ranks' environment stays the server's
     for name in PRELOADED:
         with contextlib.suppress(ImportError):  # a library this machine lacks: its runs are refused, forked or not
             __import__(name)
+    os.environ.clear()
+    os.environ.update(preloaded_env)
     if len(os.listdir("/proc/self/task")) != 1:  # a fork copies one thread: the others' locks would stay held
         raise RuntimeError(f"the launch server may not fork: it runs threads ({threading.enumerate()})")
-    preloaded_env = dict(os.environ)
     parent = os.getppid()
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the watchers
     server = os.getpid()
