@@ -1,7 +1,9 @@
-"""The distill recipe (recipes/distill.py): the divergences against their formulas computed by hand, the chunked
-divergence against the whole logits', the tokenizer check, the refusals, and launched runs of a Qwen2 student taught
-by a Llama teacher of another depth with tied embeddings (neither written for this project) under DDP with
-accumulation, ZeRO-3, FSDP2 and ZeRO-2 with offload, off-policy and on-policy, against one process."""
+"""The distill recipe (recipes/distill.py): the divergences against their formulas computed by hand (the teacher
+whole or as its top K), the chunked divergence against the whole logits', the tokenizer check, the refusals, and
+launched runs of three student/teacher pairs of other architectures and depths (a Qwen2 taught by a Llama with tied
+embeddings, a tied Llama with LoRA by a GPT-NeoX, a GPT-NeoX by a Qwen2; none written for this project) under every
+data-parallel config, offload included, off-policy and on-policy, against one process; and the teacher precomputed
+under ZeRO-3."""
 
 from __future__ import annotations
 
@@ -225,11 +227,16 @@ def test_on_policy_steps_are_drawn_from_the_seed_and_the_step():
 # --- launched: every config against one process ---------------------------------------------------------------------
 
 PARITY = {"reverse-kl-ddp-accum": ("qwen2", "llama", "ddp", ["--grad_accum", "2"]),
+          # the other data-parallel configs on the same pair and flags: the same one-process run
+          "reverse-kl-zero1": ("qwen2", "llama", "deepspeed_zero1", []),
+          "reverse-kl-zero2": ("qwen2", "llama", "deepspeed_zero2", []),
+          "reverse-kl-hsdp": ("qwen2", "llama", "hsdp", []),
           # --loss_chunk_mib 0.02: both heads 6 positions at a time (chunked = whole: the test above), under sharding
           "jsd-half-on-policy-chunked-zero3": ("qwen2", "llama", "deepspeed_zero3", ["--beta", "0.5", "--lmbda", "0.5",
                                                                                      "--loss_chunk_mib", "0.02"]),
+          # held out: another file (EVAL, the chat fixture's uneven.jsonl), its loss recomputed from final/
           "forward-kl-sft-packed-fsdp": ("qwen2", "llama", "fsdp", ["--beta", "0", "--sft_weight", "0.5",
-                                                                    "--packing"]),
+                                                                    "--packing", "--eval_data", "EVAL"]),
           "on-policy-zero2-offload": ("qwen2", "llama", "deepspeed_zero2_offload", ["--lmbda", "1"]),
           # a tied student with LoRA taught by a GPT-NeoX, and a GPT-NeoX student taught by an untied Qwen2
           "lora-tied-student-zero3-offload": ("llama", "gpt_neox", "deepspeed_zero3_offload", ["--lora_r", "8"]),
@@ -257,6 +264,25 @@ def models(chat, tmp_path_factory):
     return folder
 
 
+@pytest.fixture(scope="module")
+def one_process(chat, models, tmp_path_factory):
+    """one_process(student, teacher, flags) -> (the common flags, the run of global batch 8 in one process, without
+    accumulation): each once."""
+    done = {}
+
+    def run(student: str, teacher: str, flags: tuple[str, ...]):
+        if (student, teacher, flags) not in done:
+            folders = {"model_name_or_path": str(models(student, 2)),
+                       "teacher_model_name_or_path": str(models(teacher, 3))}
+            args = ["--recipe", "distill", *sum(([f"--{k}", str(v)] for k, v in settings(chat, **folders).items()),
+                                                []), "--max_steps", "6", "--eval_every", "3", "--lr", "3e-3", *flags]
+            one = launch(tmp_path_factory.mktemp("one") / "out", *args, "--batch_size", "8").check()
+            done[student, teacher, flags] = args, folders, one
+        return done[student, teacher, flags]
+
+    return run
+
+
 def answers(run) -> list[dict]:
     return [json.loads(line) for line in (run.output_dir / "generations.jsonl").read_text().splitlines()]
 
@@ -268,7 +294,7 @@ def rollouts(run) -> list[dict]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", PARITY)
-def test_distillation_trains_like_one_process_under_each_config(chat, models, tmp_path, case):
+def test_distillation_trains_like_one_process_under_each_config(chat, one_process, tmp_path, case):
     """6 steps of global batch 8 (lr 3e-3), students of 2 layers, teachers of 3: the loss within 1e-5 of one
     process's, every on-policy completion the one-process run's, the teacher held as the student is (ZeRO-3 and
     FSDP2: half of it per rank, counted by the estimate), and final/ the student alone, loadable with
@@ -277,13 +303,13 @@ def test_distillation_trains_like_one_process_under_each_config(chat, models, tm
     from transformers import AutoModelForCausalLM
 
     student, teacher, config, flags = PARITY[case]
-    accumulation = int(flags[flags.index("--grad_accum") + 1]) if "--grad_accum" in flags else 1
-    folders = {"model_name_or_path": str(models(student, 2)), "teacher_model_name_or_path": str(models(teacher, 3))}
-    args = ["--recipe", "distill", *sum(([f"--{k}", str(v)] for k, v in settings(chat, **folders).items()), []),
-            "--max_steps", "6", "--eval_every", "3", "--lr", "3e-3", *flags]
-    one = launch(tmp_path / "one", *args, "--batch_size", str(8 // accumulation)).check()
-    cut = launch(tmp_path / "cut", *args, "--batch_size", str(4 // accumulation), "--save_every", "3",
-                 config=config).check()
+    flags = [str(chat[1].parent / "uneven.jsonl") if f == "EVAL" else f for f in flags]
+    at = flags.index("--grad_accum") if "--grad_accum" in flags else len(flags)
+    accumulation = int(flags[at + 1]) if at < len(flags) else 1
+    args, folders, one = one_process(student, teacher, tuple(flags[:at] + flags[at + 2:]))
+    args = [*args, *flags[at:at + 2]]
+    batch = 8 // (accumulation * (4 if config == "hsdp" else 2))  # hsdp.yaml: 4 processes
+    cut = launch(tmp_path / "cut", *args, "--batch_size", str(batch), "--save_every", "3", config=config).check()
     assert cut.resolved["global_batch_size"] == 8
     assert max_rel_diff(cut.losses, one.losses) <= PARITY_BOUND, (cut.losses, one.losses)
     assert cut.metrics[-1]["eval_loss"] == pytest.approx(one.metrics[-1]["eval_loss"], rel=1e-5)
@@ -311,29 +337,31 @@ def test_distillation_trains_like_one_process_under_each_config(chat, models, tm
     assert (cut.output_dir / "final" / "adapter" / "adapter_config.json").is_file() == ("--lora_r" in flags)
     if config == "ddp":  # the same folder, from step 3: metrics.jsonl cut back there, the same losses after it
         whole = list(cut.losses)
-        resumed = launch(tmp_path / "cut", *args, "--batch_size", str(4 // accumulation), "--resume",
+        resumed = launch(tmp_path / "cut", *args, "--batch_size", str(batch), "--resume",
                          str(cut.output_dir / "checkpoints" / "step_3"), config=config).check()
         assert [m["step"] for m in resumed.metrics] == list(range(1, 7)) and resumed.losses == whole
     if case == "forward-kl-sft-packed-fsdp":
-        assert evaluated(chat, folders, cut, beta=0.0, sft_weight=0.5, packing=True) == \
+        assert evaluated(chat, folders, cut, beta=0.0, sft_weight=0.5, packing=True, eval_data=flags[-1]) == \
             pytest.approx(cut.metrics[-1]["eval_loss"], rel=1e-5)
 
 
 def evaluated(chat, folders, run, **flags) -> float:
-    """The eval loss recomputed here from final/ and the teacher: the mean over the held-out rows' learned tokens of
-    the divergence plus sft_weight x the cross entropy, in one batch."""
+    """The eval loss recomputed here from final/ and the teacher: the mean over the held-out rows' learned tokens
+    (--eval_data's) of the divergence plus sft_weight x the cross entropy, in one batch."""
     recipe = load_recipe("distill")
     cfg = recipe.Config(**settings(chat, **{**folders, "model_name_or_path": str(run.output_dir / "final")}),
                         **flags)
     _, held_out = recipe.make_datasets(cfg, run.output_dir.parent / "cache")
-    batch = {k: torch.stack([row[k] for row in held_out]) for k in held_out[0]}
+    evaluated_rows = run.resolved["eval_batches"] * 8 or len(held_out)  # the global batches it evaluated (0: all)
+    rows = [held_out[i] for i in range(min(len(held_out), evaluated_rows))]
+    batch = {k: torch.stack([row[k] for row in rows]) for k in rows[0]}
     with torch.no_grad():
         loss, _ = recipe.build_model(cfg).eval()(**batch)
     return loss.item()
 
 
 @pytest.mark.slow
-def test_a_precomputed_teacher_trains_like_the_live_one_and_is_never_held(chat, models, tmp_path):
+def test_a_precomputed_teacher_trains_like_the_live_one_and_is_never_held(one_process, tmp_path):
     """--precompute_teacher_topk with K the whole vocabulary under ZeRO-3 (the student sharded, the teacher's pass
     a share of the rows per rank): the loss within 1e-5 of one process with the live teacher, its held-out loss and
     answers the same; the run holds the student's state alone; every checkpoint carries the tables, and a resume
@@ -343,12 +371,10 @@ def test_a_precomputed_teacher_trains_like_the_live_one_and_is_never_held(chat, 
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
+    args, folders, live = one_process("qwen2", "llama", ())
     taught_by = tmp_path / "teacher"
-    shutil.copytree(models("llama", 3), taught_by)
-    folders = {"model_name_or_path": str(models("qwen2", 2)), "teacher_model_name_or_path": str(taught_by)}
-    args = ["--recipe", "distill", *sum(([f"--{k}", str(v)] for k, v in settings(chat, **folders).items()), []),
-            "--max_steps", "6", "--eval_every", "3", "--lr", "3e-3", "--beta", "0.5"]
-    live = launch(tmp_path / "live", *args, "--batch_size", "8").check()
+    shutil.copytree(folders["teacher_model_name_or_path"], taught_by)
+    args = [str(taught_by) if a == folders["teacher_model_name_or_path"] else a for a in args]
     tables = ["--precompute_teacher_topk", "400", "--batch_size", "4"]
     offline = launch(tmp_path / "offline", *args, *tables, "--save_every", "3", config="deepspeed_zero3").check()
     assert max_rel_diff(offline.losses, live.losses) <= PARITY_BOUND, (offline.losses, live.losses)
