@@ -391,3 +391,17 @@ def test_a_precomputed_teacher_trains_like_the_live_one_and_is_never_held(one_pr
     architecture("llama", layers=3).save_pretrained(taught_by)
     resumed = launch(tmp_path / "offline", *args, *tables, "--resume", "latest", config="deepspeed_zero3").check()
     assert resumed.losses == offline.losses
+
+
+@pytest.mark.slow
+def test_top_k_tables_train_one_process_curve_under_fsdp_with_accumulation(one_process, tmp_path):
+    """K = 8 of the 400 tokens (the divergence of the coarsened distributions): FSDP2 with accumulation, every
+    micro-batch's tables dealt with its rows, trains the one-process curve of the same tables; they differ from the
+    live teacher's."""
+    args, _, live = one_process("qwen2", "llama", ())
+    tables = one_process("qwen2", "llama", ("--precompute_teacher_topk", "8"))[2]
+    cut = launch(tmp_path / "cut", *args, "--precompute_teacher_topk", "8", "--batch_size", "2", "--grad_accum", "2",
+                 config="fsdp").check()
+    assert max_rel_diff(cut.losses, tables.losses) <= PARITY_BOUND, (cut.losses, tables.losses)
+    assert cut.metrics[-1]["eval_loss"] == pytest.approx(tables.metrics[-1]["eval_loss"], rel=1e-5)
+    assert max_rel_diff(tables.losses, live.losses) > 1e-3  # the coarsening shows
