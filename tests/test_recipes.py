@@ -27,7 +27,9 @@ def test_catalog_lists_every_recipe_and_config_with_its_description(capsys):
     for name in [*shipped_recipes(), *shipped_configs()]:
         line = next(line for line in out.splitlines() if line.strip().startswith(f"{name} "))
         assert len(line.split(maxsplit=1)[1]) > 20, line  # a description, not just the name
+        assert line.endswith("."), line  # its whole first sentence, not a docstring's first line cut mid-phrase
     assert "image_classifier" in out and "A small convolutional image classifier" in out
+    assert "(the student): both any AutoModelForCausalLM of one vocabulary, of the same architecture or not." in out
 
 
 def test_catalog_copies_never_over_a_file_and_prints_a_command_that_works(capsys, check_only, tmp_path):

@@ -4,7 +4,7 @@
     python -m trainkit.tools.catalog cp image_classifier my_images.py
     python -m trainkit.tools.catalog cp deepspeed_zero3 my_zero3.yaml
 
-`ls` gives each with the first line of its description (a recipe's docstring, a YAML's header). `cp` copies a
+`ls` gives each with the first sentence of its description (a recipe's docstring, a YAML's header). `cp` copies a
 recipe (a name from recipes/) or a config (a name from accelerate_configs/, or a DeepSpeed JSON from ds_configs/),
 never over an existing file, and prints the command that runs the copy.
 """
@@ -23,10 +23,16 @@ from trainkit.recipes import RECIPES_DIR, ROOT, shipped_recipes
 DS_CONFIGS_DIR = CONFIGS_DIR.parent / "ds_configs"
 
 
+def first_sentence(paragraph: str) -> str:
+    """A paragraph's first sentence, its lines joined: a description wrapped at the line length is not cut short."""
+    text = " ".join(paragraph.split())
+    return text.split(". ")[0].rstrip(".") + "." if text else ""
+
+
 def recipe_summary(path: Path) -> str:
-    """The first line of a recipe file's docstring."""
+    """The first sentence of a recipe file's docstring."""
     doc = ast.get_docstring(ast.parse(path.read_text())) or ""
-    return doc.strip().splitlines()[0] if doc.strip() else ""
+    return first_sentence(doc.strip().split("\n\n")[0])
 
 
 def config_summary(path: Path) -> str:
@@ -37,8 +43,7 @@ def config_summary(path: Path) -> str:
         if not line.startswith("#") or (paragraph and not text):
             break
         paragraph.append(text)
-    first = " ".join(paragraph).removeprefix(f"{path.name}:").strip()
-    return first.split(". ")[0].rstrip(".") + "."
+    return first_sentence(" ".join(paragraph).removeprefix(f"{path.name}:"))
 
 
 def listing() -> str:
