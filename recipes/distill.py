@@ -21,8 +21,9 @@ the student: ZeRO-3 partitions it, FSDP2 shards it (its decoder layers are block
 it, --estimate and state_bytes count it. Offline, with --precompute_teacher_topk K, the run holds no teacher: before
 the student is built, the teacher (whole on every process, in --model_dtype) computes its K likeliest tokens at every
 position of both splits once, each process a share (trainkit/data/precompute.py; the tables take rows x seq_len x K
-x 8 bytes of memory per process and go into every checkpoint), and is freed; the divergence then compares the student
-with those K and the rest's mass (trainkit/losses/distill.py: K the whole vocabulary gives the live teacher's loss).
+x 8 bytes of CPU memory per process and go into every checkpoint), and is freed; the divergence then compares the
+student with those K and the rest's mass (trainkit/losses/distill.py: K the whole vocabulary gives the live teacher's
+loss).
 Both tokenizers must give the same ids (checked at plan time on the data's first records, naming the first
 difference). Where one model pads its embeddings past the tokenizer (a Qwen2.5-7B's 152,064 against a 0.5B's
 151,936), the logits are compared on the tokenizer's entries.

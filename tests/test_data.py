@@ -253,3 +253,23 @@ def test_the_cache_key_changes_with_the_code_that_fills_it_and_the_corpus(monkey
     newer = text.data_key("pydoc", "", "text", 1024)
     monkeypatch.setattr(text, "corpus_digest", lambda: "another-python")
     assert len({key, newer, text.data_key("pydoc", "", "text", 1024)}) == 3
+
+
+def test_precomputed_tables_are_summed_across_ranks_a_slice_at_a_time(monkeypatch):
+    """The tables stay on the CPU and go through the device's reduction a slice of samples at a time: every slice
+    summed, in place, whatever the slice size (here 3 samples of a [10, 4, 2] int32 table: 4 slices)."""
+    from types import SimpleNamespace
+
+    from trainkit.data import precompute
+
+    seen = []
+
+    def reduce(part: torch.Tensor, how: str) -> torch.Tensor:  # two ranks holding the same values
+        seen.append(len(part))
+        return part * 2
+
+    engine = SimpleNamespace(accelerator=SimpleNamespace(device=torch.device("cpu"), reduce=reduce))
+    monkeypatch.setattr(precompute, "SLICE_BYTES", 3 * 4 * 2 * 4)
+    table = torch.arange(80, dtype=torch.int32).reshape(10, 4, 2)
+    summed = precompute._summed(engine, table.clone())
+    assert torch.equal(summed, 2 * table) and summed.dtype == torch.int32 and seen == [3, 3, 3, 1]

@@ -86,7 +86,8 @@ def attach(engine: Any, precompute: PrecomputeFn | OwnModel, train_set: Any, eva
 def _pass(engine: Any, model: torch.nn.Module, fn: PrecomputeFn, dataset: Any,
           layout: BatchLayout) -> dict[str, torch.Tensor]:
     """fn over every sample once, each rank a share (EvalLayout's dealing: every rank runs as many forwards, a
-    collective under ZeRO-3 and FSDP2), then summed across ranks into one table per column, on the CPU."""
+    collective under ZeRO-3 and FSDP2), then summed across ranks into one table per column. The tables stay in CPU
+    memory (a teacher's top K per position can outgrow a device) and pass through the device a slice at a time."""
     held = EvalLayout.of(layout, len(dataset), 0)
     tables: dict[str, torch.Tensor] = {}
     model.eval()
@@ -94,11 +95,22 @@ def _pass(engine: Any, model: torch.nn.Module, fn: PrecomputeFn, dataset: Any,
         for (indices, real), (batch, _) in zip(held.micro_batches(), eval_batches(dataset, held), strict=True):
             for name, value in fn(model, engine.cast_batch(batch)).items():
                 kept = torch.float32 if value.is_floating_point() else value.dtype  # ids stay integers
-                table = tables.setdefault(name, value.new_zeros(len(dataset), *value.shape[1:], dtype=kept))
+                table = tables.setdefault(name, torch.zeros(len(dataset), *value.shape[1:], dtype=kept))
                 if real:  # not a copy that only keeps the ranks' forwards in step
-                    table[indices] = value.detach().to(kept)
+                    table[indices] = value.detach().to("cpu", kept)
     model.train()
-    return {name: engine.accelerator.reduce(table, "sum").cpu() for name, table in tables.items()}
+    return {name: _summed(engine, table) for name, table in tables.items()}
+
+
+SLICE_BYTES = 64 << 20  # of a table on the device at a time while it is summed across ranks
+
+
+def _summed(engine: Any, table: torch.Tensor) -> torch.Tensor:
+    """The table summed across ranks (every rank holds zeros but for its own samples), slice by slice of samples."""
+    per_sample = max(1, table[:1].numel() * table.element_size())
+    for part in table.split(max(1, SLICE_BYTES // per_sample)):
+        part.copy_(engine.accelerator.reduce(part.to(engine.accelerator.device), "sum").cpu())
+    return table
 
 
 def save(folder: Path, tables: dict[str, torch.Tensor]) -> None:
