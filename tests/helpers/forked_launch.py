@@ -178,15 +178,19 @@ def serve(path: str) -> None:
     import accelerate.commands.launch  # noqa: F401 - the launcher's imports
 
     runpy.run_path(str(TRAIN), run_name="preloaded_train")  # a rank's: train.py's own imports, and the later ones
-    preloaded_env = dict(os.environ)
-    os.environ.update(ARROW_THREADS_OFF)  # for the imports only: the ranks' environment stays the server's
+    before = {name: os.environ.get(name) for name in ARROW_THREADS_OFF}
+    os.environ.update(ARROW_THREADS_OFF)  # for the imports only: the ranks' environment stays as it was
     for name in PRELOADED:
         with contextlib.suppress(ImportError):  # a library this machine lacks: its runs are refused, forked or not
             __import__(name)
-    os.environ.clear()
-    os.environ.update(preloaded_env)
+    for name, value in before.items():
+        if value is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = value
     if len(os.listdir("/proc/self/task")) != 1:  # a fork copies one thread: the others' locks would stay held
         raise RuntimeError(f"the launch server may not fork: it runs threads ({threading.enumerate()})")
+    preloaded_env = dict(os.environ)
     parent = os.getppid()
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the watchers
     server = os.getpid()
