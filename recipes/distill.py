@@ -183,7 +183,7 @@ class Distillation(nn.Module):
         super().__init__()
         self.student, self.teacher = student, teacher  # teacher None: its top K come with the batch
         self.beta, self.temperature, self.sft_weight = cfg.beta, cfg.temperature, cfg.sft_weight
-        self.vocab = compared_vocab(cfg)
+        self.vocab = vocab_of(cfg)
         # both models' logits live in a chunk: each gets half of --loss_chunk_mib
         self.chunk = chunked_loss.chunk_tokens(cfg.loss_chunk_mib / 2, self.vocab)
         self.config = student.config  # what the runner reads of a transformers model (sizes, FLOPs)
@@ -235,11 +235,17 @@ def logit_entries(*models: FineTuneConfig) -> list[int]:
             for c in models]
 
 
-def compared_vocab(cfg: Config) -> int:
+@functools.cache  # the model is made more than once per run (sized at plan time, then built): its configs read once
+def compared_vocab(student_folder: str, teacher_folder: str, tokenizer: str, trust_remote_code: bool) -> int:
     """The logits' entries compared: both models', or the tokenizer's where they pad their embeddings differently
     (vocabulary_problems checked that they cover it)."""
-    student, teacher = logit_entries(cfg, teacher_config(cfg))
+    cfg = FineTuneConfig(model_name_or_path=student_folder, tokenizer=tokenizer, trust_remote_code=trust_remote_code)
+    student, teacher = logit_entries(cfg, dataclasses.replace(cfg, model_name_or_path=teacher_folder))
     return len(tokenizer_of(cfg)) if student != teacher else student
+
+
+def vocab_of(cfg: Config) -> int:
+    return compared_vocab(cfg.model_name_or_path, cfg.teacher_model_name_or_path, cfg.tokenizer, cfg.trust_remote_code)
 
 
 def build_teacher(cfg: Config) -> nn.Module:
@@ -256,7 +262,7 @@ def precompute(cfg: Config) -> OwnModel | None:
     """--precompute_teacher_topk: the teacher's top K at every position of every row, before the student exists."""
     if not cfg.precompute_teacher_topk:
         return None
-    vocab = compared_vocab(cfg)
+    vocab = vocab_of(cfg)
 
     def topk(teacher: nn.Module, batch: dict) -> dict[str, torch.Tensor]:
         logits = teacher(**causal_lm.model_inputs(teacher, batch)).logits[:, :-1, :vocab]

@@ -155,7 +155,7 @@ def test_the_top_k_tables_are_the_teachers_distribution_coarsened(chat, teacher,
     c_s, c_t = (torch.cat([p.gather(-1, top), 1 - p.gather(-1, top).sum(-1, keepdim=True)], -1) for p in (p_s, p_t))
     assert loss.item() == pytest.approx((c_t * (c_t / c_s).log()).sum(-1).mean().item(), rel=1e-5)
     whole = recipe.Config(**settings(chat, teacher, beta=0.0, temperature=2.0,
-                                     precompute_teacher_topk=sys.modules["recipe_distill"].compared_vocab(cfg)))
+                                     precompute_teacher_topk=sys.modules["recipe_distill"].vocab_of(cfg)))
     torch.manual_seed(0)
     online = recipe.build_model(dataclasses.replace(whole, precompute_teacher_topk=0))
     assert student(**batch, **recipe.precompute(whole).fn(live, batch))[0].item() == \

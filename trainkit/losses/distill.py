@@ -119,13 +119,12 @@ def learned_divergences(student: nn.Module, teacher: nn.Module | TopK, student_i
     if not chunk or targets.numel() <= chunk:
         out = student(**student_inputs)
         if isinstance(teacher, TopK):
-            taught = teacher.at(learned)
+            teach, taught = None, teacher.at(learned)
         else:
             with torch.no_grad():
-                taught = teacher(**teacher_inputs).logits[:, :-1][learned]
-        divergence, cross_entropy = _chunk(nn.Identity(), None if isinstance(teacher, TopK) else nn.Identity(),
-                                           out.logits[:, :-1][learned], taught, targets[learned], beta, temperature,
-                                           vocab)
+                teach, taught = nn.Identity(), teacher(**teacher_inputs).logits[:, :-1][learned]
+        divergence, cross_entropy = _chunk(nn.Identity(), teach, out.logits[:, :-1][learned], taught, targets[learned],
+                                           beta, temperature, vocab)
         return Divergences(divergence, cross_entropy, getattr(out, "aux_loss", None),
                            getattr(out, "router_logits", None))
     project, hidden, last, out = chunked_loss.head_and_hidden(student, student, student_inputs)
