@@ -277,6 +277,23 @@ def mixture_of_experts(name: str, **config):
     return models[name]()
 
 
+@pytest.fixture(scope="session")
+def moe_folder(chat, tmp_path_factory):
+    """moe_folder(name): the family `name` of mixture_of_experts saved with the chat fixture's tokenizer, once."""
+    from transformers import AutoTokenizer
+
+    root = tmp_path_factory.mktemp("moe")
+
+    def folder(name: str) -> Path:
+        model_dir = root / name
+        if not model_dir.exists():
+            mixture_of_experts(name).save_pretrained(model_dir)
+            AutoTokenizer.from_pretrained(chat[0]).save_pretrained(model_dir)
+        return model_dir
+
+    return folder
+
+
 @pytest.fixture
 def run_dir(tmp_path):
     """A fresh output directory per call: run_dir('name')."""

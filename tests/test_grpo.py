@@ -308,7 +308,9 @@ PARITY = {"full-ddp": ("qwen2", "ddp", []),
           "reward-model-zero3": ("qwen2", "deepspeed_zero3", ["--reward_model", "SCORER", "--beta", "0.04"]),
           # mixtures of experts, their balancing loss a hundred times the models' own (tests/test_moe.py)
           "moe-qwen3-zero3-beta": ("qwen3_moe", "deepspeed_zero3", ["--router_aux_loss_coef", "1", "--beta", "0.04"]),
-          "moe-mixtral-ddp-accum": ("mixtral", "ddp", ["--router_aux_loss_coef", "1", "--grad_accum", "2"])}
+          "moe-mixtral-ddp-accum": ("mixtral", "ddp", ["--router_aux_loss_coef", "1", "--grad_accum", "2"]),
+          # expert parallelism: the policy generates with its experts split over the 2 ranks, the reference too
+          "moe-qwen3-ep-beta": ("qwen3_moe", "fsdp_ep", ["--router_aux_loss_coef", "1", "--beta", "0.04"])}
 
 
 @pytest.fixture(scope="module")
@@ -353,6 +355,7 @@ def test_grpo_trains_like_one_process_under_each_config(one_process, tmp_path, c
     args, one = one_process(name, tuple(flags))
     cut = launch(tmp_path / "out", *args, "--batch_size", str(8 // (2 * accumulation(flags))), config=config).check()
     assert cut.resolved["global_batch_size"] == 8
+    assert cut.resolved.get("ep", 1) == (2 if config.endswith("_ep") else 1)  # the experts split, not only sharded
     assert completions(cut) == completions(one)
     assert [m["reward"] for m in cut.metrics] == pytest.approx([m["reward"] for m in one.metrics], rel=1e-6)
     norms = [m["grad_norm"] for m in cut.metrics]

@@ -182,7 +182,7 @@ def test_dry_run_runs_deepspeeds_own_validation(check_only, tmp_path):
     assert "reduce_bucket_sise" in run.stderr
 
 
-def test_every_shipped_config_passes_the_dry_run(check_only, tmp_path):
+def test_every_shipped_config_passes_the_dry_run(check_only, chat, moe_folder, tmp_path):
     from trainkit.recipes import load_recipe
     from trainkit.strategies.registry import for_launch
 
@@ -190,10 +190,14 @@ def test_every_shipped_config_passes_the_dry_run(check_only, tmp_path):
         if name == "deepspeed_hostfile":  # its example hosts do not exist; test_multinode.py dry-runs it over ssh
             continue
         path = ROOT / "accelerate_configs" / f"{name}.yaml"
-        # a strategy that cuts the model needs a model that says where: the tiny transformer does, the MLP does not
+        # a strategy that cuts the model needs a model that says where: the tiny transformer does, the MLP does not;
+        # one that splits experts needs a mixture of experts
         strategy = for_launch(launch, load_recipe("mlp").Config(), {})
-        recipe = "tiny_transformer" if strategy.splits_model else "mlp"
-        run = check_only(tmp_path / "out", "--recipe", recipe, "--dry_run", "--accelerate_config", str(path))
+        recipe = ["--recipe", "tiny_transformer" if strategy.splits_model else "mlp"]
+        if launch.parallelism_size("ep") > 1:
+            recipe = ["--recipe", "causal_lm", "--model_name_or_path", str(moe_folder("qwen3_moe")), "--data",
+                      str(chat[1]), "--chat_template", "chatml"]
+        run = check_only(tmp_path / "out", *recipe, "--dry_run", "--accelerate_config", str(path))
         if strategy.needs_gpu and not torch.cuda.is_available():  # refused here for that reason alone
             assert run.returncode == 2 and run.stderr.count("error: ") == 1 and "CUDA" in run.stderr, run.stderr
             continue

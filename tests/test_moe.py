@@ -24,20 +24,13 @@ BALANCED = {"qwen3_moe", "mixtral", "gpt_oss"}  # their config has router_aux_lo
 
 
 @pytest.fixture(scope="module")
-def moe_args(chat, tmp_path_factory):
+def moe_args(chat, moe_folder):
     """moe_args(name): causal_lm's flags that fine-tune the family `name` saved with the chat fixture's tokenizer."""
-    from transformers import AutoTokenizer
-
-    folder, data = chat
-    root = tmp_path_factory.mktemp("moe")
 
     def args(name: str) -> list[str]:
-        model_dir = root / name
-        if not model_dir.exists():
-            mixture_of_experts(name).save_pretrained(model_dir)
-            AutoTokenizer.from_pretrained(folder).save_pretrained(model_dir)
+        model_dir = moe_folder(name)
         coefficient = ["--router_aux_loss_coef", "1"] if name in BALANCED else []
-        return ["--recipe", "causal_lm", "--model_name_or_path", str(model_dir), "--data", str(data),
+        return ["--recipe", "causal_lm", "--model_name_or_path", str(model_dir), "--data", str(chat[1]),
                 "--chat_template", "chatml", "--seq_len", "64", "--max_steps", "6", "--eval_every", "0",
                 "--lr", "3e-3", *coefficient]
 
@@ -196,3 +189,78 @@ def test_zero3_gathers_a_block_of_expert_modules_whole_so_routing_apart_never_ha
     apart = launch(run_dir("apart"), "--recipe", EXPERT_LIST, *flags, "--set", "apart=true", config=yaml,
                    env={"TRAINKIT_DIST_TIMEOUT": "60"}).check()  # a hang fails in a minute
     assert len(apart.losses) == 6
+
+
+def expert_parameters(name: str) -> int:
+    """The routed experts' parameters of the family `name` (every layer's fused experts; shared experts apart)."""
+    return sum(p.numel() for n, p in mixture_of_experts(name).named_parameters() if ".experts." in n)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "deepseek_v3"])
+def test_expert_parallelism_trains_the_one_process_curve(moe_args, references, run_dir, name):
+    """fsdp_ep.yaml: each of the 2 ranks holds half of every layer's experts (as counted by the run) and the tokens
+    travel to them; dropless, so the routing and every step's loss, gradient norm and balance are one process's, on
+    three families (DeepSeek-V3: a dense first layer, a shared expert, no balancing loss). Qwen3-MoE stops after step
+    3 and resumes from the checkpoint (the split experts and their optimizer state in it); the export is whole."""
+    yaml, flags = entry("fsdp_ep", 8)
+    out = run_dir("out")
+    stop = ["--stop_at", "3"] if name == "qwen3_moe" else []
+    run = launch(out, *moe_args(name), *flags, *stop, config=yaml).check()
+    assert run.resolved["ep"] == 2 and run.resolved["strategy"] == "fsdp_ep"
+    total = expert_parameters(name)
+    assert f"this rank holds {total // 2:,} of the {total:,} expert parameters" in run.stderr
+    if stop:
+        assert len(run.metrics) == 3
+        run = launch(out, *moe_args(name), *flags, "--resume", "auto", config=yaml).check()
+    assert_one_process_curve(run, references(name), balanced=name in BALANCED)
+    assert_export_loads(run, references(name), name)
+
+
+@pytest.mark.slow
+def test_expert_parallelism_shards_each_expert_between_ranks_that_share_it(moe_args, references, run_dir):
+    """4 processes, ep 2: ranks 0,1 and 2,3 each split the experts, and each expert's two copies (ranks 0 and 2, 1
+    and 3) are sharded between them by FSDP2, whose reduction sums the copies and divides by the 4 data-parallel
+    ranks (gloo has no PREMUL_SUM: summed, then divided); with accumulation, one process's curve."""
+    four = ROOT / "accelerate_configs" / "fsdp_ep.yaml"
+    text = four.read_text().replace("parallelism_config_dp_shard_size: 2", "parallelism_config_dp_shard_size: 4")
+    yaml = run_dir("yaml") / "fsdp_ep4.yaml"
+    yaml.parent.mkdir(parents=True)
+    yaml.write_text(text.replace("\nnum_processes: 2", "\nnum_processes: 4"))
+    run = launch(run_dir("out"), *moe_args("qwen3_moe"), "--batch_size", "1", "--grad_accum", "2",
+                 config=str(yaml)).check()
+    assert run.resolved["dp_shard"] == 4 and run.resolved["ep"] == 2
+    total = expert_parameters("qwen3_moe")
+    assert f"this rank holds {total // 4:,} of the {total:,} expert parameters" in run.stderr
+    assert_one_process_curve(run, references("qwen3_moe"), balanced=True)
+
+
+def ep_yaml(tmp_path, processes: int, ep: int, extra: str = "") -> str:
+    """fsdp_ep.yaml for `processes` ranks (all of dp_shard) of which `ep` split the experts, with `extra` lines."""
+    text = (ROOT / "accelerate_configs" / "fsdp_ep.yaml").read_text()
+    text = text.replace("parallelism_config_dp_shard_size: 2", f"parallelism_config_dp_shard_size: {processes}")
+    text = text.replace("parallelism_config_ep_size: 2", f"parallelism_config_ep_size: {ep}{extra}")
+    path = tmp_path / "ep.yaml"
+    path.write_text(text.replace("\nnum_processes: 2", f"\nnum_processes: {processes}"))
+    return str(path)
+
+
+@pytest.mark.parametrize("processes, ep, extra, flags, message", [
+    (2, 2, "", ["DENSE"], "Qwen2ForCausalLM has no expert-parallel plan"),
+    (3, 3, "", [], "parallelism_config_ep_size 3 does not divide the 4 experts of each layer"),
+    (4, 3, "", [], "parallelism_config_ep_size 3 does not divide parallelism_config_dp_shard_size 4"),
+    (4, 2, "\n  parallelism_config_tp_size: 2", [], "expert parallelism with tp: the runner splits experts only "
+     "together with FSDP2's dp_shard"),
+    (2, 2, "", ["--compile"], "--compile with expert parallelism: not tested"),
+    (2, 2, "", ["--lora_r", "8"], "LoRA adapters on the experts with expert parallelism"),
+], ids=["dense", "experts", "dp_shard", "tp", "compile", "lora-experts"])
+def test_expert_parallelism_that_cannot_apply_is_refused(check_only, moe_args, chat, tmp_path, processes, ep, extra,
+                                                        flags, message):
+    """Before anything is built (the dry run, as each rank does at start-up), with the reason and the fix."""
+    args = [*moe_args("qwen3_moe"), *flags]
+    if flags == ["DENSE"]:  # the chat fixture's Qwen2, without the coefficient a model without a router refuses
+        args = [*args[:args.index("--router_aux_loss_coef")], "--tokenizer", "saved"]
+        args[args.index("--model_name_or_path") + 1] = str(chat[0])
+    run = check_only(tmp_path / "out", *args, "--dry_run", "--accelerate_config",
+                     ep_yaml(tmp_path, processes, ep, extra))
+    assert_refused(run, message)

@@ -371,7 +371,9 @@ PARITY = {"full-ddp": ("qwen2", "ddp", []), "full-zero3": ("qwen2", "deepspeed_z
           "orpo-zero3": ("qwen2", "deepspeed_zero3", ["--loss_type", "orpo"]),
           # mixtures of experts, their balancing loss a hundred times the models' own (tests/test_moe.py)
           "moe-qwen3-zero3": ("qwen3_moe", "deepspeed_zero3", ["--router_aux_loss_coef", "1"]),
-          "moe-mixtral-lora-fsdp": ("mixtral", "fsdp", ["--router_aux_loss_coef", "1", "--lora_r", "8"])}
+          "moe-mixtral-lora-fsdp": ("mixtral", "fsdp", ["--router_aux_loss_coef", "1", "--lora_r", "8"]),
+          # expert parallelism: the policy's experts and the frozen reference's split over the 2 ranks
+          "moe-qwen3-ep": ("qwen3_moe", "fsdp_ep", ["--router_aux_loss_coef", "1"])}
 DATA_PARALLEL = {"tp": 1}  # the configs whose 2 processes are not 2 data-parallel ranks
 
 
@@ -411,6 +413,7 @@ def test_dpo_trains_like_one_process_under_each_config(one_process, tmp_path, ca
     micro = 8 // (DATA_PARALLEL.get(config, 2) * accumulation(flags))
     cut = launch(tmp_path / "out", *args, "--batch_size", str(micro), config=config).check()
     assert cut.resolved["global_batch_size"] == 8
+    assert cut.resolved.get("ep", 1) == (2 if config.endswith("_ep") else 1)  # the experts split, not only sharded
     if config == "tp":  # the policy's and the reference's layers cut in two, not two whole copies
         assert cut.metrics[0]["state_bytes"] < 0.9 * one.metrics[0]["state_bytes"]
     reward = "reward" in flags

@@ -15,7 +15,7 @@ import torch
 import yaml
 from helpers import forked_launch
 
-from trainkit.launch.launcher import config_path, shipped_configs
+from trainkit.launch.launcher import PARALLELISM_KEY, RUNNER_SIZES, config_path, shipped_configs
 from trainkit.launch.train_process import ROOT, Run, launch_command, run_config
 from trainkit.recipes import load_recipe
 from trainkit.strategies.registry import Strategy, for_launch, shipped_strategies
@@ -157,15 +157,19 @@ def _launch(output_dir: Path, *args: str, config: str | None = None, extra_launc
 
 def forkable(config: str | None) -> bool:
     """Whether a run may be forked (tests/helpers/forked_launch.py): not on a machine with CUDA, and for a launch
-    (config not None) not under Accelerate's one-process launcher (distributed_type NO or MULTI_CPU), whose rank
-    reads the process count from its launcher's command line (trainkit/launch/launcher.py)."""
+    (config not None) not where a rank reads its launcher's command line (trainkit/launch/launcher.py): under
+    Accelerate's one-process launcher (distributed_type NO or MULTI_CPU), for the process count, and for a size of
+    parallelism_config that Accelerate does not pass on (RUNNER_SIZES: the experts' ep), for the YAML it names."""
     if not forked_launch.available():
         return False
     if config is None:
         return True
     try:
-        return yaml.safe_load((ROOT / config_path(config)).read_text())["distributed_type"] not in ("NO", "MULTI_CPU")
-    except (OSError, yaml.YAMLError, KeyError, TypeError):
+        data = yaml.safe_load((ROOT / config_path(config)).read_text())
+        runner_sizes = {PARALLELISM_KEY.format(name) for name in RUNNER_SIZES} & set(data.get("parallelism_config")
+                                                                                      or {})
+        return data["distributed_type"] not in ("NO", "MULTI_CPU") and not runner_sizes
+    except (OSError, yaml.YAMLError, KeyError, TypeError, AttributeError):
         return False  # what Accelerate makes of it is the test's to see
 
 

@@ -64,6 +64,11 @@ FSDP_ENV = {
 PARALLELISM_KEY = "parallelism_config_{}_size"
 PARALLELISM_ENV = {name: f"PARALLELISM_CONFIG_{name.upper()}_SIZE" for name in ("dp_replicate", "dp_shard", "tp",
                                                                                  "cp", "sp")}
+# Sizes of the block that this runner reads and Accelerate has no option for, so `accelerate launch` passes them to no
+# process: each rank reads them from its launcher's YAML (launcher_sizes), or from PARALLELISM_CONFIG_<NAME>_SIZE
+# where it was started without Accelerate. ep: the ranks that split a mixture of experts' experts between them
+# (strategies/expert_parallel.py).
+RUNNER_SIZES = {"ep": "PARALLELISM_CONFIG_EP_SIZE"}
 
 
 NO_LAUNCHER = "no launcher"  # Launch.source of `python train.py` with no --accelerate_config
@@ -124,8 +129,8 @@ class Launch:
             distributed_type, names = ("MULTI_GPU" if world_size > 1 or "LOCAL_RANK" in env else "NO"), {}
         settings = {key: env[name] for key, name in names.items() if name in env}
         written = [k for k in env.get("ACCELERATE_CONFIG_DS_FIELDS", "").split(",") if k and k != "mixed_precision"]
-        parallelism = {name: int(env[var]) for name, var in PARALLELISM_ENV.items()
-                       if var in env} if is_true(env.get("ACCELERATE_USE_PARALLELISM_CONFIG")) else {}
+        parallelism = {**{name: int(env[var]) for name, var in PARALLELISM_ENV.items() if var in env},
+                       **launcher_sizes(env)} if is_true(env.get("ACCELERATE_USE_PARALLELISM_CONFIG")) else {}
         return cls(distributed_type=distributed_type, world_size=world_size, num_machines=num_machines,
                    mixed_precision=env.get("ACCELERATE_MIXED_PRECISION", "no").lower(),
                    source="the launcher's environment" if "ACCELERATE_MIXED_PRECISION" in env else NO_LAUNCHER,
@@ -150,8 +155,8 @@ class Launch:
         sizes = data.get("parallelism_config") or {}
         sizes = sizes if isinstance(sizes, dict) else {}  # anything else: check_yaml names it
         # Accelerate's default for a size the block leaves out is 1, as in the launcher's environment
-        parallelism = {name: _count(sizes.get(PARALLELISM_KEY.format(name), 1)) or 1 for name in PARALLELISM_ENV
-                       } if sizes else {}
+        parallelism = {name: _count(sizes.get(PARALLELISM_KEY.format(name), 1)) or 1
+                       for name in (*PARALLELISM_ENV, *RUNNER_SIZES)} if sizes else {}
         processes = _count(data.get("num_processes", 1)) or 1
         alone = distributed_type in ONE_PROCESS_TYPES  # what accelerate launch starts for these, whatever the count
         return cls(distributed_type=distributed_type, world_size=1 if alone else processes,
@@ -175,7 +180,8 @@ class Launch:
             asked=(processes, f"--num_processes {processes}") if alone and processes else self.asked)
 
     def parallelism_size(self, name: str) -> int:
-        """One size of the parallelism config (dp_replicate, dp_shard, tp, cp, sp); 1 where the launch gives none."""
+        """One size of the parallelism config (dp_replicate, dp_shard, tp, cp, sp, ep); 1 where the launch gives
+        none."""
         return self.parallelism.get(name, 1)
 
 
@@ -198,11 +204,35 @@ def requested_processes(argv: list[str]) -> tuple[int, str] | None:
     """The process count an `accelerate launch` command line asks for and where: its --num_processes, else its YAML's
     (--config_file, or Accelerate's default config file) num_processes; None for another command or no count.
 
-    Read with Accelerate's own parser. Needed because Accelerate's one-process launcher, which it picks for
-    distributed_type NO or MULTI_CPU (without mpirun) and for a bare `--num_processes N` on a machine without GPUs,
-    starts one process whatever the count and tells it nothing of the count.
+    Needed because Accelerate's one-process launcher, which it picks for distributed_type NO or MULTI_CPU (without
+    mpirun) and for a bare `--num_processes N` on a machine without GPUs, starts one process whatever the count and
+    tells it nothing of the count.
     """
-    from accelerate.commands.config import default_config_file
+    args = launcher_args(argv)
+    if args is None:
+        return None
+    if args.num_processes:
+        return args.num_processes, "accelerate launch --num_processes"
+    data, path = launcher_yaml(args)
+    count = _count(data.get("num_processes"))
+    return (count, f"num_processes in {path}") if count else None
+
+
+def launcher_sizes(env: Mapping[str, str]) -> dict[str, int]:
+    """RUNNER_SIZES for this process: from the environment where it names them, else from the parallelism_config
+    of the YAML that the `accelerate launch` which started this process (its parent, under torchrun) read; 1 where
+    neither gives one."""
+    missing = [name for name, var in RUNNER_SIZES.items() if var not in env]
+    args = launcher_args(_launcher_argv()) if missing else None
+    sizes = (launcher_yaml(args)[0].get("parallelism_config") or {}) if args is not None else {}
+    sizes = sizes if isinstance(sizes, dict) else {}
+    return {name: int(env[var]) if var in env else _count(sizes.get(PARALLELISM_KEY.format(name), 1)) or 1
+            for name, var in RUNNER_SIZES.items()}
+
+
+def launcher_args(argv: list[str]) -> Any:
+    """An `accelerate launch` command line as Accelerate's own parser reads it (an argparse Namespace); None for
+    another command, or one that Accelerate would not have run."""
     from accelerate.commands.launch import launch_command_parser
 
     start = next((i + 1 for i, arg in enumerate(argv) if arg == "launch" or arg.endswith(("accelerate-launch",
@@ -212,17 +242,21 @@ def requested_processes(argv: list[str]) -> tuple[int, str] | None:
         return None
     try:
         with contextlib.redirect_stderr(io.StringIO()):  # argparse's usage message is not this run's to print
-            args = launch_command_parser().parse_args(argv[start:])
-    except SystemExit:  # not a command line that Accelerate would have run
+            return launch_command_parser().parse_args(argv[start:])
+    except SystemExit:
         return None
-    if args.num_processes:
-        return args.num_processes, "accelerate launch --num_processes"
+
+
+def launcher_yaml(args: Any) -> tuple[dict[str, Any], str | None]:
+    """The YAML a parsed `accelerate launch` read (its --config_file, or Accelerate's default config file) and its
+    path; empty where there is none or it cannot be read (the launcher would have said so)."""
+    from accelerate.commands.config import default_config_file
+
     path = args.config_file or (default_config_file if Path(default_config_file).is_file() else None)
     try:
-        count = _count(read_yaml(path).get("num_processes")) if path else None
+        return (read_yaml(path) if path else {}), path
     except ConfigError:
-        return None
-    return (count, f"num_processes in {path}") if count else None
+        return {}, path
 
 
 def _count(value: Any) -> int | None:
@@ -330,21 +364,23 @@ def check_yaml(path: str | Path) -> list[Problem]:
 
 def _check_parallelism_block(block: Any, path: str | Path) -> list[Problem]:
     """The `parallelism_config` block: `accelerate launch` copies each key as written onto its own arguments, so a
-    key that is not one of its `parallelism_config_*` options (`tp_size: 2`) is silently ignored."""
+    key that is neither one of its `parallelism_config_*` options nor one the runner reads itself (RUNNER_SIZES)
+    (`tp_size: 2`) is silently ignored."""
     from accelerate.commands.launch import launch_command_parser
 
     where = f"parallelism_config in {path}"
     if not isinstance(block, dict):
         return [Problem(f"parallelism_config must be a mapping of sizes, got {block!r}", where,
                         "write parallelism_config_tp_size: 2 (and the others) indented under it")]
-    known = sorted(a.dest for a in launch_command_parser()._actions if a.dest.startswith("parallelism_config_"))
+    known = sorted([*(a.dest for a in launch_command_parser()._actions if a.dest.startswith("parallelism_config_")),
+                    *(PARALLELISM_KEY.format(name) for name in RUNNER_SIZES)])
     problems = []
     for key in sorted(set(block) - set(known)):
         close = difflib.get_close_matches(key, known, n=1) or difflib.get_close_matches(PARALLELISM_KEY.format(
             key.removesuffix("_size")), known, n=1)
         problems.append(Problem(f"unknown key {key!r} in parallelism_config", where,
                                 f"did you mean {close[0]}?" if close else "remove it"))
-    for name in PARALLELISM_ENV:
+    for name in (*PARALLELISM_ENV, *RUNNER_SIZES):
         key = PARALLELISM_KEY.format(name)
         if key in block and _count(block[key]) is None:
             problems.append(Problem(f"{key} must be a positive integer, got {block[key]!r}", where, f"write {key}: 2"))

@@ -42,7 +42,7 @@ from trainkit.errors import Problem
 from trainkit.estimate import OPTIMIZER_BYTES, Estimate, ModelShape
 from trainkit.launch.launcher import Launch
 from trainkit.recipes import Recipe
-from trainkit.strategies import sequence_parallel
+from trainkit.strategies import expert_parallel, sequence_parallel
 from trainkit.strategies.base import Strategy
 from trainkit.strategies.engine import Engine
 from trainkit.strategies.parallel_dims import ParallelDims, data_parallel_rank, parallelism_problems
@@ -62,6 +62,7 @@ class OnMesh(Engine):
         self.dims, self.settings = strategy.dims, strategy.settings
         self.sharded = strategy.launch.distributed_type == "FSDP"  # FSDP2 (and TP) on the mesh: Accelerate's FSDP off
         self.mesh: Any = None  # the DeviceMesh, once built
+        self.experts_mesh: Any = None  # the experts' (efsdp, ep) mesh, once built, where dims.ep > 1
 
     @property
     def data_parallel_rank(self) -> int:
@@ -72,6 +73,8 @@ class OnMesh(Engine):
             without_accelerate_fsdp()
         accelerator = super().build_accelerator(output_dir, report_to)  # verified: world size, type, precision
         self.mesh = self.dims.build(accelerator.device.type)
+        if self.dims.ep > 1:
+            self.experts_mesh = expert_parallel.expert_mesh(self.dims.dp_shard, self.dims.ep, accelerator.device.type)
         return accelerator
 
 
@@ -89,7 +92,7 @@ class FSDPEngine(OnMesh):
         self.notes += parallelize(model, self.dims, self.mesh, self.settings,
                                   mixed_precision=self.launch.mixed_precision, compile=self.cfg.compile,
                                   tp_layers=tp_layers(model) if self.dims.tp > 1 else {},
-                                  classes=block_classes(model, self.settings))
+                                  classes=block_classes(model, self.settings), experts_mesh=self.experts_mesh)
         return model
 
     # --- one optimizer step -------------------------------------------------------------------------------------
@@ -165,7 +168,8 @@ class FSDP(Strategy):
         super().__init__(launch, cfg, sources, recipe)
         self.dims = ParallelDims.of(launch)
         self.settings = FSDPSettings.of(launch)
-        self.name = "tp" if self.dims.tp > 1 else "hsdp" if self.dims.dp_replicate > 1 else "fsdp"
+        self.name = ("tp" if self.dims.tp > 1 else "hsdp" if self.dims.dp_replicate > 1 else
+                     "fsdp_ep" if self.dims.ep > 1 else "fsdp")
 
     @classmethod
     def selects(cls, launch: Launch, cfg: TrainConfig) -> bool:
@@ -189,7 +193,9 @@ class FSDP(Strategy):
 
     def check(self, this_machine: bool = True) -> list[Problem]:
         return (super().check(this_machine) + parallelism_problems(self.launch) + self.dims.problems(self.launch)
-                + FSDPSettings.problems(self.launch, self.cfg) + self.context_problems(this_machine))
+                + FSDPSettings.problems(self.launch, self.cfg) + self.context_problems(this_machine)
+                + expert_parallel.launch_problems(self.dims, f"parallelism_config in {self.launch.source}",
+                                                  self.cfg.compile, self.settings.activation_checkpointing))
 
     def context_problems(self, this_machine: bool) -> list[Problem]:
         """Context parallelism: on GPUs, with FSDP2's data parallelism only (strategies/pipeline.py refuses it with
@@ -217,6 +223,9 @@ class FSDP(Strategy):
 
     def check_model(self, model: torch.nn.Module) -> list[Problem]:
         problems = []
+        if self.dims.ep > 1:
+            problems += expert_parallel.model_problems(model, self.dims.ep,
+                                                       f"parallelism_config in {self.launch.source}")
         if self.dims.cp > 1:
             problems += sequence_parallel.problems(model, self.dims.cp, f"parallelism_config in {self.launch.source}",
                                                    self.recipe.tokens_per_sample(self.cfg) if self.recipe else None,
@@ -228,11 +237,12 @@ class FSDP(Strategy):
 
     @property
     def label(self) -> str:
-        """fsdp, hsdp, tp, fsdp_tp or hsdp_tp, and _offload."""
+        """fsdp, hsdp, tp, fsdp_tp, hsdp_tp or fsdp_ep, and _offload."""
         return self.dims.fsdp_label(self.offload)
 
     def resolved_fields(self) -> dict[str, Any]:
-        return {**super().resolved_fields(), **{name: size for name, size in self.dims.sizes().items() if name != "pp"}}
+        return {**super().resolved_fields(), **{name: size for name, size in self.dims.sizes().items() if name != "pp"},
+                "ep": self.dims.ep}
 
     @property
     def speed_rank(self) -> int:

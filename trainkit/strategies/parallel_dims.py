@@ -10,6 +10,10 @@ Every launch that torch.distributed parallelises (not DeepSpeed, whose engine ow
                   FSDP2 shards over dp_shard x cp, as torchtitan does
     tp            processes that cut each planned Linear layer between them (tensor parallelism), same samples
 
+Expert parallelism (ep) is not a dimension of its own: as torchtitan does, it regroups the data-parallel shards, ep
+neighbouring ranks of dp_shard splitting each mixture-of-experts layer's experts between them while every rank still
+trains on its own samples (strategies/expert_parallel.py builds the experts' mesh: expert_mesh).
+
 Their product is the world size. Rank r sits at the coordinates of r in that row-major order: the ranks of one
 tensor-parallel group are neighbours (one machine, fast links), the pipeline is outermost (its point-to-point sends
 cross machines cheaply; Megatron-LM and torchtitan order them the same way). The sizes come from the launch: an FSDP
@@ -38,6 +42,7 @@ class ParallelDims:
     dp_shard: int = 1
     cp: int = 1
     tp: int = 1
+    ep: int = 1  # ranks of dp_shard that split the experts (not in names: it does not multiply the world)
 
     @classmethod
     def of(cls, launch: Launch, pipeline_stages: int = 1) -> ParallelDims:
@@ -45,7 +50,7 @@ class ParallelDims:
         problems() says so), else the processes the stages leave, on the launch's data-parallel dimension."""
         pp = max(1, pipeline_stages)
         if launch.parallelism:
-            return cls(pp=pp, **{name: launch.parallelism_size(name) for name in cls.names if name != "pp"})
+            return cls(pp=pp, **{name: launch.parallelism_size(name) for name in (*cls.names, "ep") if name != "pp"})
         rest = max(1, launch.world_size // pp)
         return cls(pp, dp_shard=rest) if launch.distributed_type == "FSDP" else cls(pp, dp_replicate=rest)
 
@@ -63,10 +68,10 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard
 
     def fsdp_label(self, offload: bool = False) -> str:
-        """An FSDP launch's name for these sizes: fsdp, hsdp, tp, fsdp_tp, hsdp_tp or fsdp_cp (fsdp.yaml on one
-        process: still fsdp), with _offload when the shards live in CPU memory."""
+        """An FSDP launch's name for these sizes: fsdp, hsdp, tp, fsdp_tp, hsdp_tp, fsdp_cp or fsdp_ep (fsdp.yaml on
+        one process: still fsdp), with _offload when the shards live in CPU memory."""
         data = "hsdp" if self.dp_replicate > 1 else "fsdp" if self.dp_shard * self.cp > 1 or self.tp == 1 else ""
-        parts = (data, "cp" if self.cp > 1 else "", "tp" if self.tp > 1 else "")
+        parts = (data, "cp" if self.cp > 1 else "", "tp" if self.tp > 1 else "", "ep" if self.ep > 1 else "")
         return "_".join(part for part in parts if part) + ("_offload" if offload else "")
 
     def resized(self, world_size: int) -> ParallelDims:

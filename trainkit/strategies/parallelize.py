@@ -23,6 +23,7 @@ import torch
 from trainkit.config import TrainConfig
 from trainkit.errors import ConfigError, Problem
 from trainkit.launch.launcher import Launch, is_true
+from trainkit.strategies import expert_parallel
 from trainkit.strategies.parallel_dims import ParallelDims, data_mesh
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -117,12 +118,13 @@ def blocks(model: torch.nn.Module, settings: FSDPSettings, classes: set[str] | N
 
 
 def parallelize(model: torch.nn.Module, dims: ParallelDims, mesh: Any, settings: FSDPSettings, *,
-                mixed_precision: str, compile: bool, tp_layers: dict[str, str], classes: set[str]) -> list[str]:
-    """Apply tensor parallelism, activation checkpointing, compile and FSDP2 to `model`, in that order; returns what
-    was done, for the run's notes. `tp_layers` names the modules the plan cuts (module name -> a style of
-    tp_plan.py's SPLIT_STYLES; empty where tp is 1), `classes` the block class names (block_classes of the whole
-    model)."""
-    notes = []
+                mixed_precision: str, compile: bool, tp_layers: dict[str, str], classes: set[str],
+                experts_mesh: Any = None) -> list[str]:
+    """Apply tensor parallelism, expert parallelism, activation checkpointing, compile and FSDP2 to `model`, in that
+    order; returns what was done, for the run's notes. `tp_layers` names the modules the plan cuts (module name -> a
+    style of tp_plan.py's SPLIT_STYLES; empty where tp is 1), `classes` the block class names (block_classes of the
+    whole model), `experts_mesh` the experts' (efsdp, ep) mesh where dims.ep > 1 (strategies/expert_parallel.py)."""
+    notes, experts = [], []
     if tp_layers:
         from torch.distributed.tensor import Replicate
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -131,12 +133,21 @@ def parallelize(model: torch.nn.Module, dims: ParallelDims, mesh: Any, settings:
                   "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
                   "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate())}
         parallelize_module(model, mesh["tp"], {name: styles[style]() for name, style in tp_layers.items()})
+    if dims.ep > 1:
+        experts = expert_parallel.apply(model, experts_mesh, mesh["tp"])
     units = blocks(model, settings, classes)
     if settings.activation_checkpointing:
         notes.append(checkpoint_activations(model, units))
     if compile:  # a model that declares no blocks is compiled whole
         notes.append(compile_forward(model, units if classes else []))
-    shard(model, units, data_mesh(mesh, dims), settings, mixed_precision)
+    if experts:
+        shard_experts(experts, experts_mesh, settings, mixed_precision, dims.data_parallel)
+        held, total = (sum(f(p) for m in experts for p in m.parameters()) for f in (lambda p: local(p).numel(),
+                                                                                     torch.Tensor.numel))
+        notes.append(f"expert parallelism: the experts of {len(experts)} layers split over {dims.ep} ranks "
+                     f"(transformers' plan, all-to-all dispatch), each expert sharded over "
+                     f"{dims.dp_shard // dims.ep}: this rank holds {held:,} of the {total:,} expert parameters")
+    shard(model, units, data_mesh(mesh, dims), settings, mixed_precision, experts_mesh)
     return notes
 
 
@@ -171,21 +182,44 @@ def compile_forward(model: torch.nn.Module, units: list[torch.nn.Module]) -> str
     return f"torch.compile (inductor) on {what}: the first step compiles"
 
 
-def shard(model: torch.nn.Module, units: list[torch.nn.Module], mesh: Any, settings: FSDPSettings,
-          mixed_precision: str) -> None:
-    """fully_shard each block, then the root (which takes every parameter no block holds), and check that every
-    parameter is sharded as the mesh asks."""
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+def fsdp_policy(settings: FSDPSettings, mixed_precision: str, mesh: Any) -> dict[str, Any]:
+    """fully_shard's keywords for the YAML's settings over `mesh`."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
-    # No model.to(device) first: each fully_shard call moves only its own unit to the device, then shards it, so a
-    # GPU never holds the whole unsharded model (the model FSDP exists for may not fit there).
-    policy = dict(
+    return dict(
         # Mixed precision FSDP's way: compute in low precision, reduce gradients and keep the shards in fp32.
         mp_policy=MixedPrecisionPolicy(param_dtype=DTYPES.get(mixed_precision), reduce_dtype=torch.float32),
         offload_policy=CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if settings.offload else OffloadPolicy(),
         reshard_after_forward=settings.reshard_after_forward,
         mesh=mesh,
     )
+
+
+def shard_experts(experts: list[torch.nn.Module], experts_mesh: Any, settings: FSDPSettings, mixed_precision: str,
+                  data_parallel: int) -> None:
+    """fully_shard each experts module over the experts mesh's efsdp (before the blocks that hold them), its
+    gradients divided by the data-parallel size: each is already the sum over the ep ranks' tokens, and the reduce
+    over efsdp adds the copies (strategies/expert_parallel.py)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for module in experts:
+        fully_shard(module, **fsdp_policy(settings, mixed_precision, experts_mesh["efsdp"]))
+        module.set_gradient_divide_factor(float(data_parallel))
+        if experts_mesh["efsdp"].size() > 1:
+            # FSDP2 divides by a factor other than the group's size with PREMUL_SUM, which gloo does not have: sum,
+            # then divide locally (as transformers/distributed/fsdp.py does)
+            module.set_force_sum_reduction_for_comms(True)
+
+
+def shard(model: torch.nn.Module, units: list[torch.nn.Module], mesh: Any, settings: FSDPSettings,
+          mixed_precision: str, experts_mesh: Any = None) -> None:
+    """fully_shard each block, then the root (which takes every parameter no block holds), and check that every
+    parameter is sharded as the mesh asks (an expert on experts_mesh, where shard_experts put it)."""
+    from torch.distributed.fsdp import fully_shard
+
+    # No model.to(device) first: each fully_shard call moves only its own unit to the device, then shards it, so a
+    # GPU never holds the whole unsharded model (the model FSDP exists for may not fit there).
+    policy = fsdp_policy(settings, mixed_precision, mesh)
     for unit in units:
         fully_shard(unit, **policy)
     # The root keeps its gathered parameters from forward to backward, as torch advises (backward needs them first)
@@ -195,7 +229,8 @@ def shard(model: torch.nn.Module, units: list[torch.nn.Module], mesh: Any, setti
         from torch.distributed.fsdp import register_fsdp_forward_method  # around the whole call, not just forward
 
         register_fsdp_forward_method(model, "generate")
-    unsharded = [name for name, p in model.named_parameters() if not is_sharded(p, mesh)]
+    unsharded = [name for name, p in model.named_parameters()
+                 if not is_sharded(p, experts_mesh if on_mesh(p, experts_mesh) else mesh)]
     if unsharded:
         raise ConfigError([Problem(f"FSDP left parameters unsharded: {', '.join(unsharded[:5])}", "fsdp",
                                    "report this with the recipe; use deepspeed_zero3.yaml meanwhile")])
@@ -210,6 +245,11 @@ def is_sharded(param: torch.Tensor, mesh: Any) -> bool:
     if mesh.size(-1) == 1:
         return True
     return not param.placements[param.device_mesh.mesh_dim_names.index(mesh.mesh_dim_names[-1])].is_replicate()
+
+
+def on_mesh(param: torch.Tensor, mesh: Any) -> bool:
+    """Whether `param` is a DTensor on `mesh` (None: no mesh)."""
+    return mesh is not None and getattr(param, "device_mesh", None) == mesh
 
 
 def grad_norm(params: Iterable[torch.Tensor]) -> torch.Tensor:

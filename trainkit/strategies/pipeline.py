@@ -42,6 +42,7 @@ from trainkit.estimate import OPTIMIZER_BYTES, Estimate, ModelShape
 from trainkit.launch.launcher import Launch
 from trainkit.recipes import Recipe, no_generations
 from trainkit.run.metrics import state_bytes
+from trainkit.strategies import expert_parallel
 from trainkit.strategies.base import Strategy
 from trainkit.strategies.engine import LossFn, MetricsFn, batch_samples
 from trainkit.strategies.fsdp import OnMesh, held_numel
@@ -344,7 +345,9 @@ class Pipeline(Strategy):
                                     "launch with accelerate_configs/ddp.yaml, fsdp.yaml, tp.yaml or fsdp_tp.yaml, or "
                                     "drop --pipeline_stages"))
         elif self.sharded:
-            problems += parallelism_problems(launch) + FSDPSettings.problems(launch, cfg)
+            problems += (parallelism_problems(launch) + FSDPSettings.problems(launch, cfg) +
+                         expert_parallel.launch_problems(self.dims, f"{where} with parallelism_config in "
+                                                         f"{launch.source}", cfg.compile, False))
         problems += self.dims.problems(launch)
         if self.dims.cp > 1:
             problems.append(Problem("context parallelism with --pipeline_stages: the stages' schedule runs their "
