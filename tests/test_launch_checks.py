@@ -4,6 +4,7 @@ that disagrees with the run, YAML typos, launches this machine cannot run, and e
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -151,6 +152,30 @@ def test_the_launchers_process_count_is_read_from_its_command_line(argv, asked):
     ddp = str(ROOT / "accelerate_configs" / "ddp.yaml")
     fill = lambda text: text.format(ddp=ddp)  # noqa: E731
     assert requested_processes([fill(a) for a in argv]) == (asked and (asked[0], fill(asked[1])))
+
+
+@pytest.mark.parametrize("argv, env, ep", [
+    (["/usr/bin/python3", "/usr/local/bin/accelerate", "launch", "--config_file", "{ep}", "train.py"], {}, 2),
+    (["python", "-m", "accelerate.commands.launch", "--config_file", "{fsdp}", "train.py"], {}, 1),
+    # started without Accelerate: the environment names it, or nothing does
+    (["torchrun", "--nproc_per_node", "2", "train.py"], {"PARALLELISM_CONFIG_EP_SIZE": "2"}, 2),
+    (["torchrun", "--nproc_per_node", "2", "train.py"], {}, 1),
+])
+def test_the_expert_parallel_size_is_read_from_the_launchers_yaml(monkeypatch, argv, env, ep):
+    """`accelerate launch` passes no expert-parallel size to its processes (Accelerate has no such option): each reads
+    it from the YAML its launcher's command line names, as the launch's parallelism sizes."""
+    from trainkit.launch import launcher
+
+    configs = {name: str(ROOT / "accelerate_configs" / f"{name}.yaml") for name in ("ep", "fsdp")}
+    configs["ep"] = configs["ep"].replace("ep.yaml", "fsdp_ep.yaml")
+    monkeypatch.setattr(launcher, "_launcher_argv", lambda: [a.format(**configs) for a in argv])
+    for name in list(os.environ):
+        if name.startswith("PARALLELISM_CONFIG_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "true")
+    for name, value in {"WORLD_SIZE": "2", "LOCAL_RANK": "0", "ACCELERATE_USE_FSDP": "true", **env}.items():
+        monkeypatch.setenv(name, value)
+    assert launcher.Launch.from_env().parallelism_size("ep") == ep
 
 
 def test_a_key_given_twice_in_the_yaml_is_refused(check_only, tmp_path):
