@@ -156,16 +156,25 @@ def test_a_split_that_cuts_the_routers_view_is_refused(check_only, moe_args, tmp
 
 
 @pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "gpt_oss", "deepseek_v3"])
-def test_mfu_counts_the_active_parameters(name):
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_mfu_counts_the_active_parameters(name, lora):
     """The FLOPs of a token count its top 2 of the 4 routed experts (half their parameters, named by hand here),
-    the shared experts, routers and attention whole, the input embedding not at all (trainkit/run/metrics.py)."""
+    the shared experts, routers and attention whole, the input embedding not at all (trainkit/run/metrics.py). With
+    peft's adapters (all-linear: the fused experts wrapped too) the experts still count half, the adapters whole."""
     from trainkit.run.metrics import count_flops
 
     model = mixture_of_experts(name)
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear"))
     named = dict(model.named_parameters())
-    routed = sum(p.numel() for n, p in named.items() if ".experts." in n)
+    routed = sum(p.numel() for n, p in named.items() if ".experts." in n and "lora_" not in n)
     assert routed > 0
-    lookup = named["model.embed_tokens.weight"].numel() if "lm_head.weight" in named else 0  # untied: a lookup
+    if lora and name in ("qwen3_moe", "mixtral"):  # peft 0.21 wraps these families' experts (not gpt-oss, Qwen2-MoE)
+        assert any(".experts." in n and "lora_" in n for n in named)
+    embed = next(n for n in named if n.endswith("embed_tokens.weight"))
+    lookup = named[embed].numel() if any(n.endswith("lm_head.weight") for n in named) else 0  # untied: a lookup
     expected = sum(p.numel() for p in named.values()) - lookup - routed // 2
     assert count_flops(model, 64).params == expected
 
@@ -266,3 +275,57 @@ def test_expert_parallelism_that_cannot_apply_is_refused(check_only, moe_args, c
     run = check_only(tmp_path / "out", *args, "--dry_run", "--accelerate_config",
                      ep_yaml(tmp_path, processes, ep, extra))
     assert_refused(run, message)
+
+
+def dense_llama(folder, chat_folder) -> None:
+    """A small Llama with tied embeddings (the tiny transformer's layout) and the chat fixture's tokenizer."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=400, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+                     ).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(chat_folder).save_pretrained(folder)
+
+
+def test_an_upcycled_mixture_computes_what_the_dense_model_did(chat, tmp_path, capsys):
+    """python -m trainkit.tools.upcycle: a Mixtral whose 4 experts per layer are copies of the dense MLP and whose
+    router weighs its top 2 to a sum of 1 gives the dense model's logits (to float rounding) for any routing; the
+    attention, norms and tied embeddings are the dense model's, the router's logits on (its balancing loss)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from trainkit.tools import upcycle
+
+    dense_llama(tmp_path / "dense", chat[0])
+    assert upcycle.main([str(tmp_path / "dense"), str(tmp_path / "moe"), "--experts", "4", "--top_k", "2"]) == 0
+    assert "a Mixtral of" in capsys.readouterr().out
+    dense, moe = (AutoModelForCausalLM.from_pretrained(tmp_path / name) for name in ("dense", "moe"))
+    assert type(moe).__name__ == "MixtralForCausalLM" and moe.config.output_router_logits
+    assert moe.config.num_local_experts == 4 and moe.config.tie_word_embeddings
+    ids = torch.randint(0, 400, (3, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected, got = dense(ids).logits, moe(ids).logits
+    assert (got - expected).abs().max() < 1e-5 * expected.abs().max()
+    experts = moe.model.layers[1].mlp.experts
+    assert torch.equal(experts.down_proj[3], dense.model.layers[1].mlp.down_proj.weight)
+
+
+@pytest.mark.parametrize("case, message", [
+    ("qwen2", "cannot be upcycled: a qwen2 model: the upcycled mixture is a Mixtral, whose attention is Llama's"),
+    ("top_k", "--top_k 5 of --experts 4: pick between 1 and the number of experts"),
+    ("not empty", "is not empty: pass a new folder"),
+])
+def test_what_cannot_be_upcycled_is_refused(chat, tmp_path, capsys, case, message):
+    from trainkit.tools import upcycle
+
+    dense_llama(tmp_path / "dense", chat[0])
+    source = chat[0] if case == "qwen2" else tmp_path / "dense"
+    (tmp_path / "moe").mkdir()
+    if case == "not empty":
+        (tmp_path / "moe" / "config.json").write_text("{}")
+    top_k = "5" if case == "top_k" else "2"
+    assert upcycle.main([str(source), str(tmp_path / "moe"), "--experts", "4", "--top_k", top_k]) == 2
+    assert message in capsys.readouterr().err
+    assert [p.name for p in (tmp_path / "moe").iterdir()] == (["config.json"] if case == "not empty" else [])

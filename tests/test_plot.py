@@ -118,6 +118,25 @@ def test_tokens_per_s_and_mfu_in_percent_when_present(tmp_path):
     np.testing.assert_allclose(mfu.get_ydata(), [42.0] * 10)
 
 
+def test_a_mixture_of_experts_shows_its_balancing_loss_and_expert_load(tmp_path):
+    """A run that logs aux_loss and expert_load/layer_<i> gets a row with them (the layers in numeric order: 10 after
+    2); a dense run beside it draws nothing there, and alone has no such row."""
+    loads = {f"expert_load/layer_{i}": 1.5 + i / 10 for i in (0, 2, 10)}
+    moe = write_run(tmp_path / "moe", LOSSES, resolved={"strategy": "fsdp_ep", "recipe": "causal_lm"}, aux_loss=2.01,
+                    **loads)
+    write_run(tmp_path / "dense", LOSSES, resolved={"strategy": "fsdp", "recipe": "causal_lm"})
+    figure = plot_runs([read_run(tmp_path / "moe"), read_run(tmp_path / "dense")], "")
+    [aux] = panel(figure, "router's balancing loss").lines
+    assert_line(aux, *column(moe, "aux_loss"))
+    load = panel(figure, "expert load")
+    assert [ln.get_label() for ln in load.lines] == ["an even spread", *(f"fsdp_ep/causal_lm: layer {i}"
+                                                                         for i in (0, 2, 10))]
+    for line, key in zip(load.lines[1:4], loads, strict=True):
+        assert_line(line, *column(moe, key))
+    assert len(figure.axes) == 7  # loss, throughput, MFU, memory, the router's two, the difference
+    assert len(plot_runs([read_run(tmp_path / "dense")], "").axes) == 4
+
+
 def test_cli_writes_the_png_with_labels(tmp_path, capsys):
     same = {"strategy": "ddp", "recipe": "mlp.py"}
     write_run(tmp_path / "a", LOSSES, resolved=same)

@@ -66,8 +66,9 @@ def count_flops(model: torch.nn.Module, tokens_per_sample: int | None) -> FlopCo
 
 def idle_expert_params(model: torch.nn.Module) -> int:
     """The routed experts' parameters that a token does not multiply: (1 - top_k / experts) of them, for each
-    module that holds the routed experts (transformers' fused `experts` module, or a ModuleList of experts), with
-    top_k the config's num_experts_per_tok; 0 for a dense model."""
+    module that holds the routed experts (transformers' fused `experts` module, or a ModuleList of experts; under
+    peft's adapters on them, the module they wrap), with top_k the config's num_experts_per_tok; 0 for a dense
+    model."""
     config = getattr(model, "config", None)
     text = pretrained.text_config(config)
     top_k = getattr(text, "num_experts_per_tok", None)
@@ -76,6 +77,8 @@ def idle_expert_params(model: torch.nn.Module) -> int:
     idle = 0
     for module in model.modules():
         experts = getattr(module, "experts", None)
+        while isinstance(getattr(experts, "base_layer", None), torch.nn.Module):  # peft's ParamWrapper, nested
+            experts = experts.base_layer
         if isinstance(experts, torch.nn.ModuleList) and len(experts):
             count = len(experts)
         elif isinstance(experts, torch.nn.Module) and (params := list(experts.parameters(recurse=False))):

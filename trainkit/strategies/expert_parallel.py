@@ -117,9 +117,9 @@ def model_problems(model: torch.nn.Module, ep: int, where: str) -> list[Problem]
         # hold every expert's, which the plan does not split
         return [Problem("LoRA adapters on the experts with expert parallelism: peft adapts the fused experts with "
                         "weights for every expert, which expert parallelism does not split by expert", where,
-                        "adapt the attention only (--lora_target_modules q_proj,k_proj,v_proj,o_proj: the experts "
-                        "stay frozen), or train adapters on the experts under accelerate_configs/fsdp.yaml or "
-                        "deepspeed_zero3.yaml")]
+                        "adapt the attention and the router (--lora_target_modules q_proj,k_proj,v_proj,o_proj,gate: "
+                        "the experts stay frozen), or train adapters on the experts under accelerate_configs/fsdp.yaml "
+                        "or deepspeed_zero3.yaml")]
     counts = {getattr(experts, "num_experts", 0) for m in models for experts in dispatched(m)}
     if uneven := sorted(n for n in counts if n % ep):
         return [Problem(f"{EP_KEY} {ep} does not divide the {uneven[0]} experts of each layer: every rank must hold "

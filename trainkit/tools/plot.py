@@ -1,4 +1,5 @@
-"""Runs side by side in one PNG: loss, throughput, MFU and memory against the optimizer step.
+"""Runs side by side in one PNG: loss, throughput, MFU and memory against the optimizer step; for a mixture of
+experts also its router's balancing loss and each layer's expert load.
 
     python -m trainkit.tools.plot runs/mlp runs/mlp_ddp --png runs.png
     python -m trainkit.tools.plot runs/a runs/b --labels adamw,sgd --png runs.png
@@ -6,7 +7,9 @@
 Each argument is a run's --output_dir: its metrics.jsonl gives the curves, its resolved_config.json the label
 (strategy/recipe; the folder's name where that is missing or not unique). With two runs or more a last panel shows
 each run's relative loss difference from the first run, the reference, on a log scale: curves that agree to 1e-7
-look like one line in the loss panel. `python -m trainkit.tools.compare` draws its picture with the same function.
+look like one line in the loss panel. Where a run logs `aux_loss` and `expert_load/layer_<i>` (a mixture of experts:
+docs/recipes.md) a row shows them: the busiest expert's share of the routed tokens times the number of experts, 1.0
+being an even spread. `python -m trainkit.tools.compare` draws its picture with the same function.
 """
 
 from __future__ import annotations
@@ -116,8 +119,13 @@ def plot_runs(runs: list[RunCurves], title: str) -> Figure:
     """The runs' panels against the optimizer step; returns the figure (fig.axes[0] is the loss panel, one line per
     run in order). The first run is the reference: drawn thicker, and the others' loss differences are taken
     from it."""
-    figure = Figure(figsize=(11, 8.5 if len(runs) > 1 else 6), layout="constrained")
-    layout = [["loss", "throughput"], ["mfu", "memory"]] + ([["difference", "difference"]] if len(runs) > 1 else [])
+    loads = sorted({key for run in runs for m in run.metrics for key in m if key.startswith("expert_load/")},
+                   key=lambda key: int(key.rsplit("_", 1)[1]))
+    router = [["aux_loss", "expert_load"]] if loads else []
+    rows = 2 + len(router) + (len(runs) > 1)
+    figure = Figure(figsize=(11, 2.8 * rows + 0.5), layout="constrained")
+    layout = [["loss", "throughput"], ["mfu", "memory"], *router] + ([["difference", "difference"]]
+                                                                      if len(runs) > 1 else [])
     panels = figure.subplot_mosaic(layout)
     figure.suptitle(title)
     styles = [{"color": f"C{i}", "linestyle": "-" if i == 0 else "--", "linewidth": 2.4 if i == 0 else 1.2}
@@ -160,6 +168,20 @@ def plot_runs(runs: list[RunCurves], title: str) -> Figure:
     ax.set_yscale("log")  # a model's state is often a thousandth of the process's peak
     finish(ax, f"memory of rank 0 ({unit}, log scale)")
 
+    if loads:
+        ax = panels["aux_loss"]
+        for run, style in zip(runs, styles, strict=True):
+            if (series := run.series("aux_loss"))[0]:  # a dense run, or one balanced by a bias, logs none
+                ax.plot(*series, label=run.label, **style)
+        finish(ax, "router's balancing loss (aux_loss, unscaled)")
+        ax = panels["expert_load"]
+        ax.axhline(1.0, color="grey", linestyle=":", linewidth=1, label="an even spread")
+        for run, style in zip(runs, styles, strict=True):
+            for i, key in enumerate(loads):  # one shade per layer, the run's colour
+                if (series := run.series(key))[0]:
+                    ax.plot(*series, label=f"{run.label}: layer {key.rsplit('_', 1)[1]}",
+                            **{**style, "alpha": 1.0 - 0.6 * i / max(1, len(loads) - 1)})
+        finish(ax, "expert load: the busiest expert's share x experts")
     if len(runs) > 1:
         draw_differences(panels["difference"], runs, styles)
     return figure
