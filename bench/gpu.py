@@ -8,7 +8,9 @@
 2. `pytest -m gpu` (tests/test_gpu.py) at the same time: every config as one process on one GPU against the plain
    single-GPU run, bf16, fp16 with the loss scaler (torch's and DeepSpeed's); the multi-GPU checks skip on one GPU.
 3. Then alone on the device, for timings: the tiny transformer's gpt2-small preset (124M parameters, sequence 1024)
-   in bf16, eager and with --compile: tokens/s and MFU against the GPU's dense bf16 peak (trainkit/run/metrics.py).
+   in bf16, eager and with --compile: tokens/s and MFU against the GPU's dense bf16 peak (trainkit/run/metrics.py);
+   and bench/moe.py's mixture-of-experts step with its experts as a Python loop, as grouped matmuls (transformers'
+   default) and batched, beside a dense model of the same active width, in fp32 on the GPU.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from accelerate.test_utils import path_in_accelerate_package
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import moe  # noqa: E402
 from sections import BENCHMARKS, replace_section  # noqa: E402
 
 from trainkit.launch.launcher import shipped_configs  # noqa: E402
@@ -101,6 +104,8 @@ def measure(out: Path) -> dict:
             print(f"accelerate test {name}: {'ok' if result['ok'] else 'FAILED'} ({result['seconds']} s)", flush=True)
         print(f"pytest -m gpu: {results['pytest_gpu']['tail'].splitlines()[-1]}", flush=True)
         results["gpt2_small_bf16"] = {mode: gpt2_small(Path(tmp), mode == "compile") for mode in ("eager", "compile")}
+    rounds, losses = moe.kernel_rounds("cuda")
+    results["moe_kernels"] = {"rounds": rounds, "losses": losses}
     for mode, result in results["gpt2_small_bf16"].items():
         print(f"gpt2-small bf16 {mode}: {result}", flush=True)
     (out / "gpu_results.json").write_text(json.dumps(results, indent=2))
@@ -122,8 +127,15 @@ def section(results: dict) -> str:
     for mode, r in results["gpt2_small_bf16"].items():
         lines.append(f"| {mode} | {r['tokens_per_s']:,.0f} | {r['mfu']:.1%} | {r['peak_mem_bytes'] / 2**30:.1f} GiB |"
                      if r["ok"] else f"| {mode} | failed: {r['tail'].splitlines()[-1]} | | |")
-    return "\n".join([*lines, "", "The goal is 45% MFU (nanoGPT reports about 37% on an A100; torchtitan 33-39% on "
-                      "H100 with FSDP).", END])
+    lines += ["", "The goal is 45% MFU (nanoGPT reports about 37% on an A100; torchtitan 33-39% on H100 with FSDP)."]
+    if kernels := results.get("moe_kernels"):
+        lines += ["", "| bench/moe.py's step on the GPU, fp32 | step (median of rounds) | loop's step / this one's, "
+                  "each round | loss at step 1 |", "|---|---:|---|---:|"]
+        for kind, loss in kernels["losses"].items():
+            seconds = statistics.median(r[kind] for r in kernels["rounds"])
+            ratios = " / ".join(f"{r['eager'] / r[kind]:.2f}" for r in kernels["rounds"])
+            lines.append(f"| {kind} | {seconds * 1000:,.1f} ms | {ratios} | {loss:.6f} |")
+    return "\n".join([*lines, END])
 
 
 def record(results_file: Path) -> None:

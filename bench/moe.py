@@ -15,9 +15,10 @@ round. The losses of the three kernels are compared at the first step (the same 
 
 Expert parallelism: a Qwen3-MoE whose experts are most of its weights (4 layers, hidden 256, 8 experts of 1,024, top
 2), saved with a tokenizer trained on the default corpus, fine-tuned by the causal_lm recipe on that corpus (2 rows of
-256 tokens per rank, fp32: few tokens per expert weight, as in fine-tuning a large one) under fsdp.yaml and fsdp_ep.yaml, 2 processes each: each rank's model state and the most
-its live tensors grow over the second step (bench/live_peak.py: a GPU's max_memory_allocated, measured on a CPU), and
-in a plain run of 6 steps the tokens per second.
+256 tokens per rank, fp32: few tokens per expert weight, as in fine-tuning a large one) under fsdp.yaml and
+fsdp_ep.yaml, 2 processes each: each rank's model state and the most its live tensors grow over the second step
+(bench/live_peak.py: a GPU's max_memory_allocated, measured on a CPU), and in a plain run of 6 steps the tokens per
+second.
 """
 
 from __future__ import annotations
@@ -62,8 +63,10 @@ def model(kind: str) -> torch.nn.Module:
 
 
 def steps(kind: str, batches: list[torch.Tensor]) -> tuple[list[float], float]:
-    """Seconds of each training step (forward, backward, AdamW) and the first step's loss."""
-    built = model(kind)
+    """Seconds of each training step (forward, backward, AdamW) and the first step's loss, on the batches' device
+    (a GPU's work waited for before each step's clock stops)."""
+    device = batches[0].device
+    built = model(kind).to(device)
     optimizer = torch.optim.AdamW(built.parameters(), lr=1e-4)
     times, first = [], None
     for ids in batches:
@@ -72,16 +75,18 @@ def steps(kind: str, batches: list[torch.Tensor]) -> tuple[list[float], float]:
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - started)
         first = loss.item() if first is None else first
     return times[WARMUP:], first
 
 
-def measure() -> str:
-    torch.set_num_threads(2)
+def kernel_rounds(device: str) -> tuple[list[dict[str, float]], dict[str, float]]:
+    """Per round, each kind's median step; each kind's first loss (bench/gpu.py runs it on a GPU)."""
     g = torch.Generator().manual_seed(1)
-    batches = [torch.randint(0, SIZES["vocab_size"], (8, 256), generator=g) for _ in range(WARMUP + STEPS)]
-    load = os.getloadavg()
+    batches = [torch.randint(0, SIZES["vocab_size"], (8, 256), generator=g).to(device)
+               for _ in range(WARMUP + STEPS)]
     rounds, losses = [], {}
     for _ in range(ROUNDS):
         medians = {}
@@ -90,6 +95,13 @@ def measure() -> str:
             medians[kind] = statistics.median(times)
         rounds.append(medians)
         print(json.dumps(medians), flush=True)
+    return rounds, losses
+
+
+def measure() -> str:
+    torch.set_num_threads(2)
+    load = os.getloadavg()
+    rounds, losses = kernel_rounds("cpu")
     moe, dense = model("eager"), model("dense")
     params = {name: sum(p.numel() for p in m.parameters()) for name, m in (("moe", moe), ("dense", dense))}
     from trainkit.run.metrics import count_flops

@@ -158,6 +158,8 @@ def chains(prepared_page: list[tuple[str, list[str] | None, str]]) -> list[list[
             result.append([(command, args)])
         if "--output_dir" in args:
             written.append(args[args.index("--output_dir") + 1] + "/")
+        if args[:3] == ["python", "-m", "trainkit.tools.upcycle"]:  # the model folder it writes (no final/ in it)
+            written.append(args[4])
     return result
 
 

@@ -211,7 +211,8 @@ def test_expert_parallelism_trains_the_one_process_curve(moe_args, references, r
     """fsdp_ep.yaml: each of the 2 ranks holds half of every layer's experts (as counted by the run) and the tokens
     travel to them; dropless, so the routing and every step's loss, gradient norm and balance are one process's, on
     three families (DeepSeek-V3: a dense first layer, a shared expert, no balancing loss); the state a rank holds is
-    the estimate's, within 10%. Qwen3-MoE stops after step 3 and resumes from the checkpoint (the split experts and their optimizer state in it); the export is whole."""
+    the estimate's, within 10%. Qwen3-MoE stops after step 3 and resumes from the checkpoint (the split experts and
+    their optimizer state in it); the export is whole."""
     yaml, flags = entry("fsdp_ep", 8)
     out = run_dir("out")
     stop = ["--stop_at", "3"] if name == "qwen3_moe" else []
