@@ -43,6 +43,8 @@ def measure() -> tuple[str, str]:
             for strategy, launch in shipped_strategies().items():
                 if recipe == "mlp" and for_launch(launch, cfg, {}).splits_model:
                     continue  # the MLP declares no tensor-parallel plan: refused, by design
+                if for_launch(launch, cfg, {}).needs_experts:
+                    continue  # expert parallelism: a mixture of experts only (bench/moe.py ep)
                 run = run_config(strategy, Path(tmp) / f"{recipe}-{strategy}",
                                  [*args, "--max_steps", "3", "--eval_every", "0"]).check()
                 estimated, measured = run.resolved["estimated_state_bytes"], run.metrics[-1]["state_bytes"]

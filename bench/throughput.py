@@ -218,6 +218,8 @@ def section_configs(settings: Settings, tmp: Path) -> tuple[str, Callable]:
                 continue
             if recipe == "mlp" and for_launch(launch, cfg, {}, loaded).splits_model:
                 continue  # the MLP declares no tensor-parallel plan: refused, by design
+            if for_launch(launch, cfg, {}, loaded).needs_experts:
+                continue  # expert parallelism: a mixture of experts only (bench/moe.py ep)
             processes, micro_batch = split_for(name, recipe, 2, global_batch, 1)
             runs.append((name, name, processes, [*base, "--batch_size", str(micro_batch)]))
         if loaded.pipeline_layers is not None:  # 2 stages on ddp.yaml; 4 micro-batches of 8 make the global batch

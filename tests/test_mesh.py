@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
 from conftest import LAUNCHES, strategy_of
 from trainkit.launch.launcher import shipped_configs
@@ -28,6 +29,7 @@ EXPECTED = {
     "hsdp": ((1, 2, 2, 1, 1), 4, "hsdp", "hsdp"),
     "hsdp_tp": ((1, 2, 2, 1, 2), 4, "tp", "hsdp_tp"),
     "fsdp_cp": ((1, 1, 1, 2, 1), 1, "fsdp", "fsdp_cp"),
+    "fsdp_ep": ((1, 1, 2, 1, 1), 2, "fsdp_ep", "fsdp_ep"),  # ep 2: a regrouping of dp_shard, not a dimension
     "pipeline": ((2, 1, 1, 1, 1), 1, "pipeline", "pipeline_1f1b"),
     "pipeline_fsdp": ((2, 1, 2, 1, 1), 2, "pipeline", "pipeline_1f1b_fsdp"),
     "pipeline_tp": ((2, 1, 1, 1, 2), 1, "pipeline", "pipeline_1f1b_tp"),
@@ -40,7 +42,8 @@ def test_every_config_is_a_point_of_the_one_mesh(name):
     dims, data_parallel, strategy_name, label = EXPECTED[name]
     strategy = strategy_of(name)
     mesh = strategy.dims if hasattr(strategy, "dims") else ParallelDims.of(LAUNCHES[name])
-    assert dataclasses.astuple(mesh) == dims and mesh.world == LAUNCHES[name].world_size
+    assert tuple(mesh.sizes().values()) == dims and mesh.world == LAUNCHES[name].world_size
+    assert mesh.ep == (2 if name.endswith("_ep") else 1)
     assert (strategy.data_parallel_size, strategy.name, strategy.label) == (data_parallel, strategy_name, label)
     assert not mesh.problems(LAUNCHES[name])
 
@@ -68,30 +71,37 @@ def test_sizes_that_miss_the_process_count_are_refused_naming_the_fields():
     assert problem.where == "--pipeline_stages 4" and "--num_processes 4" in problem.fix
 
 
-def test_parallelize_applies_tp_then_checkpointing_then_compile_then_fsdp(monkeypatch):
+def test_parallelize_applies_tp_then_ep_then_checkpointing_then_compile_then_fsdp(monkeypatch):
     """The fixed order (torchtitan's parallelize_llama): each step is called once, in this order, on the model or
-    stage it is given, with the blocks the model declares."""
+    stage it is given, with the blocks the model declares; the experts are sharded before the blocks that hold
+    them."""
     import torch.distributed.tensor.parallel as tensor_parallel
 
     from trainkit.recipes import load_recipe
+    from trainkit.strategies import expert_parallel
     from trainkit.strategies import parallelize as apply
     from trainkit.strategies.tp_plan import tp_layers
 
     calls = []
+    experts = [torch.nn.Linear(2, 2)]
     monkeypatch.setattr(tensor_parallel, "parallelize_module", lambda model, mesh, plan: calls.append(("tp", plan)))
+    monkeypatch.setattr(expert_parallel, "apply", lambda model, mesh, tp: calls.append(("ep", mesh)) or experts)
     monkeypatch.setattr(apply, "checkpoint_activations", lambda model, units: calls.append(("ac", units)) or "")
     monkeypatch.setattr(apply, "compile_forward", lambda model, units: calls.append(("compile", units)) or "")
-    monkeypatch.setattr(apply, "shard", lambda model, units, mesh, settings, precision: calls.append(("fsdp", units)))
+    monkeypatch.setattr(apply, "shard_experts", lambda units, *args: calls.append(("fsdp experts", units)))
+    monkeypatch.setattr(apply, "shard", lambda model, units, *args: calls.append(("fsdp", units)))
     recipe = load_recipe("tiny_transformer")
     model = recipe.build_model(recipe.Config(hidden=64, layers=2, seq_len=16))
     mesh = {"tp": "tp-mesh", "dp_shard": "dp-mesh"}
-    apply.parallelize(model, ParallelDims(tp=2), mesh, apply.FSDPSettings(activation_checkpointing=True),
-                      mixed_precision="no", compile=True, tp_layers=tp_layers(model),
-                      classes=set(model._no_split_modules))
-    assert [kind for kind, _ in calls] == ["tp", "ac", "compile", "fsdp"]
+    apply.parallelize(model, ParallelDims(dp_shard=2, tp=2, ep=2), mesh,
+                      apply.FSDPSettings(activation_checkpointing=True), mixed_precision="no", compile=True,
+                      tp_layers=tp_layers(model),
+                      classes=set(model._no_split_modules), experts_mesh="experts-mesh")
+    assert [kind for kind, _ in calls] == ["tp", "ep", "ac", "compile", "fsdp experts", "fsdp"]
     assert set(calls[0][1]) == set(tp_layers(model)) and len(calls[0][1]) == 14  # 7 Linear layers x 2 layers
+    assert calls[1][1] == "experts-mesh" and calls[4][1] == experts
     layers = list(model.model.layers)
-    assert calls[1][1] == calls[2][1] == calls[3][1] == layers[::-1]  # the decoder layers, innermost first
+    assert calls[2][1] == calls[3][1] == calls[5][1] == layers[::-1]  # the decoder layers, innermost first
 
 
 def test_one_training_step_calls_the_engine_in_order(monkeypatch):

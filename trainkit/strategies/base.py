@@ -37,6 +37,9 @@ class Strategy:
     # Whether it runs on GPUs only (its check refuses it on a machine without, saying why; the CPU test matrix leaves
     # it to tests/test_gpu.py).
     needs_gpu: ClassVar[bool] = False
+    # Whether it trains only a mixture of experts (expert parallelism: it refuses a dense model; the test matrices of
+    # dense models leave it to tests/test_moe.py).
+    needs_experts: ClassVar[bool] = False
 
     def __init__(self, launch: Launch, cfg: TrainConfig, sources: Mapping[str, str],
                  recipe: Recipe | None = None) -> None:

@@ -184,6 +184,10 @@ class FSDP(Strategy):
         return self.dims.cp
 
     @property
+    def needs_experts(self) -> bool:  # expert parallelism: strategies/expert_parallel.py
+        return self.dims.ep > 1
+
+    @property
     def needs_gpu(self) -> bool:  # torch's ring attention: context_parallel_refusal
         return self.dims.cp > 1
 

@@ -169,22 +169,26 @@ def plot_runs(runs: list[RunCurves], title: str) -> Figure:
     finish(ax, f"memory of rank 0 ({unit}, log scale)")
 
     if loads:
-        ax = panels["aux_loss"]
-        for run, style in zip(runs, styles, strict=True):
-            if (series := run.series("aux_loss"))[0]:  # a dense run, or one balanced by a bias, logs none
-                ax.plot(*series, label=run.label, **style)
-        finish(ax, "router's balancing loss (aux_loss, unscaled)")
-        ax = panels["expert_load"]
-        ax.axhline(1.0, color="grey", linestyle=":", linewidth=1, label="an even spread")
-        for run, style in zip(runs, styles, strict=True):
-            for i, key in enumerate(loads):  # one shade per layer, the run's colour
-                if (series := run.series(key))[0]:
-                    ax.plot(*series, label=f"{run.label}: layer {key.rsplit('_', 1)[1]}",
-                            **{**style, "alpha": 1.0 - 0.6 * i / max(1, len(loads) - 1)})
-        finish(ax, "expert load: the busiest expert's share x experts")
+        draw_router(panels["aux_loss"], panels["expert_load"], runs, styles, loads)
     if len(runs) > 1:
         draw_differences(panels["difference"], runs, styles)
     return figure
+
+
+def draw_router(aux: Axes, load: Axes, runs: list[RunCurves], styles: list[dict], loads: list[str]) -> None:
+    """A mixture of experts' balancing loss, and each layer's expert load (the keys `loads`), for the runs that log
+    them."""
+    for run, style in zip(runs, styles, strict=True):
+        if (series := run.series("aux_loss"))[0]:  # a dense run, or one balanced by a bias, logs none
+            aux.plot(*series, label=run.label, **style)
+    finish(aux, "router's balancing loss (aux_loss, unscaled)")
+    load.axhline(1.0, color="grey", linestyle=":", linewidth=1, label="an even spread")
+    for run, style in zip(runs, styles, strict=True):
+        for i, key in enumerate(loads):  # one shade per layer, the run's colour
+            if (series := run.series(key))[0]:
+                load.plot(*series, label=f"{run.label}: layer {key.rsplit('_', 1)[1]}",
+                          **{**style, "alpha": 1.0 - 0.6 * i / max(1, len(loads) - 1)})
+    finish(load, "expert load: the busiest expert's share x experts")
 
 
 def draw_differences(ax, runs: list[RunCurves], styles: list[dict]) -> None:
