@@ -155,6 +155,17 @@ def test_a_split_that_cuts_the_routers_view_is_refused(check_only, moe_args, tmp
     assert "deepspeed_zero3.yaml and fsdp.yaml shard a mixture of experts" in run.stderr
 
 
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "deepseek_v3"])
+def test_tensor_parallelism_of_fused_experts_is_refused_naming_expert_parallelism(check_only, moe_args, tmp_path, name):
+    """transformers' tensor-parallel plans of its mixtures of experts cut the fused experts with styles of its own
+    (moe_tp_experts, packed_colwise), which the runner's tensor parallelism (torch's Linear styles) does not apply:
+    refused once, naming the configs that train them."""
+    run = check_only(tmp_path / "out", *moe_args(name), "--dry_run", "--accelerate_config",
+                     str(ROOT / "accelerate_configs" / "tp.yaml"))
+    assert_refused(run, "is a mixture of experts whose plan cuts its fused experts")
+    assert run.stderr.count("error: ") == 1 and "accelerate_configs/fsdp_ep.yaml" in run.stderr
+
+
 @pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "gpt_oss", "deepseek_v3"])
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_mfu_counts_the_active_parameters(name, lora):

@@ -74,6 +74,13 @@ def plan_problems(model: torch.nn.Module, tp: int, where: str, sizes_where: str)
                         "parallelism cuts and do not take cut (DTensor) weights", where,
                         "train LoRA under ddp.yaml, fsdp.yaml, hsdp.yaml or a deepspeed_*.yaml (the adapters are "
                         "small: sharding the frozen base is what saves memory)")]
+    if "moe_tp_experts" in plan.values():
+        # transformers' experts styles (packed_colwise on fused 3-D weights, an all-reduce around the experts) are its
+        # own tensor parallelism, not torch's Linear styles that this runner applies
+        return [Problem(f"{kind} is a mixture of experts whose plan cuts its fused experts (transformers' "
+                        "moe_tp_experts and packed_colwise styles), which this runner does not apply", where,
+                        "split the experts whole between ranks with accelerate_configs/fsdp_ep.yaml (expert "
+                        "parallelism), or shard them with fsdp.yaml or deepspeed_zero3.yaml")]
     if not cut_plan(model):
         return [Problem(f"{kind} declares no tensor-parallel plan (which Linear layers to cut)", where, NO_PLAN_FIX)]
     modules = dict(model.named_modules())
