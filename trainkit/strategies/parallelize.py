@@ -2,9 +2,11 @@
 parallelize_llama does.
 
     1. tensor parallelism   the Linear layers of the model's plan cut over the mesh's tp dimension (tp_plan.py)
-    2. activation checkpointing   each block recomputes its forward in backward (fsdp_activation_checkpointing)
-    3. torch.compile        each block's forward (--compile), so FSDP2's hooks stay outside the graphs
-    4. FSDP2                fully_shard each block, then the root, over the data-parallel dimensions
+    2. expert parallelism   each layer's experts split over ep ranks, their tokens sent to them (expert_parallel.py)
+    3. activation checkpointing   each block recomputes its forward in backward (fsdp_activation_checkpointing)
+    4. torch.compile        each block's forward (--compile), so FSDP2's hooks stay outside the graphs
+    5. FSDP2                fully_shard each experts module over the experts' mesh, each block, then the root, over
+                            the data-parallel dimensions
 
 Cut before sharding: fully_shard then shards each tensor-parallel slice over dp_shard (2-D DTensors). With dp_shard 1
 a rank's shard is the whole parameter; FSDP2 still manages it, so mixed precision, accumulation and checkpoints work
