@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from conftest import PARITY_BOUND, ROOT, assert_refused, entry, launch, max_rel_diff, mixture_of_experts
+from conftest import PARITY_BOUND, ROOT, assert_refused, entry, launch, max_rel_diff, mixture_of_experts, write_yaml
 
 # Every config that trains a whole model on each rank or shards it (tests/test_strategies.py's CONFIGS), one process's
 # global batch of 8 split as each config splits it
@@ -218,13 +218,20 @@ def expert_parameters(name: str) -> int:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "deepseek_v3"])
-def test_expert_parallelism_trains_the_one_process_curve(moe_args, references, run_dir, name):
+def test_expert_parallelism_trains_the_one_process_curve(moe_args, references, run_dir, tmp_path, name):
     """fsdp_ep.yaml: each of the 2 ranks holds half of every layer's experts (as counted by the run) and the tokens
     travel to them; dropless, so the routing and every step's loss, gradient norm and balance are one process's, on
     three families (DeepSeek-V3: a dense first layer, a shared expert, no balancing loss); the state a rank holds is
     the estimate's, within 10%. Qwen3-MoE stops after step 3 and resumes from the checkpoint (the split experts and
-    their optimizer state in it); the export is whole."""
+    their optimizer state in it); Mixtral's shards live in CPU memory (fsdp_offload_params); the export is whole."""
+    from trainkit.launch.launcher import Launch
+    from trainkit.recipes import load_recipe
+    from trainkit.strategies.registry import for_launch
+
     yaml, flags = entry("fsdp_ep", 8)
+    if name == "mixtral":
+        yaml = str(write_yaml(tmp_path, yaml, **{"fsdp_offload_params:__false": "fsdp_offload_params: true"}))
+        assert for_launch(Launch.from_yaml(yaml), load_recipe("mlp").Config(), {}).label == "fsdp_ep_offload"
     out = run_dir("out")
     stop = ["--stop_at", "3"] if name == "qwen3_moe" else []
     run = launch(out, *moe_args(name), *flags, *stop, config=yaml).check()
