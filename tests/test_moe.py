@@ -223,7 +223,7 @@ def test_expert_parallelism_trains_the_one_process_curve(moe_args, references, r
     travel to them; dropless, so the routing and every step's loss, gradient norm and balance are one process's, on
     three families (DeepSeek-V3: a dense first layer, a shared expert, no balancing loss); the state a rank holds is
     the estimate's, within 10%. Qwen3-MoE stops after step 3 and resumes from the checkpoint (the split experts and
-    their optimizer state in it); Mixtral's shards live in CPU memory (fsdp_offload_params); the export is whole."""
+    their optimizer state in it), and fsdp.yaml resumes it too; Mixtral's shards live in CPU memory (fsdp_offload_params); the export is whole."""
     from trainkit.launch.launcher import Launch
     from trainkit.recipes import load_recipe
     from trainkit.strategies.registry import for_launch
@@ -242,6 +242,13 @@ def test_expert_parallelism_trains_the_one_process_curve(moe_args, references, r
     assert abs(estimated - held) <= 0.1 * held and held < 0.6 * references(name).metrics[-1]["state_bytes"]
     if stop:
         assert len(run.metrics) == 3
+        # the checkpoint of the split experts resumed by fsdp.yaml, which shards every expert instead (DCP reshards)
+        fsdp_yaml, fsdp_flags = entry("fsdp", 8)
+        other = launch(run_dir("other"), *moe_args(name), *fsdp_flags, "--resume",
+                       str(out / "checkpoints" / "step_3"), config=fsdp_yaml).check()
+        assert [m["step"] for m in other.metrics] == [4, 5, 6]
+        theirs = references(name).metrics[3:]
+        assert max_rel_diff([m["loss"] for m in other.metrics], [m["loss"] for m in theirs]) < PARITY_BOUND
         run = launch(out, *moe_args(name), *flags, "--resume", "auto", config=yaml).check()
     assert_one_process_curve(run, references(name), balanced=name in BALANCED)
     assert_export_loads(run, references(name), name)
