@@ -230,7 +230,8 @@ def loop(plan: Plan, run: Run) -> str | None:
                       "skipped_steps": run.skipped_steps, "elapsed_s": process_seconds(), **rollout_metrics,
                       **result.extra,
                       **reported_means(engine.accelerator, plan.recipe.take_reported(),
-                                       engine.loss_holders == processes)}
+                                       engine.loss_holders * engine.sequence_parallel_size == processes,
+                                       engine.sequence_parallel_size)}
         if tokens:
             run.record["tokens_per_s"] = samples_per_s * tokens
         run.record.update(run.stream.metrics(engine.accelerator, processes // engine.data_parallel_size))

@@ -334,8 +334,8 @@ def loss(model: nn.Module, batch: dict) -> torch.Tensor | tuple[torch.Tensor, di
     token_loss, _, _, out = _token_losses(model, batch)
     weight = _weights(batch)
     mean = (token_loss * weight).sum() / weight.sum().clamp(min=1e-12)
-    return router.with_router_loss(model, mean, out.aux_loss, out.router_logits, batch.get("attention_mask"),
-                                   weight.sum(dim=1))
+    mask = batch.get("attention_mask", batch.get("balance_mask"))  # a sequence-parallel shard has the latter
+    return router.with_router_loss(model, mean, out.aux_loss, out.router_logits, mask, weight.sum(dim=1))
 
 
 def loss_weight(cfg: Config, batch: dict) -> float:

@@ -144,15 +144,41 @@ def test_an_experts_kernel_for_a_model_without_experts_is_refused(check_only, ch
     assert_refused(run, "--experts_implementation eager: a qwen2 model has no routed experts")
 
 
-@pytest.mark.parametrize("config", ["deepspeed_zero3_sp", "pipeline"])
-def test_a_split_that_cuts_the_routers_view_is_refused(check_only, moe_args, tmp_path, config):
-    """Sequence parallelism holds part of each sequence on a rank, a pipeline stage part of the layers: the balance
-    needs every layer's router logits of whole sequences. Refused at plan time with the config that trains it."""
+@pytest.mark.slow
+@pytest.mark.parametrize("config, name", [("deepspeed_zero3_sp", "qwen3_moe"), ("deepspeed_zero2_sp", "mixtral")])
+def test_sequence_parallelism_gathers_the_router_logits_of_whole_sequences(moe_args, references, run_dir, config,
+                                                                          name):
+    """Under DeepSpeed's Ulysses each rank holds half of every sequence; the balance needs each whole sequence's
+    router logits, which the ranks of a group gather (trainkit/losses/router.py: the gradient back to each rank's
+    positions): loss, gradient norm and aux_loss are one process's, and where one group computes the whole micro-batch
+    the expert load too (zero2_sp: 4 processes, 2 groups of sp 2, 2 data-parallel ranks; Mixtral's config has no
+    head_dim, which DeepSpeed reads: the runner fills in the one its attention uses)."""
     yaml, flags = entry(config, 8)
+    run = launch(run_dir("out"), *moe_args(name), *flags, config=yaml).check()
+    assert run.resolved["strategy"] == "deepspeed" and "sequence parallelism: each sequence cut in 2" in run.stderr
+    assert_one_process_curve(run, references(name), balanced=True)
+    for i in range(2 if config == "deepspeed_zero3_sp" else 0):
+        # a statistic of each micro-batch's whole sequences: one process's where a group computes its micro-batch (one
+        # group of the 8 rows here; zero2_sp's 2 groups compute 4 rows each, a split the statistic depends on)
+        key = f"expert_load/layer_{i}"
+        assert max_rel_diff([m[key] for m in run.metrics], [m[key] for m in references(name).metrics]) < 1e-6
+
+
+def test_a_split_that_cuts_the_routers_view_is_refused(check_only, moe_args, tmp_path):
+    """A pipeline stage holds part of the layers, and under context parallelism (torch's ring, GPUs only: no gather
+    of the router logits there) a rank holds part of each sequence: the balance needs every layer's router logits of
+    whole sequences. Refused at plan time with the configs that train it; Ulysses (sp) gathers them instead."""
+    from trainkit.strategies import sequence_parallel
+
+    yaml, flags = entry("pipeline", 8)
     run = check_only(tmp_path / "out", *moe_args("qwen3_moe"), *flags, "--dry_run", "--accelerate_config",
                      str(ROOT / "accelerate_configs" / f"{yaml}.yaml"), "--num_processes", "2")
     assert_refused(run, "Qwen3MoeForCausalLM computes its router's balancing loss (output_router_logits)")
     assert "deepspeed_zero3.yaml and fsdp.yaml shard a mixture of experts" in run.stderr
+    model = mixture_of_experts("qwen3_moe")  # context parallelism is refused on a CPU before the model is built
+    [problem] = sequence_parallel.problems(model, 2, "here", 64, key="cp")
+    assert "computes its router's balancing loss" in problem.what and "deepspeed_zero3_sp.yaml" in problem.fix
+    assert not sequence_parallel.problems(model, 2, "here", 64, key="sp")
 
 
 @pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "deepseek_v3"])
@@ -223,7 +249,8 @@ def test_expert_parallelism_trains_the_one_process_curve(moe_args, references, r
     travel to them; dropless, so the routing and every step's loss, gradient norm and balance are one process's, on
     three families (DeepSeek-V3: a dense first layer, a shared expert, no balancing loss); the state a rank holds is
     the estimate's, within 10%. Qwen3-MoE stops after step 3 and resumes from the checkpoint (the split experts and
-    their optimizer state in it), and fsdp.yaml resumes it too; Mixtral's shards live in CPU memory (fsdp_offload_params); the export is whole."""
+    their optimizer state in it), and fsdp.yaml resumes it too; Mixtral's shards live in CPU memory
+    (fsdp_offload_params); the export is whole."""
     from trainkit.launch.launcher import Launch
     from trainkit.recipes import load_recipe
     from trainkit.strategies.registry import for_launch

@@ -15,8 +15,11 @@ over 1, 2 or 4 processes, or over more accumulation steps, would train another c
 `seq_aux_loss` does, and the objective adds coefficient x the mean of the sequences' values, each weighed like the
 recipe's loss (its learned tokens, its completions): a sum over sequences, so the same for any split of the global
 batch (tests/test_moe.py). For a micro-batch of one sequence it is the model's own loss to the digit
-(tests/test_router_loss.py). A sequence-parallel rank holds part of each sequence: the balance would need the
-whole, so sequence parallelism refuses a router that computes one (trainkit/strategies/sequence_parallel.py).
+(tests/test_router_loss.py). A sequence-parallel rank holds part of each sequence, and the balance needs the whole:
+under DeepSpeed's Ulysses (the engine sets `split_over` around each shard's loss) the ranks of a group gather their
+router logits into whole sequences (`Gathered`: each gradient goes back to the rank of its positions), each computes
+the whole sequences' balance and weighs it by its own part's learned tokens, so that the shards' weighed sum is one
+process's term.
 
 metrics.jsonl's `loss` is the objective (what the optimizer sees) and `aux_loss` the unscaled term, weighed as the
 objective weighs it. Beside it, `expert_load/layer_<i>`: each layer's busiest expert's share of the micro-batch's
@@ -29,8 +32,11 @@ it (trainkit/models/finetune.py).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -39,6 +45,52 @@ from trainkit.models import pretrained
 from trainkit.run.metrics import PER
 
 UNITS = "_router_units"  # the reported total that aux_loss is a mean over (not a metric of its own)
+# The process group whose ranks hold consecutive parts of the sequences being computed (sequence parallelism), or None
+SPLIT: contextvars.ContextVar[Any] = contextvars.ContextVar("router_split", default=None)
+
+
+@contextlib.contextmanager
+def split_over(group: Any) -> Iterator[None]:
+    """Around a shard's loss: its sequences' other positions are on `group`'s ranks, in rank order."""
+    token = SPLIT.set(group)
+    try:
+        yield
+    finally:
+        SPLIT.reset(token)
+
+
+class Gathered(torch.autograd.Function):
+    """[rows, part, ...] on each rank of a group -> [rows, part x ranks, ...] on every rank; in backward each rank's
+    part gets the sum over the ranks of the gradient of its positions (an all-reduce: gloo has no reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx: Any, part: torch.Tensor, group: Any) -> torch.Tensor:
+        import torch.distributed as dist
+
+        ctx.group = group
+        parts = [torch.empty_like(part) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, part.contiguous(), group=group)
+        return torch.cat(parts, dim=1)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        import torch.distributed as dist
+
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad.chunk(dist.get_world_size(ctx.group), dim=1)[dist.get_rank(ctx.group)], None
+
+
+def whole_sequences(router_logits: tuple[torch.Tensor, ...], mask: torch.Tensor | None, rows: int
+                    ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None]:
+    """Under split_over: each layer's router logits ([rows x part, experts]) and the mask ([rows, part]) of the
+    whole sequences, gathered from the group's ranks; as they are otherwise."""
+    group = SPLIT.get()
+    if group is None:
+        return router_logits, mask
+    gathered = tuple(Gathered.apply(logits.view(rows, -1, logits.shape[-1]), group).reshape(-1, logits.shape[-1])
+                     for logits in router_logits)
+    return gathered, None if mask is None else Gathered.apply(mask.float(), group).detach()
 
 
 def coefficient(model: nn.Module) -> float:
@@ -122,6 +174,7 @@ def with_router_loss(model: nn.Module, loss: torch.Tensor, aux_loss: torch.Tenso
         return loss
     balance, top_k = own_balance(model)
     weights = row_weights.detach().float().to(loss.device)
+    router_logits, attention_mask = whole_sequences(router_logits, attention_mask, len(weights))
     each = sequence_balance(balance, top_k, router_logits, attention_mask, len(weights))
     weighed = (each.to(loss.device) * weights).sum()
     reported = {f"aux_loss{PER}{UNITS}": weighed.detach(), UNITS: weights.sum()}

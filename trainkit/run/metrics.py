@@ -169,16 +169,19 @@ class Throughput:
         return rate
 
 
-def reported_means(accelerator, reported: dict[str, torch.Tensor], every_rank_reports: bool) -> dict[str, float]:
+def reported_means(accelerator, reported: dict[str, torch.Tensor], every_rank_reports: bool,
+                   sample_copies: int = 1) -> dict[str, float]:
     """The means over the step's global batch of what the recipe's loss reported beside itself
     (Recipe.take_reported: sums, and the samples they are over), with one all-reduce. Where only some ranks compute
-    the loss (a pipeline's last stage) nothing is reported: the ranks would not meet in the collective."""
+    the loss (a pipeline's last stage) nothing is reported: the ranks would not meet in the collective. Where
+    `sample_copies` ranks compute parts of the same samples (sequence parallelism), each counts them: their sums are
+    of their parts, their samples counted once."""
     if not reported or not every_rank_reports:
         return {}
     names = sorted(reported)
     totals = accelerator.reduce(torch.stack([reported[name].to(accelerator.device) for name in names]), "sum")
     by_name = dict(zip(names, totals.tolist(), strict=True))
-    samples = by_name.pop(SAMPLES)
+    samples = by_name.pop(SAMPLES) / sample_copies
     return means_of(by_name, samples)
 
 

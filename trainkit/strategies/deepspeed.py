@@ -36,6 +36,7 @@ from trainkit.config import TrainConfig
 from trainkit.errors import ConfigError, Problem
 from trainkit.estimate import OPTIMIZER_BYTES, Estimate, ModelShape
 from trainkit.launch.launcher import PARALLELISM_KEY, Launch, is_true
+from trainkit.losses import router
 from trainkit.recipes import Recipe
 from trainkit.run.stopping import FiniteCheck
 from trainkit.step import StepResult, agree, loss_weights, optimizer_step
@@ -234,6 +235,8 @@ class ZeroEngine(Engine):
             attention, text = config._attn_implementation, config.get_text_config()
             if getattr(text, "num_key_value_heads", None) is None:  # GPT-2, GPT-NeoX: DeepSpeed reads it regardless
                 text.num_key_value_heads = text.num_attention_heads
+            if getattr(text, "head_dim", None) is None:  # Mixtral, OLMoE: the value their attention takes; DeepSpeed
+                text.head_dim = text.hidden_size // text.num_attention_heads  # reads head_dim (a TypeError on None)
             ALL_ATTENTION_FUNCTIONS[attention] = sequence_parallel.packed_attention(ALL_ATTENTION_FUNCTIONS[attention])
             self.accelerator.parallelism_config.sp_handler.sp_attn_implementation = attention
             self.notes.append(f"sequence parallelism: each sequence cut in {self.sequence_parallel_size} (DeepSpeed's "
@@ -285,6 +288,16 @@ class ZeroEngine(Engine):
         rank = self.accelerator.process_index % self.sequence_parallel_size  # DeepSpeed's groups: neighbours
         return [sequence_parallel.shard(batch, rank, self.sequence_parallel_size) for batch in micro_batches]
 
+    def sequence_group(self) -> contextlib.AbstractContextManager:
+        """Around a shard's loss under sequence parallelism: the ranks that hold the other parts of its rows
+        (DeepSpeed's sequence-parallel group, which Accelerate made), for what needs whole sequences (a mixture of
+        experts' balance: trainkit/losses/router.py)."""
+        if self.sequence_parallel_size == 1:
+            return contextlib.nullcontext()
+        from deepspeed.runtime.sequence_parallel import parallel_state_sp
+
+        return router.split_over(parallel_state_sp.get_sequence_parallel_group())
+
     # --- one optimizer step -----------------------------------------------------------------------------------------
 
     owns_step = True
@@ -304,7 +317,7 @@ class ZeroEngine(Engine):
         loss_sum = torch.zeros(1, device=accelerator.device)
         weights = loss_weights(self, micro_batches)
         for i, batch in enumerate(micro_batches):
-            with accelerator.accumulate(model):
+            with accelerator.accumulate(model), self.sequence_group():
                 loss = loss_fn(model, self.cast_batch(batch)) * weights[i]
                 loss_sum += loss.detach().float()
                 if i == len(micro_batches) - 1:

@@ -18,6 +18,8 @@ for the numbers to stay one process's:
 - `learned_tokens`: what each shard's mean loss is over; the runner weighs every shard by it
   (trainkit/step.py's loss_weights), so a step's loss is the mean over every learned token of the global batch,
   never a mean of the shards' means.
+- `balance_mask` in `rows`: the positions a mixture of experts' balance counts (the row's mask, not the padding to a
+  multiple of the ranks), for the whole sequences its router logits are gathered into (trainkit/losses/router.py).
 
 Evaluation and generation run with the model in eval mode, where the wrapper steps aside (Accelerate registers it
 with `disable_in_eval`): each rank of a group evaluates the group's micro-batches whole, as its copies weigh the
@@ -66,6 +68,9 @@ def rows(batch: dict[str, torch.Tensor], multiple: int) -> dict[str, torch.Tenso
         parts["position_ids"] = torch.cat([parts["position_ids"], tail], dim=1)
     if "weight" in batch:
         parts["shift_weight"] = _extend(batch["weight"][:, 1:], pad + 1, 0)
+    # what a mixture of experts' balance counts (trainkit/losses/router.py): the row's mask, not the padding
+    parts["balance_mask"] = _extend(batch["attention_mask"] if "attention_mask" in batch else torch.ones_like(ids),
+                                    pad, 0)
     return parts
 
 
@@ -201,11 +206,11 @@ def problems(model: nn.Module, size: int, where: str, seq_len: int | None, key: 
         return [Problem(f"{name} has {layers}: under {what} every layer would attend causally over the whole "
                         f"sequence ({splitter} drops the mask that narrows them)", where,
                         f"set {setting}: 1, or a seq_len within the window")]
-    if router.balances(inner):
+    if router.balances(inner) and key != "sp":  # Ulysses' ranks gather their router logits (losses/router.py)
         return [Problem(f"{name} computes its router's balancing loss (output_router_logits), over each whole "
                         f"sequence, and under {what} a rank holds a part of each", where,
-                        f"set {setting}: 1 (deepspeed_zero3.yaml and fsdp.yaml shard a mixture of experts without "
-                        "cutting its sequences)")]
+                        f"set {setting}: 1 (deepspeed_zero3_sp.yaml splits sequences of a mixture of experts, "
+                        "deepspeed_zero3.yaml and fsdp.yaml shard one without cutting its sequences)")]
     if key != "sp":  # the ring passes keys and values around whole: any head count
         return []
     heads = text.num_attention_heads
