@@ -282,20 +282,22 @@ def test_expert_parallelism_trains_the_one_process_curve(moe_args, references, r
 
 
 @pytest.mark.slow
-def test_expert_parallelism_shards_each_expert_between_ranks_that_share_it(moe_args, references, run_dir):
-    """4 processes, ep 2: ranks 0,1 and 2,3 each split the experts, and each expert's two copies (ranks 0 and 2, 1
-    and 3) are sharded between them by FSDP2, whose reduction sums the copies and divides by the 4 data-parallel
-    ranks (gloo has no PREMUL_SUM: summed, then divided); with accumulation, one process's curve."""
-    four = ROOT / "accelerate_configs" / "fsdp_ep.yaml"
-    text = four.read_text().replace("parallelism_config_dp_shard_size: 2", "parallelism_config_dp_shard_size: 4")
-    yaml = run_dir("yaml") / "fsdp_ep4.yaml"
-    yaml.parent.mkdir(parents=True)
-    yaml.write_text(text.replace("\nnum_processes: 2", "\nnum_processes: 4"))
+@pytest.mark.parametrize("replicas", [1, 2], ids=["dp_shard_4", "hsdp_2x2"])
+def test_expert_parallelism_over_4_processes_shares_each_expert_or_replicates_it(moe_args, references, tmp_path,
+                                                                                 run_dir, replicas):
+    """4 processes, ep 2: ranks 0,1 and 2,3 each split the experts. With dp_shard 4, each expert's two copies (ranks 0
+    and 2, 1 and 3) are sharded between them by FSDP2, whose reduction sums the copies and divides by the 4
+    data-parallel ranks (gloo has no PREMUL_SUM: summed, then divided); with 2 HSDP replicas of dp_shard 2 each
+    replica holds a copy, all-reduced between them. With accumulation, one process's curve, the gradient norm
+    included (AdamW would hide a gradient scaled by a constant from the loss)."""
+    sizes = f"parallelism_config_dp_replicate_size: {replicas}\n  parallelism_config_dp_shard_size: {4 // replicas}"
+    yaml = write_yaml(tmp_path, "fsdp_ep", **{"parallelism_config_dp_shard_size:__2": sizes,
+                                              "\nnum_processes:__2": "\nnum_processes: 4"})
     run = launch(run_dir("out"), *moe_args("qwen3_moe"), "--batch_size", "1", "--grad_accum", "2",
                  config=str(yaml)).check()
-    assert run.resolved["dp_shard"] == 4 and run.resolved["ep"] == 2
+    assert (run.resolved["dp_replicate"], run.resolved["dp_shard"], run.resolved["ep"]) == (replicas, 4 // replicas, 2)
     total = expert_parameters("qwen3_moe")
-    assert f"this rank holds {total // 4:,} of the {total:,} expert parameters" in run.stderr
+    assert f"this rank holds {total // (4 // replicas):,} of the {total:,} expert parameters" in run.stderr
     assert_one_process_curve(run, references("qwen3_moe"), balanced=True)
 
 

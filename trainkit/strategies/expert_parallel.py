@@ -10,10 +10,11 @@ the experts' ranks, the experts' grouped matmul on what arrived, and an all-to-a
 
 The runner's part (an FSDP2 YAML with parallelism_config_ep_size, accelerate_configs/fsdp_ep.yaml): ep borrowed from
 the data-parallel shards, as torchtitan does, so every rank still trains on its own samples. The experts live on a
-mesh of their own over the same ranks, (efsdp, ep) with ep innermost: neighbouring ranks split the experts, and each
-expert's efsdp = dp_shard / ep copies are sharded between them by FSDP2 (parallelize.shard); everything else is
-sharded over dp_shard as fsdp.yaml does. The plan is applied to each transformers model inside the recipe's (under
-peft's wrapper, beside a frozen reference or teacher), before FSDP2.
+mesh of their own over the same ranks, (dp_replicate, efsdp, ep) with ep innermost: neighbouring ranks split the
+experts, each expert's efsdp = dp_shard / ep copies are sharded between them by FSDP2 (parallelize.shard_experts), and
+HSDP's replicas copy it all; everything else is sharded over dp_shard as fsdp.yaml (or hsdp.yaml) does. The plan is
+applied to each transformers model inside the recipe's (under peft's wrapper, beside a frozen reference or teacher),
+before FSDP2.
 
 Gradients: an expert's gradient sums what every rank of its ep group sent it (the all-to-all's backward); FSDP2 then
 sums it over the efsdp copies and divides by the data-parallel size, as every other gradient is averaged
@@ -32,11 +33,19 @@ from trainkit.launch.launcher import PARALLELISM_KEY
 EP_KEY = PARALLELISM_KEY.format("ep")
 
 
-def expert_mesh(dp_shard: int, ep: int, device_type: str) -> Any:
-    """The experts' DeviceMesh over every process: (efsdp, ep), ep neighbouring ranks splitting the experts."""
+def expert_mesh(dims: Any, device_type: str) -> Any:
+    """The experts' DeviceMesh over every process: (dp_replicate, efsdp, ep), ep neighbouring ranks of a replica
+    splitting the experts, the efsdp ranks that hold the same experts sharding them, replicas copying it all."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(device_type, (dp_shard // ep, ep), mesh_dim_names=("efsdp", "ep"))
+    return init_device_mesh(device_type, (dims.dp_replicate, dims.dp_shard // dims.ep, dims.ep),
+                            mesh_dim_names=("dp_replicate", "efsdp", "ep"))
+
+
+def data_mesh(experts_mesh: Any) -> Any:
+    """The sub-mesh FSDP2 shards the experts over: efsdp, and its replicas where there are (HSDP, as the rest)."""
+    return experts_mesh["dp_replicate", "efsdp"] if experts_mesh["dp_replicate"].size() > 1 else \
+        experts_mesh["efsdp"]
 
 
 def launch_problems(dims: Any, where: str, compile: bool, checkpointing: bool) -> list[Problem]:
@@ -50,10 +59,11 @@ def launch_problems(dims: Any, where: str, compile: bool, checkpointing: bool) -
                                 f"{dims.dp_shard}: expert parallelism regroups the data-parallel shards", where,
                                 f"set {EP_KEY} to a divisor of the dp_shard size (accelerate_configs/fsdp_ep.yaml: "
                                 f"2 of 2)"))
-    if others := [name for name in ("pp", "dp_replicate", "cp", "tp") if getattr(dims, name) > 1]:
+    if others := [name for name in ("pp", "cp", "tp") if getattr(dims, name) > 1]:
         problems.append(Problem(f"expert parallelism with {' and '.join(others)}: the runner splits experts only "
-                                f"together with FSDP2's dp_shard (other products are not tested)", where,
-                                f"keep dp_shard and ep only (accelerate_configs/fsdp_ep.yaml), or set {EP_KEY}: 1"))
+                                f"together with FSDP2's dp_shard and HSDP's replicas (other products are not tested)",
+                                where, f"keep dp_replicate, dp_shard and ep only (accelerate_configs/fsdp_ep.yaml), or "
+                                f"set {EP_KEY}: 1"))
     for asked, name, fix in ((compile, "--compile", "drop --compile"),
                              (checkpointing, "fsdp_activation_checkpointing", "set fsdp_activation_checkpointing: "
                                                                               "false")):

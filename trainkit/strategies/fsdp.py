@@ -62,7 +62,7 @@ class OnMesh(Engine):
         self.dims, self.settings = strategy.dims, strategy.settings
         self.sharded = strategy.launch.distributed_type == "FSDP"  # FSDP2 (and TP) on the mesh: Accelerate's FSDP off
         self.mesh: Any = None  # the DeviceMesh, once built
-        self.experts_mesh: Any = None  # the experts' (efsdp, ep) mesh, once built, where dims.ep > 1
+        self.experts_mesh: Any = None  # the experts' (dp_replicate, efsdp, ep) mesh, once built, where ep > 1
 
     @property
     def data_parallel_rank(self) -> int:
@@ -74,7 +74,7 @@ class OnMesh(Engine):
         accelerator = super().build_accelerator(output_dir, report_to)  # verified: world size, type, precision
         self.mesh = self.dims.build(accelerator.device.type)
         if self.dims.ep > 1:
-            self.experts_mesh = expert_parallel.expert_mesh(self.dims.dp_shard, self.dims.ep, accelerator.device.type)
+            self.experts_mesh = expert_parallel.expert_mesh(self.dims, accelerator.device.type)
         return accelerator
 
 

@@ -125,7 +125,8 @@ def parallelize(model: torch.nn.Module, dims: ParallelDims, mesh: Any, settings:
     """Apply tensor parallelism, expert parallelism, activation checkpointing, compile and FSDP2 to `model`, in that
     order; returns what was done, for the run's notes. `tp_layers` names the modules the plan cuts (module name -> a
     style of tp_plan.py's SPLIT_STYLES; empty where tp is 1), `classes` the block class names (block_classes of the
-    whole model), `experts_mesh` the experts' (efsdp, ep) mesh where dims.ep > 1 (strategies/expert_parallel.py)."""
+    whole model), `experts_mesh` the experts' (dp_replicate, efsdp, ep) mesh where dims.ep > 1
+    (strategies/expert_parallel.py)."""
     notes, experts = [], []
     if tp_layers:
         from torch.distributed.tensor import Replicate
@@ -199,17 +200,19 @@ def fsdp_policy(settings: FSDPSettings, mixed_precision: str, mesh: Any) -> dict
 
 def shard_experts(experts: list[torch.nn.Module], experts_mesh: Any, settings: FSDPSettings, mixed_precision: str,
                   data_parallel: int) -> None:
-    """fully_shard each experts module over the experts mesh's efsdp (before the blocks that hold them), its
-    gradients divided by the data-parallel size: each is already the sum over the ep ranks' tokens, and the reduce
-    over efsdp adds the copies (strategies/expert_parallel.py)."""
+    """fully_shard each experts module over the experts mesh's efsdp and replicas (before the blocks that hold them),
+    its gradients divided by the data-parallel size: each is already the sum over the ep ranks' tokens, and the
+    reduction over efsdp and the replicas adds the copies (strategies/expert_parallel.py)."""
     from torch.distributed.fsdp import fully_shard
 
+    mesh = expert_parallel.data_mesh(experts_mesh)
     for module in experts:
-        fully_shard(module, **fsdp_policy(settings, mixed_precision, experts_mesh["efsdp"]))
+        fully_shard(module, **fsdp_policy(settings, mixed_precision, mesh))
         module.set_gradient_divide_factor(float(data_parallel))
         if experts_mesh["efsdp"].size() > 1:
-            # FSDP2 divides by a factor other than the group's size with PREMUL_SUM, which gloo does not have: sum,
-            # then divide locally (as transformers/distributed/fsdp.py does)
+            # FSDP2 reduce-scatters with a factor other than the group's size as PREMUL_SUM, which gloo does not have:
+            # sum, then divide locally. Without efsdp (one copy of an expert per replica) FSDP2 divides itself, and a
+            # forced sum would divide twice (measured under HSDP; transformers/distributed/fsdp.py's same rule).
             module.set_force_sum_reduction_for_comms(True)
 
 
@@ -250,8 +253,9 @@ def is_sharded(param: torch.Tensor, mesh: Any) -> bool:
 
 
 def on_mesh(param: torch.Tensor, mesh: Any) -> bool:
-    """Whether `param` is a DTensor on `mesh` (None: no mesh)."""
-    return mesh is not None and getattr(param, "device_mesh", None) == mesh
+    """Whether `param` is a DTensor on `mesh` or a sub-mesh of it (None: no mesh)."""
+    names = getattr(getattr(param, "device_mesh", None), "mesh_dim_names", None)
+    return mesh is not None and names is not None and set(names) <= set(mesh.mesh_dim_names)
 
 
 def grad_norm(params: Iterable[torch.Tensor]) -> torch.Tensor:
