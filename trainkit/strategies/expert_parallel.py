@@ -50,7 +50,7 @@ def data_mesh(experts_mesh: Any) -> Any:
 
 def launch_problems(dims: Any, where: str, compile: bool, checkpointing: bool) -> list[Problem]:
     """What the runner refuses of an ep size before any model exists: ep must divide dp_shard (the ranks it regroups),
-    and it runs with FSDP2's dp_shard alone (other products are not tested)."""
+    and it runs with FSDP2's dp_shard and HSDP's replicas only (other products are not tested)."""
     if dims.ep == 1:
         return []
     problems = []
