@@ -29,11 +29,12 @@ import torch
 
 from trainkit.errors import Problem
 from trainkit.launch.launcher import PARALLELISM_KEY
+from trainkit.strategies.parallel_dims import ParallelDims
 
 EP_KEY = PARALLELISM_KEY.format("ep")
 
 
-def expert_mesh(dims: Any, device_type: str) -> Any:
+def expert_mesh(dims: ParallelDims, device_type: str) -> Any:
     """The experts' DeviceMesh over every process: (dp_replicate, efsdp, ep), ep neighbouring ranks of a replica
     splitting the experts, the efsdp ranks that hold the same experts sharding them, replicas copying it all."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -48,7 +49,7 @@ def data_mesh(experts_mesh: Any) -> Any:
         experts_mesh["efsdp"]
 
 
-def launch_problems(dims: Any, where: str, compile: bool, checkpointing: bool) -> list[Problem]:
+def launch_problems(dims: ParallelDims, where: str, compile: bool, checkpointing: bool) -> list[Problem]:
     """What the runner refuses of an ep size before any model exists: ep must divide dp_shard (the ranks it regroups),
     and it runs with FSDP2's dp_shard and HSDP's replicas only (other products are not tested)."""
     if dims.ep == 1:
