@@ -125,10 +125,11 @@ def measure() -> str:
         START,
         "## Mixture of experts: the experts as a loop, as grouped matmuls, and a dense model",
         "",
-        f"`python bench/moe.py` (one process, 2 threads, fp32; load average before it {load[0]:.2f} / {load[1]:.2f}"
-        f" / {load[2]:.2f}). A Qwen3-MoE of {params['moe'] / 1e6:.1f}M parameters ({active / 1e6:.1f}M active: "
-        f"2 of 8 experts) against a dense Qwen3 of {params['dense'] / 1e6:.1f}M with the same active MLP width; "
-        f"micro-batches of 8 x 256 tokens, AdamW; the median step of {STEPS} after {WARMUP} warm-up steps, "
+        f"`python bench/moe.py kernels` (one process, 2 threads, fp32; load average before it {load[0]:.2f} / "
+        f"{load[1]:.2f} / {load[2]:.2f}). A Qwen3-MoE of {params['moe'] / 1e6:.1f}M parameters "
+        f"({active / 1e6:.1f}M active: 2 of 8 experts) against a dense Qwen3 of {params['dense'] / 1e6:.1f}M with "
+        f"the same active MLP width; micro-batches of 8 x 256 tokens, AdamW; the median step of {STEPS} after "
+        f"{WARMUP} warm-up steps, "
         f"{ROUNDS} rounds alternating the four.",
         "",
         "| experts | step | loop's step / this one's, each round | loss at step 1 |",
