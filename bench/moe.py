@@ -189,12 +189,12 @@ def ep_run(config: str, folder: Path, work: Path) -> dict:
 
 
 def measure_ep() -> str:
+    import transformers
+
     load = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         folder = ep_model(work / "model", work / "cache")
-        import transformers
-
         model = transformers.AutoModelForCausalLM.from_pretrained(folder)
         total = sum(p.numel() for p in model.parameters())
         experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)

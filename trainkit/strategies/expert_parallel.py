@@ -106,24 +106,23 @@ def expanded_plan(model: torch.nn.Module) -> dict[str, str]:
     return expanded
 
 
-def dispatched(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The experts modules of `model`'s plan (ep_dispatch_experts): each holds one layer's experts."""
-    return [model.get_submodule(name) for name, style in expanded_plan(model).items()
-            if style == "ep_dispatch_experts"]
+def dispatched(model: torch.nn.Module, plan: dict[str, str]) -> list[torch.nn.Module]:
+    """The experts modules of `model`'s expanded plan (ep_dispatch_experts): each holds one layer's experts."""
+    return [model.get_submodule(name) for name, style in plan.items() if style == "ep_dispatch_experts"]
 
 
 def model_problems(model: torch.nn.Module, ep: int, where: str) -> list[Problem]:
     """A model expert parallelism cannot split: no transformers model with an expert-parallel plan inside (a dense
     model, or a mixture of experts of the user's own), or experts that do not divide by ep."""
-    models = moe_models(model)
+    experts_modules = [experts for m in moe_models(model) for experts in dispatched(m, expanded_plan(m))]
     fix = f"set {EP_KEY}: 1 (accelerate_configs/fsdp.yaml shards every parameter instead)"
-    if not models or not any(dispatched(m) for m in models):
+    if not experts_modules:
         return [Problem(f"{type(model).__name__} has no expert-parallel plan: expert parallelism splits the experts "
                         f"of transformers' mixture-of-experts models (their config's base_model_ep_plan), and this "
                         f"model declares none (a dense model, or experts of its own)", where, fix)]
     from peft.tuners.tuners_utils import BaseTunerLayer
 
-    if any(isinstance(experts, BaseTunerLayer) for m in models for experts in dispatched(m)):
+    if any(isinstance(experts, BaseTunerLayer) for experts in experts_modules):
         # peft's all-linear adapts transformers' fused experts too (its target_parameters): adapters whose weights
         # hold every expert's, which the plan does not split
         return [Problem("LoRA adapters on the experts with expert parallelism: peft adapts the fused experts with "
@@ -131,7 +130,7 @@ def model_problems(model: torch.nn.Module, ep: int, where: str) -> list[Problem]
                         "adapt the attention and the router (--lora_target_modules q_proj,k_proj,v_proj,o_proj,gate: "
                         "the experts stay frozen), or train adapters on the experts under accelerate_configs/fsdp.yaml "
                         "or deepspeed_zero3.yaml")]
-    counts = {getattr(experts, "num_experts", 0) for m in models for experts in dispatched(m)}
+    counts = {getattr(experts, "num_experts", 0) for experts in experts_modules}
     if uneven := sorted(n for n in counts if n % ep):
         return [Problem(f"{EP_KEY} {ep} does not divide the {uneven[0]} experts of each layer: every rank must hold "
                         f"the same number of them", where, f"set {EP_KEY} to a divisor of {uneven[0]}, or {fix}")]
@@ -148,5 +147,5 @@ def apply(model: torch.nn.Module, experts_mesh: Any, tp_mesh: Any) -> list[torch
     for moe in moe_models(model):
         plan = expanded_plan(moe)
         apply_expert_parallelism(moe, experts_mesh["ep"], tp_mesh, plan, ep_implementation="all_to_all")
-        modules += dispatched(moe)
+        modules += dispatched(moe, plan)
     return modules
