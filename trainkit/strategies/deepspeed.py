@@ -288,10 +288,10 @@ class ZeroEngine(Engine):
         rank = self.accelerator.process_index % self.sequence_parallel_size  # DeepSpeed's groups: neighbours
         return [sequence_parallel.shard(batch, rank, self.sequence_parallel_size) for batch in micro_batches]
 
-    def sequence_group(self) -> contextlib.AbstractContextManager:
-        """Around a shard's loss under sequence parallelism: the ranks that hold the other parts of its rows
-        (DeepSpeed's sequence-parallel group, which Accelerate made), for what needs whole sequences (a mixture of
-        experts' balance: trainkit/losses/router.py)."""
+    def sequence_context(self, batch: Any) -> contextlib.AbstractContextManager:
+        """Around a shard's forward and backward under sequence parallelism: the ranks that hold the other parts of
+        its rows (DeepSpeed's sequence-parallel group, which Accelerate made), for what needs whole sequences (a
+        mixture of experts' balance: trainkit/losses/router.py)."""
         if self.sequence_parallel_size == 1:
             return contextlib.nullcontext()
         from deepspeed.runtime.sequence_parallel import parallel_state_sp
@@ -317,7 +317,7 @@ class ZeroEngine(Engine):
         loss_sum = torch.zeros(1, device=accelerator.device)
         weights = loss_weights(self, micro_batches)
         for i, batch in enumerate(micro_batches):
-            with accelerator.accumulate(model), self.sequence_group():
+            with accelerator.accumulate(model), self.sequence_context(batch):
                 loss = loss_fn(model, self.cast_batch(batch)) * weights[i]
                 loss_sum += loss.detach().float()
                 if i == len(micro_batches) - 1:

@@ -202,7 +202,7 @@ class Engine:
 
     def sequence_context(self, batch: Any) -> contextlib.AbstractContextManager:
         """Around one micro-batch's forward and backward: where a library cuts the rows itself (torch's context
-        parallelism)."""
+        parallelism), or the loss needs to know which ranks hold the rest of its rows (DeepSpeed's Ulysses)."""
         return contextlib.nullcontext()
 
     def learned_tokens(self, batch: Any) -> float:
