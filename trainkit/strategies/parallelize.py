@@ -206,8 +206,9 @@ def shard_experts(experts: list[torch.nn.Module], experts_mesh: Any, settings: F
     from torch.distributed.fsdp import fully_shard
 
     mesh = expert_parallel.data_mesh(experts_mesh)
+    policy = fsdp_policy(settings, mixed_precision, mesh)
     for module in experts:
-        fully_shard(module, **fsdp_policy(settings, mixed_precision, mesh))
+        fully_shard(module, **policy)
         module.set_gradient_divide_factor(float(data_parallel))
         if experts_mesh["efsdp"].size() > 1:
             # FSDP2 reduce-scatters with a factor other than the group's size as PREMUL_SUM, which gloo does not have:
