@@ -41,6 +41,7 @@ from trainkit.config import TrainConfig
 from trainkit.errors import Problem
 from trainkit.estimate import OPTIMIZER_BYTES, Estimate, ModelShape
 from trainkit.launch.launcher import Launch
+from trainkit.losses import router
 from trainkit.recipes import Recipe
 from trainkit.strategies import expert_parallel, sequence_parallel
 from trainkit.strategies.base import Strategy
@@ -128,10 +129,15 @@ class FSDPEngine(OnMesh):
                 for batch in micro_batches]
 
     def sequence_context(self, batch: Any) -> contextlib.AbstractContextManager:
+        """torch's cut of the rows and its ring; the cp group named for what needs whole sequences (a mixture of
+        experts' balance: trainkit/losses/router.py, which gathers the router logits in the order torch cut them,
+        the balance mask cut with them)."""
         if self.dims.cp == 1:
             return contextlib.nullcontext()
-        parts = list(batch.values())
-        return ring_context(self.mesh["cp"], parts)
+        stack = contextlib.ExitStack()
+        stack.enter_context(router.split_over(self.mesh.get_group("cp")))
+        stack.enter_context(ring_context(self.mesh["cp"], list(batch.values())))
+        return stack
 
     def learned_tokens(self, batch: Any) -> float:
         return sequence_parallel.learned_tokens(

@@ -36,7 +36,6 @@ from torch import nn
 
 from trainkit.data.sft import IGNORE
 from trainkit.errors import Problem
-from trainkit.losses import router
 
 # What DeepSpeed's Ulysses runs on: the attention implementations that take no materialised mask
 SPLITTABLE_ATTENTION = ("sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
@@ -172,8 +171,8 @@ def problems(model: nn.Module, size: int, where: str, seq_len: int | None, key: 
     torch's context parallelism ("cp"): no transformers config, an attention outside transformers' attention
     interface or one that the split does not run (eager's materialised mask; under cp all but sdpa), layers that
     are not plain causal attention over the sequence (both drop the mask that would narrow them: a sliding
-    window shorter than `seq_len`, linear attention's state), a router balanced over whole sequences, and under
-    Ulysses heads that do not divide among the ranks."""
+    window shorter than `seq_len`, linear attention's state), and under Ulysses heads that do not divide among the
+    ranks."""
     inner = getattr(model, "get_base_model", lambda: model)()
     config = getattr(inner, "config", None)
     name = type(inner).__name__
@@ -206,11 +205,6 @@ def problems(model: nn.Module, size: int, where: str, seq_len: int | None, key: 
         return [Problem(f"{name} has {layers}: under {what} every layer would attend causally over the whole "
                         f"sequence ({splitter} drops the mask that narrows them)", where,
                         f"set {setting}: 1, or a seq_len within the window")]
-    if router.balances(inner) and key != "sp":  # Ulysses' ranks gather their router logits (losses/router.py)
-        return [Problem(f"{name} computes its router's balancing loss (output_router_logits), over each whole "
-                        f"sequence, and under {what} a rank holds a part of each", where,
-                        f"set {setting}: 1 (deepspeed_zero3_sp.yaml splits sequences of a mixture of experts, "
-                        "deepspeed_zero3.yaml and fsdp.yaml shard one without cutting its sequences)")]
     if key != "sp":  # the ring passes keys and values around whole: any head count
         return []
     heads = text.num_attention_heads
