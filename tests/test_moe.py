@@ -13,7 +13,17 @@ import json
 
 import pytest
 
-from conftest import PARITY_BOUND, ROOT, assert_refused, entry, launch, max_rel_diff, mixture_of_experts, write_yaml
+from conftest import (
+    PARITY_BOUND,
+    ROOT,
+    assert_refused,
+    entry,
+    launch,
+    max_rel_diff,
+    mixture_of_experts,
+    processes,
+    write_yaml,
+)
 
 # Every config that trains a whole model on each rank or shards it (tests/test_strategies.py's CONFIGS), one process's
 # global batch of 8 split as each config splits it
@@ -145,40 +155,63 @@ def test_an_experts_kernel_for_a_model_without_experts_is_refused(check_only, ch
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config, name", [("deepspeed_zero3_sp", "qwen3_moe"), ("deepspeed_zero2_sp", "mixtral")])
+@pytest.mark.parametrize("config, name", [("deepspeed_zero3_sp", "qwen3_moe"), ("deepspeed_zero2_sp", "mixtral"),
+                                          ("fsdp_cp", "qwen3_moe")])
 def test_sequence_parallelism_gathers_the_router_logits_of_whole_sequences(moe_args, references, run_dir, config,
                                                                           name):
-    """Under DeepSpeed's Ulysses each rank holds half of every sequence; the balance needs each whole sequence's
-    router logits, which the ranks of a group gather (trainkit/losses/router.py: the gradient back to each rank's
+    """Under DeepSpeed's Ulysses each rank holds half of every sequence, under torch's context parallelism two
+    chunks of it (tests/helpers/context_parallel_on_cpu.py on a CPU); the balance needs each whole sequence's router
+    logits, which the ranks of a group gather (trainkit/losses/router.py: the gradient back to each rank's
     positions): loss, gradient norm and aux_loss are one process's, and where one group computes the whole micro-batch
     the expert load too (zero2_sp: 4 processes, 2 groups of sp 2, 2 data-parallel ranks; Mixtral's config has no
     head_dim, which DeepSpeed reads: the runner fills in the one its attention uses)."""
     yaml, flags = entry(config, 8)
     run = launch(run_dir("out"), *moe_args(name), *flags, config=yaml).check()
-    assert run.resolved["strategy"] == "deepspeed" and "sequence parallelism: each sequence cut in 2" in run.stderr
+    split = "context parallelism: each sequence cut in 4" if config == "fsdp_cp" else \
+        "sequence parallelism: each sequence cut in 2"
+    assert split in run.stderr
     assert_one_process_curve(run, references(name), balanced=True)
-    for i in range(2 if config == "deepspeed_zero3_sp" else 0):
+    for i in range(0 if config == "deepspeed_zero2_sp" else 2):
         # a statistic of each micro-batch's whole sequences: one process's where a group computes its micro-batch (one
         # group of the 8 rows here; zero2_sp's 2 groups compute 4 rows each, a split the statistic depends on)
         key = f"expert_load/layer_{i}"
         assert max_rel_diff([m[key] for m in run.metrics], [m[key] for m in references(name).metrics]) < 1e-6
 
 
-def test_a_split_that_cuts_the_routers_view_is_refused(check_only, moe_args, tmp_path):
-    """A pipeline stage holds part of the layers, and under context parallelism (torch's ring, GPUs only: no gather
-    of the router logits there) a rank holds part of each sequence: the balance needs every layer's router logits of
-    whole sequences. Refused at plan time with the configs that train it; Ulysses (sp) gathers them instead."""
-    from trainkit.strategies import sequence_parallel
+@pytest.mark.slow
+@pytest.mark.parametrize("config, name", [("pipeline", "qwen3_moe"), ("pipeline_fsdp", "mixtral")])
+def test_pipeline_stages_pass_the_router_logits_on_to_the_last(moe_args, references, run_dir, config, name):
+    """Each stage holds some of the layers, and the balance needs every layer's router logits: each stage passes on
+    those it received and its own beside the hidden states, the last adds the balance to the loss (pipeline_decoder.
+    Balanced), the gradients go back the same way: loss, gradient norm and aux_loss are one process's (pipeline_fsdp:
+    4 processes, 2 stages x 2 FSDP2 shards)."""
+    yaml, flags = entry(config, 8)
+    run = launch(run_dir("out"), *moe_args(name), *flags, config=yaml, extra_launch=processes(config)).check()
+    assert run.resolved["pipeline_stages"] == 2 and run.resolved["world_size"] == (4 if config == "pipeline_fsdp" else 2)
+    assert_one_process_curve(run, references(name), balanced=True)
 
+
+def test_pipeline_stages_of_a_recipe_of_your_own_that_drop_the_router_logits_are_refused(check_only, moe_args,
+                                                                                        tmp_path):
+    """A recipe that cuts a balancing mixture of experts with a pipeline_stage of its own passes on hidden states
+    alone: the last stage's loss would silently lose the balance. Refused at plan time, naming the stage that passes
+    the router logits on."""
+    own = tmp_path / "own_stages.py"
+    own.write_text("from trainkit.recipes import load_recipe\n\n"
+                   "_shipped = load_recipe('causal_lm')\n"
+                   "Config, build_model, build_datasets, loss = (_shipped.Config, _shipped.build_model, "
+                   "_shipped.build_datasets, _shipped.loss)\n"
+                   "pipeline_layers, pipeline_loss = _shipped.pipeline_layers, _shipped.pipeline_loss\n\n\n"
+                   "def pipeline_stage(model, layers, first, last):\n"
+                   "    return _shipped.pipeline_stage(model, layers, first, last)\n")
+    args = moe_args("qwen3_moe")
+    args[args.index("causal_lm")] = str(own)
     yaml, flags = entry("pipeline", 8)
-    run = check_only(tmp_path / "out", *moe_args("qwen3_moe"), *flags, "--dry_run", "--accelerate_config",
+    run = check_only(tmp_path / "out", *args, *flags, "--dry_run", "--accelerate_config",
                      str(ROOT / "accelerate_configs" / f"{yaml}.yaml"), "--num_processes", "2")
-    assert_refused(run, "Qwen3MoeForCausalLM computes its router's balancing loss (output_router_logits)")
-    assert "deepspeed_zero3.yaml and fsdp.yaml shard a mixture of experts" in run.stderr
-    model = mixture_of_experts("qwen3_moe")  # context parallelism is refused on a CPU before the model is built
-    [problem] = sequence_parallel.problems(model, 2, "here", 64, key="cp")
-    assert "computes its router's balancing loss" in problem.what and "deepspeed_zero3_sp.yaml" in problem.fix
-    assert not sequence_parallel.problems(model, 2, "here", 64, key="sp")
+    assert_refused(run, "Qwen3MoeForCausalLM computes its router's balancing loss from every layer's router logits, "
+                        "which the stages of own_stages.py's pipeline_stage do not pass on")
+    assert "(trainkit.strategies.pipeline_decoder's stage and loss), which pass them on" in run.stderr
 
 
 @pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "deepseek_v3"])

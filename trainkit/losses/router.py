@@ -16,10 +16,12 @@ over 1, 2 or 4 processes, or over more accumulation steps, would train another c
 recipe's loss (its learned tokens, its completions): a sum over sequences, so the same for any split of the global
 batch (tests/test_moe.py). For a micro-batch of one sequence it is the model's own loss to the digit
 (tests/test_router_loss.py). A sequence-parallel rank holds part of each sequence, and the balance needs the whole:
-under DeepSpeed's Ulysses (the engine sets `split_over` around each shard's loss) the ranks of a group gather their
-router logits into whole sequences (`Gathered`: each gradient goes back to the rank of its positions), each computes
-the whole sequences' balance and weighs it by its own part's learned tokens, so that the shards' weighed sum is one
-process's term.
+under DeepSpeed's Ulysses and torch's context parallelism (the engine sets `split_over` around each shard's loss) the
+ranks of a group gather their router logits into whole sequences (`Gathered`: each gradient goes back to the rank of
+its positions), each computes the whole sequences' balance and weighs it by its own part's learned tokens, so that
+the shards' weighed sum is one process's term. The balance is a mean over a sequence's tokens, blind to their order:
+torch's cut (chunks from the head and the tail of each row) gathers into another order of the same positions, with
+the balance mask cut and gathered alike.
 
 metrics.jsonl's `loss` is the objective (what the optimizer sees) and `aux_loss` the unscaled term, weighed as the
 objective weighs it. Beside it, `expert_load/layer_<i>`: each layer's busiest expert's share of the micro-batch's
@@ -166,18 +168,30 @@ def with_router_loss(model: nn.Module, loss: torch.Tensor, aux_loss: torch.Tenso
                      router_logits: tuple[torch.Tensor, ...] | None, attention_mask: torch.Tensor | None,
                      row_weights: torch.Tensor
                      ) -> torch.Tensor | tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """`loss` as it is where the model computed no auxiliary loss; else (loss + coefficient x the row_weights-weighed
-    mean of the sequences' balancing losses, the reported sums: aux_loss and expert_load/layer_<i> over the rows'
-    weights; trainkit/recipes.py). row_weights: [rows], what each sequence weighs in the
-    recipe's loss of the micro-batch (its learned tokens, 1 per completion, ...)."""
+    """`loss` as it is where the model computed no auxiliary loss; else `balanced`."""
     if aux_loss is None:
         return loss
+    return balanced(model, loss, router_logits, attention_mask, row_weights)
+
+
+def balanced(model: nn.Module, loss: torch.Tensor, router_logits: tuple[torch.Tensor, ...],
+             attention_mask: torch.Tensor | None, row_weights: torch.Tensor
+             ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """(loss + coefficient x the row_weights-weighed mean of the sequences' balancing losses, the reported sums:
+    aux_loss and expert_load/layer_<i> over the rows' weights, named as `reported_names`; trainkit/recipes.py).
+    row_weights: [rows], what each sequence weighs in the recipe's loss of the micro-batch (its learned tokens, 1 per
+    completion, ...)."""
     balance, top_k = own_balance(model)
     weights = row_weights.detach().float().to(loss.device)
     router_logits, attention_mask = whole_sequences(router_logits, attention_mask, len(weights))
     each = sequence_balance(balance, top_k, router_logits, attention_mask, len(weights))
     weighed = (each.to(loss.device) * weights).sum()
-    reported = {f"aux_loss{PER}{UNITS}": weighed.detach(), UNITS: weights.sum()}
     loads = expert_load(router_logits, top_k, attention_mask)
-    reported.update({f"expert_load/layer_{i}{PER}{UNITS}": load * weights.sum() for i, load in enumerate(loads)})
+    values = [weighed.detach(), weights.sum(), *(load * weights.sum() for load in loads)]
+    reported = dict(zip(reported_names(len(loads)), values, strict=True))
     return loss + coefficient(model) * weighed / weights.sum().clamp(min=1e-12), reported
+
+
+def reported_names(layers: int) -> list[str]:
+    """What `balanced` reports for a model with `layers` routed layers, in its order."""
+    return [f"aux_loss{PER}{UNITS}", UNITS, *(f"expert_load/layer_{i}{PER}{UNITS}" for i in range(layers))]

@@ -40,9 +40,10 @@ from trainkit.config import TrainConfig
 from trainkit.errors import ConfigError, Problem
 from trainkit.estimate import OPTIMIZER_BYTES, Estimate, ModelShape
 from trainkit.launch.launcher import Launch
+from trainkit.losses import router
 from trainkit.recipes import Recipe, no_generations
-from trainkit.run.metrics import state_bytes
-from trainkit.strategies import expert_parallel
+from trainkit.run.metrics import means_of, state_bytes
+from trainkit.strategies import expert_parallel, pipeline_decoder
 from trainkit.strategies.base import Strategy
 from trainkit.strategies.engine import LossFn, MetricsFn, batch_samples
 from trainkit.strategies.fsdp import OnMesh, held_numel
@@ -77,6 +78,9 @@ class PipelineEngine(OnMesh):
         self.full_model: torch.nn.Module | None = None  # the recipe's model; only the stages here hold weights
         self._shared: list[tuple[torch.nn.Parameter, Any, bool]] = []  # tied weights across stages
         self.busy, self.stage_bytes = [0.0], None  # seconds computed in the current step; each stage's bytes held
+        # a mixture of experts' balance (pipeline_decoder.Balanced): what it reports (these names) at each call
+        self.balance_names: list[str] = []
+        self.balance_reported: list[dict[str, torch.Tensor]] = []
         self.idle_sums, self.steps_timed = [0.0] * self.stages, 0
 
     def batch_norm_group(self) -> Any:
@@ -113,7 +117,11 @@ class PipelineEngine(OnMesh):
                   for i in mine]
         kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}[
             self.cfg.pipeline_schedule]
-        loss_fn = recipe.pipeline_loss if self.loss_weigher is None else Weighed(recipe.pipeline_loss)
+        loss_fn = recipe.pipeline_loss
+        if isinstance(every[-1], pipeline_decoder.DecoderStage) and every[-1].routes:
+            loss_fn = pipeline_decoder.Balanced(loss_fn, model, self.balance_reported)
+            self.balance_names = router.reported_names(loss_fn.layers)
+        loss_fn = loss_fn if self.loss_weigher is None else Weighed(loss_fn)
         self.schedule = kind(stages if kind is ScheduleInterleaved1F1B else stages[0], self.cfg.grad_accum,
                              loss_fn=loss_fn)
         return self.model
@@ -159,12 +167,20 @@ class PipelineEngine(OnMesh):
         loss = torch.stack(losses).float().mean().reshape(1) if counts else torch.zeros(1, device=inputs.device)
         idle = torch.zeros(self.stages, device=inputs.device)
         idle[self.pp_rank] = max(0.0, 1.0 - self.busy[0] / elapsed) if elapsed > 0 else 0.0
-        return loss, idle
+        # what the balance reported on the step's micro-batches (the schedule's first step calls the loss once more
+        # before them, to learn the gradients' shapes), summed by the step's one collective (the last stage of each
+        # replica holds it)
+        calls = self.balance_reported[-len(micro_batches):] if counts else []
+        sums = torch.tensor([float(sum(call[name] for call in calls)) for name in self.balance_names],
+                            device=inputs.device)
+        self.balance_reported.clear()
+        return loss, torch.cat([idle, sums])
 
     def step_metrics(self, step: int, extra_sums: list[float]) -> dict[str, Any]:
         """Each stage's idle share of the step (the mean over its ranks) next to the theory's, and what each stage
         holds (gathered once, after the first step made the optimizer states)."""
-        idle_per_stage = [x * self.stages / self.dims.world for x in extra_sums]
+        balance = dict(zip(self.balance_names, extra_sums[self.stages:], strict=True))
+        idle_per_stage = [x * self.stages / self.dims.world for x in extra_sums[:self.stages]]
         if self.stage_bytes is None:
             self.stage_bytes = [None] * self.stages
             dist.all_gather_object(self.stage_bytes, state_bytes(self.state_tensors()), group=self.pp_group)
@@ -172,7 +188,8 @@ class PipelineEngine(OnMesh):
             self.idle_sums = [a + b for a, b in zip(self.idle_sums, idle_per_stage, strict=True)]
             self.steps_timed += 1
         return {"pipeline_idle": [round(x, 4) for x in idle_per_stage],
-                "pipeline_bubble_theory": round(self.bubble_theory, 4), "stage_state_bytes": self.stage_bytes}
+                "pipeline_bubble_theory": round(self.bubble_theory, 4), "stage_state_bytes": self.stage_bytes,
+                **means_of(balance, 0.0)}
 
     @property
     def bubble_theory(self) -> float:
@@ -191,10 +208,14 @@ class PipelineEngine(OnMesh):
 
     def _cut(self, batches: list, factors: list[float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The first stage's input and the last stage's target for this rank's micro-batches, concatenated (the
-        schedule cuts them again into the same micro-batches); with `factors` (a recipe's loss_weight) each
+        schedule cuts them again into the same micro-batches); a balancing mixture of experts' target has each row's
+        attention mask beside its labels (pipeline_decoder.Balanced); with `factors` (a recipe's loss_weight) each
         micro-batch's factor rides as one more column of its target (Weighed)."""
         pairs = [pipeline_io(b) for b in batches]
         targets = [y for _, y in pairs]
+        if self.balance_names:
+            targets = [torch.cat([y, b["attention_mask"] if "attention_mask" in b else torch.ones_like(y)], dim=1)
+                       for y, b in zip(targets, batches, strict=True)]
         if factors is not None:
             targets = [torch.cat([y.reshape(len(y), -1).double(), torch.full((len(y), 1), f, dtype=torch.float64,
                                                                               device=y.device)], dim=1)
@@ -260,6 +281,7 @@ class PipelineEngine(OnMesh):
                            zip(losses, weights, strict=True)]
                 sums += torch.stack([torch.stack(weighed).sum(), torch.tensor(sum(weights))])
             group = []
+        self.balance_reported.clear()  # what the balance reported on held-out rows: not written under a pipeline
         self.model.train()
         dist.all_reduce(sums)
         return {"eval_loss": (sums[0] / sums[1]).item()}
@@ -387,6 +409,13 @@ class Pipeline(Strategy):
                             "not fit), or turn the precomputation off")]
         problems = plan_problems(model, self.dims.tp, f"model._tp_plan of {recipe.path.name}'s build_model",
                                  f"parallelism_config in {self.launch.source}") if self.dims.tp > 1 else []
+        if router.balances(model) and recipe.pipeline_stage is not pipeline_decoder.stage:
+            problems.append(Problem(
+                f"{type(model).__name__} computes its router's balancing loss from every layer's router logits, which "
+                f"the stages of {recipe.path.name}'s pipeline_stage do not pass on to the last stage",
+                f"--recipe {recipe.path}", "cut it with recipes/causal_lm.py's pipeline_stage and pipeline_loss "
+                "(trainkit.strategies.pipeline_decoder's stage and loss), which pass them on, or train it without "
+                "--pipeline_stages"))
         try:
             cut_points(recipe, model, self.total_stages, self.cfg.pipeline_split)
         except ConfigError as e:

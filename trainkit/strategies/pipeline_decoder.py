@@ -18,13 +18,19 @@ rotary embeddings, every stage), so a checkpoint and final/ keep the model's par
 embedding stays one parameter that the first and last stage share (the pipeline sums its two gradients), and the
 weights of other stages can be released (trainkit/strategies/pipeline_stages.py): their modules are stood in for while a
 later stage runs the forward. A model without this layout is refused before anything is built, naming its class.
+
+A mixture of experts that balances its router (its config's output_router_logits) needs every layer's router logits
+for the balance, and a stage holds some of the layers: each stage catches its layers' router logits (from the modules
+the model declares to record them, transformers' `_can_record_outputs`) and passes them on beside the hidden states,
+with those it received; the last stage's loss (`Balanced`) adds the balance as trainkit/losses/router.py does in one
+process, and the gradients of the router logits go back through the stages with the hidden states'.
 """
 
 from __future__ import annotations
 
 import inspect
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -53,6 +59,31 @@ def loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return ForCausalLMLoss(logits, labels, vocab_size=logits.shape[-1])
 
 
+class Balanced:
+    """A mixture of experts' pipeline loss: `loss_fn` on the last stage's logits plus the router's balance over every
+    layer's router logits, which the stages passed on beside the hidden states (DecoderStage), as
+    trainkit/losses/router.py's `balanced` adds it in one process: each sequence's balance with the model's own
+    function, weighed by its learned tokens. The target is the labels and then the balance mask (the rows' attention
+    mask: padding is routed too, and left out), side by side (strategies/pipeline.py's _cut); what the balance
+    reports of each call is appended to `reported`."""
+
+    def __init__(self, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], model: torch.nn.Module,
+                 reported: list[dict[str, torch.Tensor]]) -> None:
+        self.loss_fn, self.model, self.reported = loss_fn, model, reported
+        inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+        self.layers = len(routers(inner, inner))
+
+    def __call__(self, output: tuple[torch.Tensor, torch.Tensor], target: torch.Tensor) -> torch.Tensor:
+        logits, routed = output
+        rows, length = logits.shape[:2]
+        labels, mask = target[:, :length], target[:, length:]
+        per_layer = tuple(part.reshape(rows * length, -1) for part in routed.chunk(self.layers))
+        learned = (labels[:, 1:] != -100).sum(dim=1)  # what each row weighs in loss_fn's mean
+        total, reported = router.balanced(self.model, self.loss_fn(logits, labels), per_layer, mask, learned)
+        self.reported.append({name: value.detach().float() for name, value in reported.items()})
+        return total
+
+
 def _decoder(model: torch.nn.Module) -> torch.nn.Module:
     """The transformers model (inside peft's wrapper, whose LoRA layers live in the model's own modules), or a
     ConfigError naming a model without the layout."""
@@ -66,12 +97,36 @@ def _decoder(model: torch.nn.Module) -> torch.nn.Module:
             "train it without --pipeline_stages (fsdp.yaml or deepspeed_zero3.yaml shard a model that does not fit), "
             "or declare pipeline_layers, pipeline_stage and pipeline_loss in a recipe of your own "
             "(recipes/README.md; trainkit/strategies/pipeline_decoder.py shows how)")]) from None
-    if router.balances(inner):
+    if router.balances(inner) and _router_spec(inner) is None:
         raise ConfigError([Problem(
             f"{type(inner).__name__} computes its router's balancing loss (output_router_logits) from every layer's "
-            "router logits, which no pipeline stage holds all of", "--pipeline_stages",
+            "router logits, and declares no module that outputs them (transformers' _can_record_outputs), which "
+            "each stage would pass on", "--pipeline_stages",
             "train it without --pipeline_stages: deepspeed_zero3.yaml and fsdp.yaml shard a mixture of experts")])
     return inner
+
+
+def _router_spec(model: torch.nn.Module) -> tuple[type, int, str | None] | None:
+    """(the class of the module whose output holds a layer's router logits, their index in it, a name part the
+    module's name has) as the transformers model declares them to record its router_logits; None where it does not."""
+    spec = (getattr(type(model), "_can_record_outputs", None) or {}).get("router_logits")
+    spec = spec[0] if isinstance(spec, list) and len(spec) == 1 else spec
+    if isinstance(spec, type):
+        return spec, 1, None  # transformers' own default index for a class given alone
+    if spec is None or not isinstance(getattr(spec, "target_class", None), type):
+        return None
+    return spec.target_class, spec.index, spec.layer_name
+
+
+def routers(model: torch.nn.Module, within: torch.nn.Module) -> list[tuple[torch.nn.Module, int]]:
+    """The modules of `within` that output the router logits of a balancing model, in order, with the index of the
+    logits in their output."""
+    found = _router_spec(model)
+    if found is None:
+        return []
+    cls, index, part = found
+    return [(module, index) for name, module in within.named_modules()
+            if isinstance(module, cls) and (part is None or f".{part.strip('.')}." in f".{name}.")]
 
 
 def _layout(model: torch.nn.Module) -> tuple[torch.nn.Module, str]:
@@ -186,16 +241,40 @@ class DecoderStage(torch.nn.Module):
         object.__setattr__(self, "found", (*_layout(model), stood_in))
         self.layer_range, self.first, self.last = layer_range, first, last
         self.config = model.config
+        # a mixture of experts that balances its router: this stage's layers' router logits, caught as they are made
+        self.routes = router.balances(model)
+        self.caught: list[torch.Tensor] | None = None
+        for module, index in routers(model, self.layers) if self.routes else []:
+            module.register_forward_hook(self._catch(index))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, routed: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Hidden states (or, on the last stage, logits); for a balancing mixture of experts also the router logits of
+        every layer so far, [layers x rows, length, experts]: those received (`routed`) and this stage's."""
         model = object.__getattribute__(self, "model")
         given = {"input_ids": x} if self.first else {"inputs_embeds": x}
+        self.caught = []
         with self._only_this_stage(None if self.first else x):
             try:
-                output = model(**given, use_cache=False)
+                # the model's own balance would be over this stage's layers alone: the last stage's loss adds it
+                output = model(**given, use_cache=False, **router.generating(model)).logits
             except _Handoff as handoff:
-                return handoff.hidden
-        return output.logits
+                output = handoff.hidden
+        caught, self.caught = self.caught, None
+        if not self.routes:
+            return output
+        # layer after layer in the first dimension: the gradient each stage sends back is then a contiguous slice of
+        # the next stage's (torch's pipeline sends and receives contiguous tensors only)
+        rows, length = x.shape[:2]
+        mine = [logits.view(rows, length, -1) for logits in caught]
+        return output, torch.cat([*([] if routed is None else [routed]), *mine])
+
+    def _catch(self, index: int) -> Callable[..., None]:
+        def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+            if self.caught is not None:
+                self.caught.append(output[index] if isinstance(output, tuple) else output)
+
+        return hook
 
     @contextmanager
     def _only_this_stage(self, received: torch.Tensor | None) -> Iterator[None]:
