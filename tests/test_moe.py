@@ -187,7 +187,7 @@ def test_pipeline_stages_pass_the_router_logits_on_to_the_last(moe_args, referen
     4 processes, 2 stages x 2 FSDP2 shards)."""
     yaml, flags = entry(config, 8)
     run = launch(run_dir("out"), *moe_args(name), *flags, config=yaml, extra_launch=processes(config)).check()
-    assert run.resolved["pipeline_stages"] == 2 and run.resolved["world_size"] == (4 if config == "pipeline_fsdp" else 2)
+    assert (run.resolved["pipeline_stages"], run.resolved["world_size"]) == (2, 4 if config == "pipeline_fsdp" else 2)
     assert_one_process_curve(run, references(name), balanced=True)
 
 
