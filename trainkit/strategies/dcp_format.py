@@ -82,15 +82,19 @@ class DCP(CheckpointFormat):
 
     def save(self, step_dir: Path) -> Future | None:
         model, optimizer, names = self.engine.checkpointed()
-        return _write(_renamed(*trained_state(model, optimizer), names), step_dir / self.folder, self.writer)
+        return _write(_plain_shards(_renamed(*trained_state(model, optimizer), names)), step_dir / self.folder,
+                      self.writer)
 
     def load(self, step_dir: Path) -> None:
         import torch.distributed.checkpoint as dcp
 
         model, optimizer, names = self.engine.checkpointed()
         model_state, optim_state = trained_state(model, optimizer)
-        state = _renamed(model_state, optim_state, names)
+        laid_out = _renamed(model_state, optim_state, names)
+        state = _plain_shards(laid_out)
         dcp.load(state, checkpoint_id=str(step_dir / self.folder))
+        state = {part: {key: _as_laid_out(value, laid_out[part][key]) for key, value in entries.items()}
+                 for part, entries in state.items()}
         if names:  # back under the part's own names
             state = {"model": {name: state["model"][names[name][0]] for name in model_state},
                      "optim": {key: state["optim"][_per_parameter(key, names)] for key in optim_state}}
@@ -153,6 +157,31 @@ def _renamed(model_state: dict, optim_state: dict, names: dict[str, list[str]] |
         return {"model": model_state, "optim": optim_state}
     model = {alias: value for name, value in model_state.items() for alias in names[name]}
     return {"model": model, "optim": {_per_parameter(key, names): value for key, value in optim_state.items()}}
+
+
+def _plain_shards(state: dict) -> dict:
+    """The state with each strided shard (tensor parallelism's cut of fused experts' gate and up projections:
+    strategies/tp_plan.py) laid out as a plain shard of the same tensor, which torch.distributed.checkpoint writes
+    (it writes each rank's piece as one block of the whole tensor, and a strided piece is two: "overlapping
+    chunks"); the checkpoint is then the same as under any other layout, and loads into any."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    def plain(value: Any) -> Any:
+        placements = getattr(value, "placements", ())
+        if not any(isinstance(p, _StridedShard) for p in placements):
+            return value
+        return value.redistribute(value.device_mesh,
+                                  [Shard(p.dim) if isinstance(p, _StridedShard) else p for p in placements])
+
+    return {part: {key: plain(value) for key, value in entries.items()} for part, entries in state.items()}
+
+
+def _as_laid_out(value: Any, template: Any) -> Any:
+    """A value read through _plain_shards back in its template's layout."""
+    if value is template or getattr(value, "placements", None) == getattr(template, "placements", None):
+        return value
+    return value.redistribute(template.device_mesh, template.placements)
 
 
 def _per_parameter(key: str, names: dict[str, list[str]]) -> str:

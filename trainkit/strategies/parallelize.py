@@ -25,7 +25,7 @@ import torch
 from trainkit.config import TrainConfig
 from trainkit.errors import ConfigError, Problem
 from trainkit.launch.launcher import Launch, is_true
-from trainkit.strategies import expert_parallel
+from trainkit.strategies import expert_parallel, tp_plan
 from trainkit.strategies.parallel_dims import ParallelDims, data_mesh
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -123,8 +123,8 @@ def parallelize(model: torch.nn.Module, dims: ParallelDims, mesh: Any, settings:
                 mixed_precision: str, compile: bool, tp_layers: dict[str, str], classes: set[str],
                 experts_mesh: Any = None) -> list[str]:
     """Apply tensor parallelism, expert parallelism, activation checkpointing, compile and FSDP2 to `model`, in that
-    order; returns what was done, for the run's notes. `tp_layers` names the modules the plan cuts (module name -> a
-    style of tp_plan.py's SPLIT_STYLES; empty where tp is 1), `classes` the block class names (block_classes of the
+    order; returns what was done, for the run's notes. `tp_layers` names what the plan cuts (tp_plan.py's tp_layers:
+    Linear layers and fused experts; empty where tp is 1), `classes` the block class names (block_classes of the
     whole model), `experts_mesh` the experts' (dp_replicate, efsdp, ep) mesh where dims.ep > 1
     (strategies/expert_parallel.py)."""
     notes, experts = [], []
@@ -135,7 +135,19 @@ def parallelize(model: torch.nn.Module, dims: ParallelDims, mesh: Any, settings:
         styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel,  # tp_plan.py's SPLIT_STYLES
                   "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
                   "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate())}
-        parallelize_module(model, mesh["tp"], {name: styles[style]() for name, style in tp_layers.items()})
+        weights = dict(model.named_parameters())
+        fused = {name: style for name, style in tp_layers.items() if name in weights or style == tp_plan.EXPERTS}
+        parallelize_module(model, mesh["tp"], {name: styles[style]() for name, style in tp_layers.items()
+                                               if name not in fused and style != tp_plan.SUMMED})
+        for name, style in tp_layers.items():
+            if style == tp_plan.SUMMED:
+                sum_gradients(model.get_submodule(name), mesh["tp"].get_group())
+        if fused:  # transformers' own styles, as its tp_plan="auto" applies them (strategies/tp_plan.py)
+            from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+
+            apply_tensor_parallelism(model, mesh["tp"], fused)
+            notes.append(f"tensor parallelism: the fused experts of {sum(s == tp_plan.EXPERTS for s in fused.values())}"
+                         f" layers cut over {dims.tp} ranks (transformers' moe_tp_experts, packed_colwise, rowwise)")
     if dims.ep > 1:
         experts = expert_parallel.apply(model, experts_mesh, mesh["tp"])
     units = blocks(model, settings, classes)
@@ -152,6 +164,30 @@ def parallelize(model: torch.nn.Module, dims: ParallelDims, mesh: Any, settings:
                      f"{dims.dp_shard // dims.ep}: this rank holds {held:,} of the {total:,} expert parameters")
     shard(model, units, data_mesh(mesh, dims), settings, mixed_precision, experts_mesh)
     return notes
+
+
+def sum_gradients(module: torch.nn.Module, group: Any) -> None:
+    """A module whose weights are whole on every rank of `group` and whose gradients are partial there (a norm over
+    this rank's attention heads): each forward uses its weights through transformers' _AllReduceBackward, so that the
+    gradient of each micro-batch reaches them summed over the group. (transformers' own replicated_with_grad_allreduce
+    sums the accumulated gradient after each micro-batch instead: with accumulation it adds the earlier micro-batches'
+    sums again; measured on Qwen3-MoE under tp.yaml with --grad_accum 2, a gradient norm 5.6e-6 off.)"""
+    from transformers.distributed.parallel_utils import _AllReduceBackward
+
+    weights: dict[str, torch.nn.Parameter] = {}
+
+    def summed(module: torch.nn.Module, args: Any) -> None:
+        for name, weight in module._parameters.items():
+            if weight is not None and weight.requires_grad:
+                weights[name] = weight
+                module._parameters[name] = _AllReduceBackward.apply(weight, group)
+
+    def restored(module: torch.nn.Module, args: Any, output: Any) -> None:
+        module._parameters.update(weights)
+        weights.clear()
+
+    module.register_forward_pre_hook(summed)
+    module.register_forward_hook(restored)
 
 
 def checkpoint_activations(model: torch.nn.Module, units: list[torch.nn.Module]) -> str:

@@ -133,11 +133,13 @@ class PipelineEngine(OnMesh):
             self.model.to(self.accelerator.device)
             self.compile_model(self.model, list(self.model))  # each of its stages, before PipelineStage holds it
             return
-        planned = {id(modules): style for name, style in tp_layers(model).items()
-                   for modules in [model.get_submodule(name)]} if self.dims.tp > 1 else {}
+        weights = dict(model.named_parameters())
+        planned = {id(weights[name] if name in weights else model.get_submodule(name)): style
+                   for name, style in tp_layers(model).items()} if self.dims.tp > 1 else {}
         classes = block_classes(model, self.settings)
         for stage in self.model:
-            cut = {name: planned[id(m)] for name, m in stage.named_modules() if id(m) in planned}
+            cut = {name: planned[id(m)] for name, m in [*stage.named_modules(), *stage.named_parameters()]
+                   if id(m) in planned}
             self.notes += parallelize(stage, self.dims, self.mesh, self.settings,
                                       mixed_precision=self.launch.mixed_precision, compile=self.cfg.compile,
                                       tp_layers=cut, classes=classes)

@@ -4,6 +4,14 @@ A `colwise` layer holds a slice of the output features (torch's ColwiseParallel)
 of its input features, and its partial outputs are summed across the group (RowwiseParallel: an all-reduce).
 Everything else (embeddings, norms, the output head) stays whole on every rank of the group. The plan is the model's
 `_tp_plan`, which transformers models fill from `config.base_model_tp_plan`, or what a recipe's build_model sets.
+
+A transformers mixture of experts keeps each layer's experts fused in 3-D weights ([experts, 2 x intermediate,
+hidden] for gate and up together, [experts, hidden, intermediate] down), which its plan cuts with transformers' own
+styles: `moe_tp_experts` on the experts module (its forward on this rank's slices, the partial outputs summed, the
+gradients of its inputs summed in backward), `packed_colwise` on gate_up_proj (each rank the same slice of the gate's
+and of the up projection's features: a strided shard) and `rowwise` on down_proj. Those entries (EXPERTS) are applied
+by transformers' own apply_tensor_parallelism (strategies/parallelize.py): every rank routes every token alike and
+computes its slice of every expert, dropless as without tensor parallelism.
 """
 
 from __future__ import annotations
@@ -25,6 +33,10 @@ from trainkit.launch.launcher import PARALLELISM_KEY
 # colwise with the output gathered, rowwise with the input split first.
 SPLIT_STYLES = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input")
 WHOLE_STYLES = ("embedding_rowwise", "embedding_colwise", "colwise_rep", "replicate")
+EXPERTS = "moe_tp_experts"  # transformers' style of a fused experts module; its weights' entries name their own
+# A module kept whole whose gradient is partial over the tp ranks (Qwen3's per-head q_norm and k_norm, which see only
+# this rank's heads): its weights' gradients are summed over the tp group (strategies/parallelize.py)
+SUMMED = "replicated_with_grad_allreduce"
 NO_PLAN_FIX = ("declare one in build_model: model._tp_plan = {'layers.*.fc1': 'colwise', 'layers.*.fc2': 'rowwise'} "
                "(recipes/README.md); transformers models whose config has a base_model_tp_plan (Llama, Mistral, "
                "Qwen2, ...) bring their own; or train under fsdp.yaml or hsdp.yaml, which cut no layer")
@@ -35,32 +47,51 @@ def _pattern(entry: str) -> re.Pattern:
     return re.compile(re.escape(entry).replace(r"\*", r"[^.]+"))
 
 
+def experts_entries(plan: dict[str, str]) -> dict[str, str]:
+    """The plan's entries of fused experts: each moe_tp_experts module and the entries of its weights."""
+    holders = [entry for entry, style in plan.items() if style == EXPERTS]
+    return {entry: style for entry, style in plan.items()
+            if entry in holders or any(entry.startswith(f"{holder}.") for holder in holders)}
+
+
 def cut_plan(model: torch.nn.Module) -> dict[str, str]:
     """The entries of the model's plan that this runner cuts by: those of SPLIT_STYLES, less the input embeddings and
-    the output head (kept whole)."""
+    the output head (kept whole), and those of fused experts (experts_entries)."""
     plan = dict(getattr(model, "_tp_plan", None) or {})
     whole = {name for name, module in model.named_modules() if module is not None and any(
         module is getter() for getter in (getattr(model, "get_input_embeddings", lambda: None),
                                           getattr(model, "get_output_embeddings", lambda: None)))}
-    return {entry: style for entry, style in plan.items()
-            if style in SPLIT_STYLES and not any(_pattern(entry).fullmatch(name) for name in whole)}
+    experts = experts_entries(plan)
+    return {entry: style for entry, style in plan.items() if entry in experts or style == SUMMED or
+            style in SPLIT_STYLES and not any(_pattern(entry).fullmatch(name) for name in whole)}
 
 
 def tp_layers(model: torch.nn.Module) -> dict[str, str]:
-    """The layers the model's plan cuts: module name -> one of SPLIT_STYLES."""
-    plan = [(_pattern(entry), style) for entry, style in cut_plan(model).items()]
-    return {name: style for name, _ in model.named_modules() for pattern, style in plan if pattern.fullmatch(name)}
+    """What the model's plan cuts: module name -> one of SPLIT_STYLES for its Linear layers (or SUMMED for a module
+    kept whole whose gradients are summed), and for fused experts the experts module's name -> EXPERTS and each
+    weight's name -> its entry's style (transformers' own)."""
+    plan = cut_plan(model)
+    experts = experts_entries(plan)
+    patterns = [(_pattern(entry), style, entry in experts) for entry, style in plan.items()]
+    named = [*((name, False) for name, _ in model.named_modules()), *((name, True) for name, _ in
+                                                                       model.named_parameters())]
+    return {name: style for name, is_weight in named for pattern, style, fused in patterns
+            if pattern.fullmatch(name) and (fused or not is_weight)}
 
 
 def split_parameters(names: Iterable[str], plan: Iterable[tuple[str, str]]) -> set[str]:
     """The parameters a plan cuts, by name: a colwise layer's weight and bias, a rowwise layer's weight (its bias is
-    added once to the summed output, whole)."""
-    patterns = [(_pattern(entry), style) for entry, style in plan if style in SPLIT_STYLES]
+    added once to the summed output, whole), a fused experts weight that its entry names."""
+    plan = dict(plan)
+    experts = experts_entries(plan)
+    patterns = [(_pattern(entry), style) for entry, style in plan.items() if style in SPLIT_STYLES
+                and entry not in experts]
+    weights = [_pattern(entry) for entry, style in experts.items() if style != EXPERTS]
     cut = set()
     for name in names:
         module, _, leaf = name.rpartition(".")
         if any(pattern.fullmatch(module) and (style.startswith("colwise") or leaf == "weight")
-               for pattern, style in patterns):
+               for pattern, style in patterns) or any(pattern.fullmatch(name) for pattern in weights):
             cut.add(name)
     return cut
 
@@ -74,25 +105,25 @@ def plan_problems(model: torch.nn.Module, tp: int, where: str, sizes_where: str)
                         "parallelism cuts and do not take cut (DTensor) weights", where,
                         "train LoRA under ddp.yaml, fsdp.yaml, hsdp.yaml or a deepspeed_*.yaml (the adapters are "
                         "small: sharding the frozen base is what saves memory)")]
-    if "moe_tp_experts" in plan.values():
-        # transformers' experts styles (packed_colwise on fused 3-D weights, an all-reduce around the experts) are its
-        # own tensor parallelism, not torch's Linear styles that this runner applies
-        return [Problem(f"{kind} is a mixture of experts whose plan cuts its fused experts (transformers' "
-                        "moe_tp_experts and packed_colwise styles), which this runner does not apply", where,
-                        "split the experts whole between ranks with accelerate_configs/fsdp_ep.yaml (expert "
-                        "parallelism), or shard them with fsdp.yaml or deepspeed_zero3.yaml")]
     if not cut_plan(model):
         return [Problem(f"{kind} declares no tensor-parallel plan (which Linear layers to cut)", where, NO_PLAN_FIX)]
-    modules = dict(model.named_modules())
-    problems = []
+    modules, weights = dict(model.named_modules()), dict(model.named_parameters())
+    experts = experts_entries(plan)
+    problems = experts_problems(experts, modules, weights, tp, where, sizes_where)
+    # transformers' plan of a family names the layers of every config it builds (the dense MLPs of a mixture of
+    # experts whose layers here are all sparse): an entry that matches nothing is a mistake only in a plan of one's own
+    declared = bool(getattr(getattr(model, "config", None), "base_model_tp_plan", None))
     for entry, style in plan.items():
-        if style not in SPLIT_STYLES + WHOLE_STYLES:
+        if entry in experts:
+            continue
+        if style not in (*SPLIT_STYLES, *WHOLE_STYLES, SUMMED):
             problems.append(Problem(f"plan entry {entry!r} asks for {style!r}, which this runner does not apply",
                                     where, "use colwise or rowwise on nn.Linear layers, or train under fsdp.yaml"))
-        elif style in SPLIT_STYLES and not any(_pattern(entry).fullmatch(name) for name in modules):
+        elif style in SPLIT_STYLES and not declared and not any(_pattern(entry).fullmatch(name) for name in modules):
             problems.append(Problem(f"plan entry {entry!r} matches no module of {kind}", where,
                                     "name modules as model.named_modules() does, with * for a layer number"))
-    layers = tp_layers(model)
+    layers = {name: style for name, style in tp_layers(model).items()
+              if name in modules and style not in (EXPERTS, SUMMED)}
     others = [f"{name} ({type(modules[name]).__name__})" for name in layers
               if not isinstance(modules[name], torch.nn.Linear)]
     if others:
@@ -112,4 +143,35 @@ def plan_problems(model: torch.nn.Module, tp: int, where: str, sizes_where: str)
         problems.append(Problem(f"{' and '.join(f'{key} {n}' for key, n in uneven.items())}: not a multiple of "
                                 f"{PARALLELISM_KEY.format('tp')} {tp}, and each rank computes whole attention heads",
                                 sizes_where, "choose a tensor-parallel size that divides the heads"))
+    return problems
+
+
+# The weights' styles of a fused experts module (transformers' own), and the dimension each cuts: packed_colwise the
+# output features of gate and up (each half cut alike), rowwise the input features
+EXPERT_WEIGHT_STYLES = {"packed_colwise": -2, "rowwise": -1}
+
+
+def experts_problems(experts: dict[str, str], modules: dict[str, torch.nn.Module],
+                     weights: dict[str, torch.Tensor], tp: int, where: str, sizes_where: str) -> list[Problem]:
+    """What keeps the plan's fused experts entries from cutting them: a style transformers has not for them, an entry
+    that names nothing, features the tp size does not divide."""
+    problems = []
+    for entry, style in experts.items():
+        pattern = _pattern(entry)
+        found = [name for name in (modules if style == EXPERTS else weights) if pattern.fullmatch(name)]
+        if style != EXPERTS and style not in EXPERT_WEIGHT_STYLES:
+            problems.append(Problem(f"plan entry {entry!r} asks for {style!r} on a fused experts weight, which this "
+                                    "runner does not apply", where,
+                                    f"use {' or '.join(EXPERT_WEIGHT_STYLES)} (transformers' styles), or train it "
+                                    "under fsdp.yaml or accelerate_configs/fsdp_ep.yaml"))
+        elif not found:
+            problems.append(Problem(f"plan entry {entry!r} matches no {'module' if style == EXPERTS else 'weight'}",
+                                    where, "name modules and weights as model.named_modules() and "
+                                           "model.named_parameters() do, with * for a layer number"))
+        elif style != EXPERTS:
+            features = weights[found[0]].shape[EXPERT_WEIGHT_STYLES[style]] // (2 if style == "packed_colwise" else 1)
+            if features % tp:
+                problems.append(Problem(f"{PARALLELISM_KEY.format('tp')} {tp} does not divide the {features} "
+                                        f"features of each expert's {found[0].rpartition('.')[2]}", sizes_where,
+                                        "choose a tensor-parallel size that divides the experts' intermediate size"))
     return problems
