@@ -313,10 +313,11 @@ def expert_parameters(name: str) -> int:
 def test_expert_parallelism_trains_the_one_process_curve(moe_args, references, run_dir, tmp_path, name):
     """fsdp_ep.yaml: each of the 2 ranks holds half of every layer's experts (as counted by the run) and the tokens
     travel to them; dropless, so the routing and every step's loss, gradient norm and balance are one process's, on
-    three families (DeepSeek-V3: a dense first layer, a shared expert, no balancing loss); the state a rank holds is
-    the estimate's, within 10%. Qwen3-MoE stops after step 3 and resumes from the checkpoint (the split experts and
-    their optimizer state in it), and fsdp.yaml resumes it too; Mixtral's shards live in CPU memory
-    (fsdp_offload_params); the export is whole."""
+    three families (DeepSeek-V3: a dense first layer, a shared expert, no balancing loss; its blocks recompute their
+    forward in backward, all-to-all included: fsdp_activation_checkpointing); the state a rank holds is the
+    estimate's, within 10%. Qwen3-MoE stops after step 3 and resumes from the checkpoint (the split experts and their
+    optimizer state in it), and fsdp.yaml resumes it too; Mixtral's shards live in CPU memory (fsdp_offload_params);
+    the export is whole."""
     from trainkit.launch.launcher import Launch
     from trainkit.recipes import load_recipe
     from trainkit.strategies.registry import for_launch
@@ -325,10 +326,14 @@ def test_expert_parallelism_trains_the_one_process_curve(moe_args, references, r
     if name == "mixtral":
         yaml = str(write_yaml(tmp_path, yaml, **{"fsdp_offload_params:__false": "fsdp_offload_params: true"}))
         assert for_launch(Launch.from_yaml(yaml), load_recipe("mlp").Config(), {}).label == "fsdp_ep_offload"
+    if name == "deepseek_v3":
+        yaml = str(write_yaml(tmp_path, yaml, **{"fsdp_activation_checkpointing:__false":
+                                                 "fsdp_activation_checkpointing: true"}))
     out = run_dir("out")
     stop = ["--stop_at", "3"] if name == "qwen3_moe" else []
     run = launch(out, *moe_args(name), *flags, *stop, config=yaml).check()
     assert run.resolved["ep"] == 2 and run.resolved["strategy"] == "fsdp_ep"
+    assert ("activation checkpointing on each" in run.stderr) == (name == "deepseek_v3")
     total = expert_parameters(name)
     assert f"this rank holds {total // 2:,} of the {total:,} expert parameters" in run.stderr
     held, estimated = run.metrics[-1]["state_bytes"], run.resolved["estimated_state_bytes"]

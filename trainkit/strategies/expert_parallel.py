@@ -49,7 +49,7 @@ def data_mesh(experts_mesh: Any) -> Any:
         experts_mesh["efsdp"]
 
 
-def launch_problems(dims: ParallelDims, where: str, compile: bool, checkpointing: bool) -> list[Problem]:
+def launch_problems(dims: ParallelDims, where: str, compile: bool) -> list[Problem]:
     """What the runner refuses of an ep size before any model exists: ep must divide dp_shard (the ranks it regroups),
     and it runs with FSDP2's dp_shard and HSDP's replicas only (other products are not tested)."""
     if dims.ep == 1:
@@ -65,12 +65,9 @@ def launch_problems(dims: ParallelDims, where: str, compile: bool, checkpointing
                                 f"together with FSDP2's dp_shard and HSDP's replicas (other products are not tested)",
                                 where, f"keep dp_replicate, dp_shard and ep only (accelerate_configs/fsdp_ep.yaml), or "
                                 f"set {EP_KEY}: 1"))
-    for asked, name, fix in ((compile, "--compile", "drop --compile"),
-                             (checkpointing, "fsdp_activation_checkpointing", "set fsdp_activation_checkpointing: "
-                                                                              "false")):
-        if asked:
-            problems.append(Problem(f"{name} with expert parallelism: not tested with the experts' all-to-all",
-                                    where, f"{fix}, or set {EP_KEY}: 1"))
+    if compile:
+        problems.append(Problem("--compile with expert parallelism: not tested with the experts' all-to-all", where,
+                                f"drop --compile, or set {EP_KEY}: 1"))
     return problems
 
 

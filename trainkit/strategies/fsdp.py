@@ -205,7 +205,7 @@ class FSDP(Strategy):
         return (super().check(this_machine) + parallelism_problems(self.launch) + self.dims.problems(self.launch)
                 + FSDPSettings.problems(self.launch, self.cfg) + self.context_problems(this_machine)
                 + expert_parallel.launch_problems(self.dims, f"parallelism_config in {self.launch.source}",
-                                                  self.cfg.compile, self.settings.activation_checkpointing))
+                                                  self.cfg.compile))
 
     def context_problems(self, this_machine: bool) -> list[Problem]:
         """Context parallelism: on GPUs, with FSDP2's data parallelism only (strategies/pipeline.py refuses it with

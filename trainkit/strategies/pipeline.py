@@ -371,7 +371,7 @@ class Pipeline(Strategy):
         elif self.sharded:
             problems += (parallelism_problems(launch) + FSDPSettings.problems(launch, cfg) +
                          expert_parallel.launch_problems(self.dims, f"{where} with parallelism_config in "
-                                                         f"{launch.source}", cfg.compile, False))
+                                                         f"{launch.source}", cfg.compile))
         problems += self.dims.problems(launch)
         if self.dims.cp > 1:
             problems.append(Problem("context parallelism with --pipeline_stages: the stages' schedule runs their "
