@@ -28,6 +28,7 @@ from torch import nn
 
 from trainkit.data import preference, sft
 from trainkit.data.preference import PairsConfig
+from trainkit.losses import router
 from trainkit.models import finetune
 from trainkit.models.finetune import tokenizer_of
 
@@ -52,13 +53,22 @@ def build_datasets(cfg: Config, cache_dir: Path):
 
 
 def loss(model: nn.Module, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Bradley-Terry's loss, the mean over the micro-batch's pairs, and the metrics' sums over them."""
+    """Bradley-Terry's loss, the mean over the micro-batch's pairs, and the metrics' sums over them. A mixture of
+    experts whose config asks for its router logits adds its balancing loss, each answer's weighing alike, as the
+    dpo recipe does (trainkit/losses/router.py): transformers' sequence classifier drops the router logits from its
+    output, so they are caught from its routers."""
     ids = torch.cat([batch["chosen_ids"], batch["rejected_ids"]])
     attention = torch.cat([batch["chosen_attention"], batch["rejected_attention"]])
-    chosen, rejected = model(input_ids=ids, attention_mask=attention, use_cache=False).logits.squeeze(-1).chunk(2)
+    with router.caught(model) as router_logits:
+        chosen, rejected = model(input_ids=ids, attention_mask=attention, use_cache=False).logits.squeeze(-1).chunk(2)
     margin = chosen - rejected
-    return -F.logsigmoid(margin).mean(), {"accuracy": (margin > 0).float().sum(), "margin": margin.detach().sum(),
-                                          "mean_reward": ((chosen + rejected) / 2).detach().sum()}
+    reported = {"accuracy": (margin > 0).float().sum(), "margin": margin.detach().sum(),
+                "mean_reward": ((chosen + rejected) / 2).detach().sum()}
+    if not (router_logits and router.balances(model)):
+        return -F.logsigmoid(margin).mean(), reported
+    objective, balance = router.balanced(model, -F.logsigmoid(margin).mean(), tuple(router_logits), attention,
+                                         torch.ones(len(ids)))
+    return objective, {**reported, **balance}
 
 
 tokens_per_sample = preference.tokens_per_pair

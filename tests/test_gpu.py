@@ -98,6 +98,24 @@ def test_expert_parallelism_over_nccl_matches_one_gpu(chat, moe_folder, run_dir,
     assert max_rel_diff(run.losses, reference.losses) <= (PARITY_BOUND if mixed_precision == "no" else 2e-2)
 
 
+@pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs for NCCL between processes")
+@pytest.mark.parametrize(("config", "flags"), [
+    ("fsdp_cp", ["--batch_size", "8"]),  # the router logits gathered in the real ring's chunk order
+    ("tp", ["--batch_size", "8"]),  # the fused experts cut by transformers' styles, their sums over NCCL
+    ("ddp", ["--pipeline_stages", "2", "--grad_accum", "2", "--batch_size", "4"]),  # router logits sent on
+])
+def test_a_mixture_of_experts_over_nccl_matches_one_gpu(chat, moe_folder, run_dir, config, flags):
+    """Qwen3-MoE with its balancing loss under context parallelism (torch's ring attention, which the CPU tests stand
+    in for), tensor parallelism and pipeline stages on 2 GPUs: one GPU's loss and aux_loss."""
+    args = ["--recipe", "causal_lm", "--model_name_or_path", str(moe_folder("qwen3_moe")), "--data", str(chat[1]),
+            "--chat_template", "chatml", "--seq_len", "64", "--max_steps", "6", "--eval_every", "0", "--lr", "3e-3",
+            "--router_aux_loss_coef", "1"]
+    reference = launch(run_dir("ref"), *args, "--batch_size", "8", config="single").check()
+    run = launch(run_dir(config), *args, *flags, config=config).check()
+    for key in ("loss", "aux_loss"):
+        assert max_rel_diff([m[key] for m in run.metrics], [m[key] for m in reference.metrics]) <= 1e-5, key
+
+
 @pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs")
 def test_zero3_and_fsdp_shard_device_memory(run_dir):
     held = {c: launch(run_dir(c), *BIG_LM, config=c).check().metrics[-1] for c in ("ddp", "deepspeed_zero3", "fsdp")}

@@ -373,7 +373,11 @@ PARITY = {"full-ddp": ("qwen2", "ddp", []), "full-zero3": ("qwen2", "deepspeed_z
           "moe-qwen3-zero3": ("qwen3_moe", "deepspeed_zero3", ["--router_aux_loss_coef", "1"]),
           "moe-mixtral-lora-fsdp": ("mixtral", "fsdp", ["--router_aux_loss_coef", "1", "--lora_r", "8"]),
           # expert parallelism: the policy's experts and the frozen reference's split over the 2 ranks
-          "moe-qwen3-ep": ("qwen3_moe", "fsdp_ep", ["--router_aux_loss_coef", "1"])}
+          "moe-qwen3-ep": ("qwen3_moe", "fsdp_ep", ["--router_aux_loss_coef", "1"]),
+          # tensor parallelism: the policy's and the reference's fused experts cut by transformers' styles
+          "moe-mixtral-tp": ("mixtral", "tp", ["--router_aux_loss_coef", "1"]),
+          # a reward model: its sequence classifier's router logits caught for the balance, its experts split
+          "reward-moe-qwen3-ep": ("qwen3_moe", "fsdp_ep", ["--recipe", "reward", "--router_aux_loss_coef", "1"])}
 DATA_PARALLEL = {"tp": 1}  # the configs whose 2 processes are not 2 data-parallel ranks
 
 
@@ -420,6 +424,9 @@ def test_dpo_trains_like_one_process_under_each_config(one_process, tmp_path, ca
     balance = one.metrics[0].get("aux_loss", 0.0) if "--router_aux_loss_coef" in flags else 0.0  # coefficient 1
     assert "--loss_type" in flags or reward or one.losses[0] - balance == pytest.approx(math.log(2), rel=1e-7)
     assert max_rel_diff(cut.losses, one.losses) <= PARITY_BOUND, (cut.losses, one.losses)
+    if "--router_aux_loss_coef" in flags:  # the balance is in the objective, one process's
+        assert balance > 0.01 * one.losses[0]
+        assert max_rel_diff([m["aux_loss"] for m in cut.metrics], [m["aux_loss"] for m in one.metrics]) <= PARITY_BOUND
     for name in ("eval_loss", *(("eval_accuracy", "eval_margin") if reward else
                                 ("eval_rewards/accuracies", "eval_rewards/margins"))):
         assert cut.metrics[-1][name] == pytest.approx(one.metrics[-1][name], rel=1e-4, abs=1e-6), name

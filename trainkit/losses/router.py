@@ -115,6 +115,43 @@ def balances(model: nn.Module) -> bool:
     return bool(getattr(text, "output_router_logits", False))
 
 
+def routers(model: nn.Module, within: nn.Module) -> list[tuple[nn.Module, int]]:
+    """The modules of `within` whose output holds a layer's router logits, in order, with the logits' index in it:
+    those the transformers `model` declares to record its router_logits from (its `_can_record_outputs`: a class, an
+    index, a name part); none where it declares none."""
+    spec = (getattr(type(model), "_can_record_outputs", None) or {}).get("router_logits")
+    spec = spec[0] if isinstance(spec, list) and len(spec) == 1 else spec
+    if isinstance(spec, type):
+        spec = (spec, 1, None)  # transformers' own default index for a class given alone
+    elif spec is not None and isinstance(getattr(spec, "target_class", None), type):
+        spec = (spec.target_class, spec.index, spec.layer_name)
+    else:
+        return []
+    cls, index, part = spec
+    return [(module, index) for name, module in within.named_modules()
+            if isinstance(module, cls) and (part is None or f".{part.strip('.')}." in f".{name}.")]
+
+
+@contextlib.contextmanager
+def caught(model: nn.Module) -> Iterator[list[torch.Tensor]]:
+    """Around a forward of `model` (or the transformers model inside a strategy's or peft's wrapper): the router
+    logits of each layer it runs, [tokens, experts], in order, caught from the modules that output them (`routers`).
+    For a head that drops them from its output (transformers' sequence classifiers: recipes/reward.py)."""
+    from accelerate.utils import extract_model_from_parallel
+
+    inner = extract_model_from_parallel(model)
+    inner = getattr(inner, "get_base_model", lambda: inner)()
+    logits: list[torch.Tensor] = []
+    hooks = [module.register_forward_hook(
+        lambda _module, _args, output, i=index: logits.append(output[i] if isinstance(output, tuple) else output))
+        for module, index in routers(inner, inner)]
+    try:
+        yield logits
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
 def generating(model: nn.Module) -> dict[str, bool]:
     """The forward's keyword that turns the balance off while sampling with a KV cache (trainkit/rl/sampling.py): a
     step's router logits are its new tokens' alone, while the attention mask covers the whole sequence, and the
@@ -123,17 +160,21 @@ def generating(model: nn.Module) -> dict[str, bool]:
 
 
 def own_balance(model: nn.Module) -> tuple[Callable[..., torch.Tensor], int]:
-    """The model's own load_balancing_loss_func (from the module that defines its class: under peft or a strategy's
-    wrapper, the model inside that routes) and its top-k."""
+    """The model's own load_balancing_loss_func (from the module that defines its classes: under peft or a strategy's
+    wrapper, the model inside that routes; under transformers' generic sequence classifier, its decoder's) and its
+    top-k (the model's num_experts_per_tok, else its config's)."""
+    from accelerate.utils import extract_model_from_parallel
+
+    config = pretrained.text_config(getattr(extract_model_from_parallel(model), "config", None))
+    top_k = next((module.num_experts_per_tok for module in model.modules() if hasattr(module, "num_experts_per_tok")),
+                 getattr(config, "num_experts_per_tok", None))
     for module in model.modules():
-        if not hasattr(module, "num_experts_per_tok"):
-            continue
         for cls in type(module).__mro__:  # FSDP2 makes a class of its own on top of the model's
             defined = sys.modules.get(cls.__module__)
-            if hasattr(defined, "load_balancing_loss_func"):
-                return defined.load_balancing_loss_func, int(module.num_experts_per_tok)
+            if hasattr(defined, "load_balancing_loss_func") and top_k is not None:
+                return defined.load_balancing_loss_func, int(top_k)
     raise TypeError(f"{type(model).__name__} returns an aux_loss, but no module of it defines "
-                    "load_balancing_loss_func beside its num_experts_per_tok")
+                    "load_balancing_loss_func, or it has no num_experts_per_tok")
 
 
 def sequence_balance(balance: Callable[..., torch.Tensor], top_k: int, router_logits: tuple[torch.Tensor, ...],

@@ -71,7 +71,7 @@ class Balanced:
                  reported: list[dict[str, torch.Tensor]]) -> None:
         self.loss_fn, self.model, self.reported = loss_fn, model, reported
         inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-        self.layers = len(routers(inner, inner))
+        self.layers = len(router.routers(inner, inner))
 
     def __call__(self, output: tuple[torch.Tensor, torch.Tensor], target: torch.Tensor) -> torch.Tensor:
         logits, routed = output
@@ -97,36 +97,13 @@ def _decoder(model: torch.nn.Module) -> torch.nn.Module:
             "train it without --pipeline_stages (fsdp.yaml or deepspeed_zero3.yaml shard a model that does not fit), "
             "or declare pipeline_layers, pipeline_stage and pipeline_loss in a recipe of your own "
             "(recipes/README.md; trainkit/strategies/pipeline_decoder.py shows how)")]) from None
-    if router.balances(inner) and _router_spec(inner) is None:
+    if router.balances(inner) and not router.routers(inner, inner):
         raise ConfigError([Problem(
             f"{type(inner).__name__} computes its router's balancing loss (output_router_logits) from every layer's "
             "router logits, and declares no module that outputs them (transformers' _can_record_outputs), which "
             "each stage would pass on", "--pipeline_stages",
             "train it without --pipeline_stages: deepspeed_zero3.yaml and fsdp.yaml shard a mixture of experts")])
     return inner
-
-
-def _router_spec(model: torch.nn.Module) -> tuple[type, int, str | None] | None:
-    """(the class of the module whose output holds a layer's router logits, their index in it, a name part the
-    module's name has) as the transformers model declares them to record its router_logits; None where it does not."""
-    spec = (getattr(type(model), "_can_record_outputs", None) or {}).get("router_logits")
-    spec = spec[0] if isinstance(spec, list) and len(spec) == 1 else spec
-    if isinstance(spec, type):
-        return spec, 1, None  # transformers' own default index for a class given alone
-    if spec is None or not isinstance(getattr(spec, "target_class", None), type):
-        return None
-    return spec.target_class, spec.index, spec.layer_name
-
-
-def routers(model: torch.nn.Module, within: torch.nn.Module) -> list[tuple[torch.nn.Module, int]]:
-    """The modules of `within` that output the router logits of a balancing model, in order, with the index of the
-    logits in their output."""
-    found = _router_spec(model)
-    if found is None:
-        return []
-    cls, index, part = found
-    return [(module, index) for name, module in within.named_modules()
-            if isinstance(module, cls) and (part is None or f".{part.strip('.')}." in f".{name}.")]
 
 
 def _layout(model: torch.nn.Module) -> tuple[torch.nn.Module, str]:
@@ -244,7 +221,7 @@ class DecoderStage(torch.nn.Module):
         # a mixture of experts that balances its router: this stage's layers' router logits, caught as they are made
         self.routes = router.balances(model)
         self.caught: list[torch.Tensor] | None = None
-        for module, index in routers(model, self.layers) if self.routes else []:
+        for module, index in router.routers(model, self.layers) if self.routes else []:
             module.register_forward_hook(self._catch(index))
 
     def forward(self, x: torch.Tensor, routed: torch.Tensor | None = None
