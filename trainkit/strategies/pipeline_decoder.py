@@ -218,11 +218,7 @@ class DecoderStage(torch.nn.Module):
         object.__setattr__(self, "found", (*_layout(model), stood_in))
         self.layer_range, self.first, self.last = layer_range, first, last
         self.config = model.config
-        # a mixture of experts that balances its router: this stage's layers' router logits, caught as they are made
-        self.routes = router.balances(model)
-        self.caught: list[torch.Tensor] | None = None
-        for module, index in router.routers(model, self.layers) if self.routes else []:
-            module.register_forward_hook(self._catch(index))
+        self.routes = router.balances(model)  # a mixture of experts that balances its router
 
     def forward(self, x: torch.Tensor, routed: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -230,14 +226,13 @@ class DecoderStage(torch.nn.Module):
         every layer so far, [layers x rows, length, experts]: those received (`routed`) and this stage's."""
         model = object.__getattribute__(self, "model")
         given = {"input_ids": x} if self.first else {"inputs_embeds": x}
-        self.caught = []
-        with self._only_this_stage(None if self.first else x):
+        # the router logits of this stage's layers (the others' are skipped); the model's own balance would be over
+        # these layers alone: the last stage's loss adds the whole one
+        with self._only_this_stage(None if self.first else x), router.caught(model) as caught:
             try:
-                # the model's own balance would be over this stage's layers alone: the last stage's loss adds it
                 output = model(**given, use_cache=False, **router.generating(model)).logits
             except _Handoff as handoff:
                 output = handoff.hidden
-        caught, self.caught = self.caught, None
         if not self.routes:
             return output
         # layer after layer in the first dimension: the gradient each stage sends back is then a contiguous slice of
@@ -245,13 +240,6 @@ class DecoderStage(torch.nn.Module):
         rows, length = x.shape[:2]
         mine = [logits.view(rows, length, -1) for logits in caught]
         return output, torch.cat([*([] if routed is None else [routed]), *mine])
-
-    def _catch(self, index: int) -> Callable[..., None]:
-        def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
-            if self.caught is not None:
-                self.caught.append(output[index] if isinstance(output, tuple) else output)
-
-        return hook
 
     @contextmanager
     def _only_this_stage(self, received: torch.Tensor | None) -> Iterator[None]:
