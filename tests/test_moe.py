@@ -251,6 +251,16 @@ def test_tensor_parallelism_cuts_every_expert_with_transformers_styles(moe_args,
         assert max_rel_diff(plain.losses, run.losses[3:]) < PARITY_BOUND and len(plain.losses) == 3
 
 
+def test_a_tensor_parallel_size_that_does_not_divide_the_experts_is_refused():
+    """Each rank computes a slice of every expert's intermediate features: tp must divide them (Mixtral's 64 here),
+    found on the model built on the meta device, before anything runs."""
+    from trainkit.strategies.tp_plan import plan_problems
+
+    found = [p.what for p in plan_problems(mixture_of_experts("mixtral"), 3, "here", "sizes")]
+    assert "parallelism_config_tp_size 3 does not divide the 64 features of each expert's gate_up_proj" in found
+    assert "parallelism_config_tp_size 3 does not divide the 64 features of each expert's down_proj" in found
+
+
 def test_a_mixture_without_a_plan_is_refused_by_tensor_parallelism(check_only, moe_args, tmp_path):
     """transformers 5.23 declares no tensor-parallel plan for gpt-oss: refused, naming the configs that train it."""
     run = check_only(tmp_path / "out", *moe_args("gpt_oss"), "--dry_run", "--accelerate_config",

@@ -108,11 +108,11 @@ def plan_problems(model: torch.nn.Module, tp: int, where: str, sizes_where: str)
     if not cut_plan(model):
         return [Problem(f"{kind} declares no tensor-parallel plan (which Linear layers to cut)", where, NO_PLAN_FIX)]
     modules, weights = dict(model.named_modules()), dict(model.named_parameters())
-    experts = experts_entries(plan)
-    problems = experts_problems(experts, modules, weights, tp, where, sizes_where)
     # transformers' plan of a family names the layers of every config it builds (the dense MLPs of a mixture of
     # experts whose layers here are all sparse): an entry that matches nothing is a mistake only in a plan of one's own
     declared = bool(getattr(getattr(model, "config", None), "base_model_tp_plan", None))
+    experts = experts_entries(plan)
+    problems = experts_problems(experts, modules, weights, tp, where, sizes_where, declared)
     for entry, style in plan.items():
         if entry in experts:
             continue
@@ -151,10 +151,10 @@ def plan_problems(model: torch.nn.Module, tp: int, where: str, sizes_where: str)
 EXPERT_WEIGHT_STYLES = {"packed_colwise": -2, "rowwise": -1}
 
 
-def experts_problems(experts: dict[str, str], modules: dict[str, torch.nn.Module],
-                     weights: dict[str, torch.Tensor], tp: int, where: str, sizes_where: str) -> list[Problem]:
+def experts_problems(experts: dict[str, str], modules: dict[str, torch.nn.Module], weights: dict[str, torch.Tensor],
+                     tp: int, where: str, sizes_where: str, declared: bool) -> list[Problem]:
     """What keeps the plan's fused experts entries from cutting them: a style transformers has not for them, an entry
-    that names nothing, features the tp size does not divide."""
+    that names nothing (in a plan of one's own: `declared` is transformers'), features the tp size does not divide."""
     problems = []
     for entry, style in experts.items():
         pattern = _pattern(entry)
@@ -164,11 +164,11 @@ def experts_problems(experts: dict[str, str], modules: dict[str, torch.nn.Module
                                     "runner does not apply", where,
                                     f"use {' or '.join(EXPERT_WEIGHT_STYLES)} (transformers' styles), or train it "
                                     "under fsdp.yaml or accelerate_configs/fsdp_ep.yaml"))
-        elif not found:
+        elif not found and not declared:
             problems.append(Problem(f"plan entry {entry!r} matches no {'module' if style == EXPERTS else 'weight'}",
                                     where, "name modules and weights as model.named_modules() and "
                                            "model.named_parameters() do, with * for a layer number"))
-        elif style != EXPERTS:
+        elif found and style != EXPERTS:
             features = weights[found[0]].shape[EXPERT_WEIGHT_STYLES[style]] // (2 if style == "packed_colwise" else 1)
             if features % tp:
                 problems.append(Problem(f"{PARALLELISM_KEY.format('tp')} {tp} does not divide the {features} "
