@@ -64,7 +64,7 @@ def loss(model: nn.Module, batch: dict) -> tuple[torch.Tensor, dict[str, torch.T
     margin = chosen - rejected
     reported = {"accuracy": (margin > 0).float().sum(), "margin": margin.detach().sum(),
                 "mean_reward": ((chosen + rejected) / 2).detach().sum()}
-    if not (router_logits and router.balances(model)):
+    if not router_logits:  # not a mixture of experts that balances its router
         return -F.logsigmoid(margin).mean(), reported
     objective, balance = router.balanced(model, -F.logsigmoid(margin).mean(), tuple(router_logits), attention,
                                          torch.ones(len(ids)))

@@ -103,23 +103,26 @@ def coefficient(model: nn.Module) -> float:
     return float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
 
 
-def balances(model: nn.Module) -> bool:
-    """Whether `model` (or the transformers model inside a strategy's or peft's wrapper) computes its router's
-    balancing loss: its config asks for the router logits."""
+def _inner(model: nn.Module) -> nn.Module:
+    """The transformers model inside a strategy's or peft's wrapper (`model` itself where there is none)."""
     from accelerate.utils import extract_model_from_parallel
 
     inner = extract_model_from_parallel(model)
-    inner = getattr(inner, "get_base_model", lambda: inner)()
-    config = getattr(inner, "config", None)
-    text = pretrained.text_config(config)
+    return getattr(inner, "get_base_model", lambda: inner)()
+
+
+def balances(model: nn.Module) -> bool:
+    """Whether `model` (or the transformers model inside a strategy's or peft's wrapper) computes its router's
+    balancing loss: its config asks for the router logits."""
+    text = pretrained.text_config(getattr(_inner(model), "config", None))
     return bool(getattr(text, "output_router_logits", False))
 
 
 def routers(model: nn.Module, within: nn.Module) -> list[tuple[nn.Module, int]]:
     """The modules of `within` whose output holds a layer's router logits, in order, with the logits' index in it:
-    those the transformers `model` declares to record its router_logits from (its `_can_record_outputs`: a class, an
-    index, a name part); none where it declares none."""
-    spec = (getattr(type(model), "_can_record_outputs", None) or {}).get("router_logits")
+    those the transformers `model` (or the one inside its wrapper) declares to record its router_logits from (its
+    `_can_record_outputs`: a class, an index, a name part); none where it declares none."""
+    spec = (getattr(type(_inner(model)), "_can_record_outputs", None) or {}).get("router_logits")
     spec = spec[0] if isinstance(spec, list) and len(spec) == 1 else spec
     if isinstance(spec, type):
         spec = (spec, 1, None)  # transformers' own default index for a class given alone
@@ -135,16 +138,13 @@ def routers(model: nn.Module, within: nn.Module) -> list[tuple[nn.Module, int]]:
 @contextlib.contextmanager
 def caught(model: nn.Module) -> Iterator[list[torch.Tensor]]:
     """Around a forward of `model` (or the transformers model inside a strategy's or peft's wrapper): the router
-    logits of each layer it runs, [tokens, experts], in order, caught from the modules that output them (`routers`).
-    For a head that drops them from its output (transformers' sequence classifiers: recipes/reward.py)."""
-    from accelerate.utils import extract_model_from_parallel
-
-    inner = extract_model_from_parallel(model)
-    inner = getattr(inner, "get_base_model", lambda: inner)()
+    logits of each layer it runs, [tokens, experts], in order, caught from the modules that output them (`routers`),
+    where the model balances its router; nothing is caught (nor looked for) otherwise. For a head that drops them
+    from its output (transformers' sequence classifiers: recipes/reward.py) and a pipeline stage."""
     logits: list[torch.Tensor] = []
     hooks = [module.register_forward_hook(
         lambda _module, _args, output, i=index: logits.append(output[i] if isinstance(output, tuple) else output))
-        for module, index in routers(inner, inner)]
+        for module, index in (routers(model, _inner(model)) if balances(model) else [])]
     try:
         yield logits
     finally:

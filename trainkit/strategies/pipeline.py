@@ -173,8 +173,8 @@ class PipelineEngine(OnMesh):
         # before them, to learn the gradients' shapes), summed by the step's one collective (the last stage of each
         # replica holds it)
         calls = self.balance_reported[-len(micro_batches):] if counts else []
-        sums = torch.tensor([float(sum(call[name] for call in calls)) for name in self.balance_names],
-                            device=inputs.device)
+        sums = torch.stack([torch.stack([call[name] for call in calls]).sum().to(inputs.device)
+                            for name in self.balance_names]) if calls else idle.new_zeros(len(self.balance_names))
         self.balance_reported.clear()
         return loss, torch.cat([idle, sums])
 

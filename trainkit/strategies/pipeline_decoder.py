@@ -70,8 +70,7 @@ class Balanced:
     def __init__(self, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], model: torch.nn.Module,
                  reported: list[dict[str, torch.Tensor]]) -> None:
         self.loss_fn, self.model, self.reported = loss_fn, model, reported
-        inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-        self.layers = len(router.routers(inner, inner))
+        self.layers = len(router.routers(model, model))
 
     def __call__(self, output: tuple[torch.Tensor, torch.Tensor], target: torch.Tensor) -> torch.Tensor:
         logits, routed = output
