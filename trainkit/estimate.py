@@ -31,6 +31,7 @@ import torch
 from trainkit.config import TrainConfig
 from trainkit.losses.chunked_loss import chunk_tokens
 from trainkit.recipes import Recipe
+from trainkit.strategies.expert_parallel import expert_weights
 from trainkit.strategies.tp_plan import cut_plan
 
 # Optimizer state bytes per parameter in fp32: AdamW keeps exp_avg and exp_avg_sq; plain SGD keeps nothing.
@@ -65,6 +66,7 @@ class ModelShape:
     decoder: DecoderShape | None = None  # a transformers decoder's sizes; None for any other model
     frozen: tuple[bool, ...] = ()  # per parameter, in the order of numels: frozen (no gradient, no optimizer state)
     frozen_bytes: int = 4  # bytes per element of the frozen weights (what a pretrained base loads as: --model_dtype)
+    experts: tuple[bool, ...] = ()  # per parameter: a mixture of experts' expert weight (expert parallelism splits)
 
     @property
     def num_params(self) -> int:
@@ -75,11 +77,17 @@ class ModelShape:
         to 16 bits), the frozen rest at their own size where it is smaller."""
         return low * trained + min(low, self.frozen_bytes) * (held - trained)
 
+    def expert_numel(self) -> int:
+        """The elements of the experts' weights (0 where none are marked)."""
+        return sum(k for k, expert in zip(self.numels, self.experts or (False,) * len(self.numels), strict=True)
+                   if expert)
+
     def trained(self) -> ModelShape:
         """The parameters that train (LoRA's adapters, --trainable's): the ones with gradients and optimizer states."""
         keep = [i for i in range(len(self.numels)) if not (self.frozen and self.frozen[i])]
         return dataclasses.replace(self, numels=tuple(self.numels[i] for i in keep),
-                                   names=tuple(self.names[i] for i in keep) if self.names else (), frozen=())
+                                   names=tuple(self.names[i] for i in keep) if self.names else (), frozen=(),
+                                   experts=tuple(self.experts[i] for i in keep) if self.experts else ())
 
 
 def hidden_size(model: torch.nn.Module) -> int:
@@ -102,9 +110,11 @@ def model_shape(recipe: Recipe, cfg: TrainConfig, model: torch.nn.Module | None 
     layers = getattr(getattr(model, "config", None), "num_hidden_layers", None) or \
         sum(isinstance(m, torch.nn.Linear) for m in model.modules())
     frozen = [p.element_size() for p in params if not p.requires_grad and p.is_floating_point()]
+    experts = expert_weights(model)
     return ModelShape(tuple(p.numel() for p in params), hidden_size(model), layers, tuple(names),
                       tuple(cut_plan(model).items()), decoder_shape(model),
-                      tuple(not p.requires_grad for p in params), max(frozen, default=4))
+                      tuple(not p.requires_grad for p in params), max(frozen, default=4),
+                      tuple(id(p) in experts for p in params))
 
 
 def decoder_shape(model: torch.nn.Module) -> DecoderShape | None:

@@ -103,6 +103,13 @@ def expanded_plan(model: torch.nn.Module) -> dict[str, str]:
     return expanded
 
 
+def expert_weights(model: torch.nn.Module) -> set[int]:
+    """The ids of the experts' weights of every transformers mixture of experts inside `model` (their plans'
+    grouped_gemm entries): what expert parallelism splits by expert, whichever library splits them."""
+    return {id(moe.get_parameter(name)) for moe in moe_models(model)
+            for name, style in expanded_plan(moe).items() if style == "grouped_gemm"}
+
+
 def dispatched(model: torch.nn.Module, plan: dict[str, str]) -> list[torch.nn.Module]:
     """The experts modules of `model`'s expanded plan (ep_dispatch_experts): each holds one layer's experts."""
     return [model.get_submodule(name) for name, style in plan.items() if style == "ep_dispatch_experts"]
