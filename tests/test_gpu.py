@@ -84,16 +84,18 @@ def test_model_parallel_strategies_over_nccl_match_one_gpu(run_dir, config, flag
 
 
 @pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs for NCCL between processes")
+@pytest.mark.parametrize("config", ["fsdp_ep", "deepspeed_zero2_ep"])
 @pytest.mark.parametrize("mixed_precision", ["no", "bf16"])
-def test_expert_parallelism_over_nccl_matches_one_gpu(chat, moe_folder, run_dir, mixed_precision):
-    """fsdp_ep.yaml on 2 GPUs: the experts' all-to-alls over NCCL (uneven split sizes every layer), a Qwen3-MoE with
-    its balancing loss, at one GPU's curve; in bf16 within bf16's rounding of it."""
+def test_expert_parallelism_over_nccl_matches_one_gpu(chat, moe_folder, run_dir, config, mixed_precision):
+    """fsdp_ep.yaml and DeepSpeed's AutoEP on 2 GPUs: the experts' all-to-alls over NCCL (uneven split sizes every
+    layer; AutoEP's grouped matmuls on CUDA), a Qwen3-MoE with its balancing loss, at one GPU's curve; in bf16 within
+    bf16's rounding of it."""
     args = ["--recipe", "causal_lm", "--model_name_or_path", str(moe_folder("qwen3_moe")), "--data", str(chat[1]),
             "--chat_template", "chatml", "--seq_len", "64", "--max_steps", "6", "--eval_every", "0", "--lr", "3e-3",
             "--router_aux_loss_coef", "1"]
     precision = ("--mixed_precision", mixed_precision)
     reference = launch(run_dir("ref"), *args, "--batch_size", "8", config="single", extra_launch=precision).check()
-    run = launch(run_dir("ep"), *args, "--batch_size", "4", config="fsdp_ep", extra_launch=precision).check()
+    run = launch(run_dir("ep"), *args, "--batch_size", "4", config=config, extra_launch=precision).check()
     assert run.resolved["ep"] == 2 and "this rank holds" in run.stderr
     assert max_rel_diff(run.losses, reference.losses) <= (PARITY_BOUND if mixed_precision == "no" else 2e-2)
 

@@ -219,7 +219,7 @@ def test_every_shipped_config_passes_the_dry_run(check_only, chat, moe_folder, t
         # one that splits experts needs a mixture of experts
         strategy = for_launch(launch, load_recipe("mlp").Config(), {})
         recipe = ["--recipe", "tiny_transformer" if strategy.splits_model else "mlp"]
-        if launch.parallelism_size("ep") > 1:
+        if strategy.needs_experts:
             recipe = ["--recipe", "causal_lm", "--model_name_or_path", str(moe_folder("qwen3_moe")), "--data",
                       str(chat[1]), "--chat_template", "chatml"]
         run = check_only(tmp_path / "out", *recipe, "--dry_run", "--accelerate_config", str(path))

@@ -413,6 +413,93 @@ def test_expert_parallelism_that_cannot_apply_is_refused(check_only, moe_args, c
     assert_refused(run, message)
 
 
+def autoep_yaml(tmp_path, processes: int = 2, stage: int = 2, offload: bool = False, **section) -> str:
+    """deepspeed_zero2_ep.yaml for `processes` ranks, its JSON at ZeRO `stage` (with optimizer offload), its
+    expert_parallel section updated with `section`."""
+    ds = json.loads((ROOT / "ds_configs" / "zero2_ep.json").read_text())
+    ds["zero_optimization"]["stage"] = stage
+    ds["expert_parallel"].update(section)
+    if offload:
+        ds["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    if stage == 3:
+        ds["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
+    return str(write_yaml(tmp_path, "deepspeed_zero2_ep", json.dumps(ds),
+                          **{"\nnum_processes:__2": f"\nnum_processes: {processes}"}))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "deepseek_v3"])
+def test_deepspeeds_autoep_trains_the_one_process_curve(moe_args, references, run_dir, tmp_path, check_only, name):
+    """deepspeed_zero2_ep.yaml: DeepSpeed's AutoEP replaces each block by its family's preset, half of the experts
+    on each rank (as counted by the run in the replaced model), the optimizer state the estimate's within 10%;
+    dropless, so every step's loss, gradient norm and balance are one process's. Mixtral stops after step 3 and
+    resumes natively (bit for bit, the split experts and their optimizer state in the checkpoint), and is refused
+    under deepspeed_zero2.yaml, which cannot read AutoEP's layout (nor AutoEP a ZeRO-2 checkpoint); Qwen3-MoE under
+    ZeRO-1 with accumulation, its blocks recomputed in backward (all-to-alls included: --gradient_checkpointing);
+    DeepSeek-V3 (a dense first layer, a shared expert, grouped routing with a bias) on 4 processes, each expert on
+    2 of them. final/ is the model's own layout, every expert gathered: one process's final/."""
+    yaml, flags = entry("deepspeed_zero2_ep", 8)
+    if name == "qwen3_moe":
+        yaml, flags = autoep_yaml(tmp_path, stage=1), ["--batch_size", "2", "--grad_accum", "2",
+                                                       "--gradient_checkpointing", "true"]
+    if name == "deepseek_v3":
+        yaml, flags = autoep_yaml(tmp_path, processes=4), ["--batch_size", "2"]
+    out = run_dir("out")
+    stop = ["--stop_at", "3"] if name == "mixtral" else []
+    run = launch(out, *moe_args(name), *flags, *stop, config=yaml).check()
+    assert run.resolved["ep"] == 2 and run.resolved["strategy"] == "deepspeed"
+    total = expert_parameters(name)
+    assert f"this rank holds {total // 2:,} of the {total:,} expert parameters" in run.stderr
+    held, estimated = run.metrics[-1]["state_bytes"], run.resolved["estimated_state_bytes"]
+    assert abs(estimated - held) <= 0.1 * held and held < 0.6 * references(name).metrics[-1]["state_bytes"]
+    if stop:
+        assert len(run.metrics) == 3
+        step_3 = str(out / "checkpoints" / "step_3")
+        elsewhere = check_only(run_dir("zero2"), *moe_args(name), *flags, "--resume", step_3, "--dry_run",
+                               "--accelerate_config", str(ROOT / "accelerate_configs" / "deepspeed_zero2.yaml"))
+        assert_refused(elsewhere, "the checkpoint was saved under DeepSpeed's AutoEP (autoep_size 2, ZeRO-2, 2 "
+                                  "processes): each rank's own experts in AutoEP's layout")
+        plain = launch(run_dir("plain"), *moe_args(name), *entry("deepspeed_zero2", 8)[1], "--stop_at", "1",
+                       config="deepspeed_zero2").check()
+        into = check_only(run_dir("into"), *moe_args(name), *flags, "--resume", str(plain.output_dir / "checkpoints" /
+                                                                                    "step_1"), "--dry_run",
+                          "--accelerate_config", str(ROOT / "accelerate_configs" / f"{yaml}.yaml"))
+        assert_refused(into, "the checkpoint was saved without DeepSpeed's AutoEP, which this run splits the experts "
+                             "with (autoep_size 2)")
+        uninterrupted = launch(run_dir("whole"), *moe_args(name), *flags, config=yaml).check()
+        run = launch(out, *moe_args(name), *flags, "--resume", "auto", config=yaml).check()
+        assert [m["loss"] for m in run.metrics] == [m["loss"] for m in uninterrupted.metrics]
+    assert_one_process_curve(run, references(name), balanced=name in BALANCED)
+    assert_export_loads(run, references(name), name)
+
+
+@pytest.mark.parametrize("processes, changes, flags, message", [
+    (2, {}, ["DENSE"], "DeepSpeed's AutoEP finds no mixture-of-experts block to split in model_type 'qwen2' "
+     "(Qwen2ForCausalLM): AutoEP has presets for mixtral, qwen3_moe"),
+    (2, {}, ["gpt_oss"], "finds no mixture-of-experts block to split in model_type 'gpt_oss'"),
+    (2, {}, ["--lora_r", "8"], "LoRA with DeepSpeed's AutoEP: peft's wrapper renames the blocks"),
+    (2, {"stage": 3}, [], "expert_parallel with ZeRO-3: the runner runs DeepSpeed's AutoEP under ZeRO-1/2 without "
+     "offload only"),
+    (2, {"offload": True}, [], "expert_parallel with ZeRO-2 offload"),
+    (2, {"autoep_size": 3}, [], "expert_parallel.autoep_size 3 does not divide the 2 process(es)"),
+    (2, {}, ["--compile"], "--compile with DeepSpeed's AutoEP: not tested"),
+    (3, {"autoep_size": 3}, [], "DeepSpeed's AutoEP rejects Qwen3MoeForCausalLM's experts: num_experts=4"),
+], ids=["dense", "no-preset", "lora", "zero3", "offload", "processes", "compile", "experts"])
+def test_deepspeeds_autoep_where_it_cannot_apply_is_refused(check_only, moe_args, moe_folder, chat, tmp_path,
+                                                            processes, changes, flags, message):
+    """Before anything is built (the dry run, as each rank does at start-up), with the reason and the fix: AutoEP
+    itself leaves a model it finds no block of unsplit without a word."""
+    args = [*moe_args("qwen3_moe"), *flags]
+    if flags == ["DENSE"]:  # the chat fixture's Qwen2, without the coefficient a model without a router refuses
+        args = [*args[:args.index("--router_aux_loss_coef")], "--tokenizer", "saved"]
+        args[args.index("--model_name_or_path") + 1] = str(chat[0])
+    if flags == ["gpt_oss"]:
+        args = moe_args("gpt_oss")
+    run = check_only(tmp_path / "out", *args, "--dry_run", "--accelerate_config",
+                     autoep_yaml(tmp_path, processes, **changes))
+    assert_refused(run, message)
+
+
 def dense_llama(folder, chat_folder) -> None:
     """A small Llama with tied embeddings (the tiny transformer's layout) and the chat fixture's tokenizer."""
     import torch

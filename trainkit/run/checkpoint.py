@@ -43,6 +43,7 @@ from trainkit.data import precompute
 from trainkit.errors import ConfigError, Problem, TrainingError, said, write_failure, writing
 from trainkit.launch.rank_exit import lost_peer
 from trainkit.recipes import Recipe
+from trainkit.strategies.deepspeed_ep import run_ep_size
 from trainkit.strategies.registry import Engine, for_format
 
 
@@ -438,6 +439,18 @@ def resume_problems(found: Found, cfg: TrainConfig, resolved: dict[str, Any],
             problems.append(Problem(f"{name} is {getattr(cfg, name)} but the checkpoint was trained with "
                                     f"{saved[name]}", where,
                                     f"drop {where}: a resumed run keeps the checkpoint's {name}; or start a new run"))
+    ep, now = run_ep_size(saved), run_ep_size(resolved)
+    if (ep > 1 or now > 1) and (ep, saved["zero_stage"], saved["world_size"]) != (now, resolved["zero_stage"],
+                                                                                   resolved["world_size"]):
+        what = (f"the checkpoint was saved under DeepSpeed's AutoEP (autoep_size {ep}, ZeRO-{saved['zero_stage']}, "
+                f"{saved['world_size']} processes): each rank's own experts in AutoEP's layout, which resume under "
+                f"that layout only") if ep > 1 else \
+            (f"the checkpoint was saved without DeepSpeed's AutoEP, which this run splits the experts with "
+             f"(autoep_size {now}): its optimizer groups (the experts' of their own) and schedule would not match "
+             f"the checkpoint's")
+        problems.append(Problem(what, f"--resume {found.path}",
+                                "resume with the config it was saved with, or fine-tune from its run's final/ "
+                                "(--model_name_or_path)"))
     return problems
 
 

@@ -40,7 +40,7 @@ from trainkit.losses import router
 from trainkit.recipes import Recipe
 from trainkit.run.stopping import FiniteCheck
 from trainkit.step import StepResult, agree, loss_weights, optimizer_step
-from trainkit.strategies import sequence_parallel
+from trainkit.strategies import deepspeed_ep, sequence_parallel
 from trainkit.strategies.base import Strategy
 from trainkit.strategies.dcp_format import CheckpointFormat, load_trained_weights
 from trainkit.strategies.deepspeed_config import fill_bucket_sizes, persistence_threshold, resolve
@@ -91,15 +91,19 @@ class DeepSpeedFormat(CheckpointFormat):
 
     def _same_layout(self, saved: Mapping[str, Any]) -> bool:
         engine = self.engine
-        return saved["zero_stage"] == engine.strategy.stage and saved["world_size"] == engine.launch.world_size
+        return saved["zero_stage"] == engine.strategy.stage and saved["world_size"] == engine.launch.world_size \
+            and deepspeed_ep.run_ep_size(saved["resolved_config"]) == engine.strategy.ep
 
     def resumes_exactly(self, saved: Mapping[str, Any]) -> bool:
         """Natively under the same ZeRO stage and world size; between ZeRO-1 and ZeRO-2 of any world size, and from
         ZeRO-3 to ZeRO-3 of another world size, through DeepSpeed's universal checkpoint (`before_resume`; ZeRO-3's
         load mended by _mend_zero3_universal_load). A ZeRO-3 universal checkpoint fails to load into ZeRO-2
-        (measured), so moves between ZeRO-3 and ZeRO-1/2 carry only the consolidated weights over (a warm start)."""
+        (measured), so moves between ZeRO-3 and ZeRO-1/2 carry only the consolidated weights over (a warm start). A
+        checkpoint of DeepSpeed's AutoEP (each rank's own experts, in its layout) resumes natively only."""
         if not super().resumes_exactly(saved):
             return False
+        if self.engine.strategy.ep > 1 or deepspeed_ep.run_ep_size(saved["resolved_config"]) > 1:
+            return self._same_layout(saved)  # AutoEP's experts: natively only (resume_problems refuses the rest)
         return self._same_layout(saved) or (saved["zero_stage"] in (1, 2) and self.engine.strategy.stage in (1, 2)) \
             or saved["zero_stage"] == self.engine.strategy.stage == 3
 
@@ -149,6 +153,7 @@ class ZeroEngine(Engine):
     """DeepSpeed's engine (Accelerate's DeepSpeedPlugin around the resolved JSON), which owns the step."""
 
     format = DeepSpeedFormat
+    expert_layout: deepspeed_ep.Layout | None = None  # under AutoEP: the model's layout before it (final/'s)
 
     def build_accelerator(self, output_dir, report_to):
         # Accelerate refuses DeepSpeed settings from its YAML (mixed_precision, zero_stage, ...) next to a config it is
@@ -217,6 +222,9 @@ class ZeroEngine(Engine):
                 f"the engine)" if not all(built) else ""
             self.notes.append(f"ZeRO-3: the model was built partitioned across {self.launch.world_size} process(es) "
                               f"(zero.Init): no rank held it whole{later}")
+        if self.strategy.ep > 1:
+            deepspeed_ep.mend_output_capture_registry()
+            self.expert_layout = deepspeed_ep.layout(model, self.strategy.config)
         plugin = self.accelerator.state.deepspeed_plugin
         named = plugin.transformer_moe_cls_names or os.environ.get("ACCELERATE_DEEPSPEED_MOE_LAYER_CLS_NAMES")
         if self.strategy.stage == 3 and not named and (blocks := expert_blocks(model)):  # else Accelerate marks them
@@ -246,6 +254,12 @@ class ZeroEngine(Engine):
     def prepare(self, model: torch.nn.Module, build_optimizer: Callable[..., torch.optim.Optimizer],
                 build_scheduler: Callable[[TrainConfig, torch.optim.Optimizer], Any]) -> None:
         super().prepare(model, build_optimizer, build_scheduler)
+        if self.strategy.ep > 1:
+            held, total = deepspeed_ep.experts_held(self.unwrapped_model, self.expert_layout)
+            self.notes.append(f"DeepSpeed's AutoEP: the experts of {len(self.expert_layout.specs)} "
+                              f"mixture-of-experts block(s) split between {self.strategy.ep} ranks, tokens sent to "
+                              f"their experts' rank and back: this rank holds {held:,} of the {total:,} expert "
+                              f"parameters")
         if self.sequence_parallel_size > 1:  # Ulysses registered itself in place of the attention: keep its heads apart
             from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -254,6 +268,10 @@ class ZeroEngine(Engine):
 
     def make_optimizer(self, model: torch.nn.Module,
                        build_optimizer: Callable[..., torch.optim.Optimizer]) -> torch.optim.Optimizer:
+        if self.strategy.ep > 1:  # AutoEP runs without offload (deepspeed_ep.launch_problems)
+            optimizer = build_optimizer(self.cfg, model)
+            deepspeed_ep.expert_groups(optimizer, model, self.strategy.config)
+            return optimizer
         if not self.strategy.offloads_optimizer:
             return build_optimizer(self.cfg, model)
         if self.accelerator.is_main_process:
@@ -375,8 +393,12 @@ class ZeroEngine(Engine):
             return super().in_eval_mode(fn, *args)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """ZeRO-3 gathers the partitions (zero3_save_16bit_model / stage3_gather_16bit_weights_on_model_save)."""
-        return self.accelerator.get_state_dict(self.model)
+        """ZeRO-3 gathers the partitions (zero3_save_16bit_model / stage3_gather_16bit_weights_on_model_save); AutoEP's
+        experts are gathered from their ranks into the model's own layout."""
+        state_dict = self.accelerator.get_state_dict(self.model)
+        if self.strategy.ep == 1:
+            return state_dict
+        return deepspeed_ep.transformers_layout(self.unwrapped_model, state_dict, self.expert_layout)
 
     @contextlib.contextmanager
     def building_alone(self) -> Iterator[None]:
@@ -408,6 +430,7 @@ class DeepSpeed(Strategy):
         self.sp = launch.parallelism_size("sp")
         self.resolved = resolve(launch, cfg, sources, self.data_parallel_size)
         self.config = self.resolved.config  # the filled JSON that the engine gets
+        self.ep = deepspeed_ep.ep_size(self.config)  # DeepSpeed's AutoEP (strategies/deepspeed_ep.py), 1 without
         self.notes = tuple(self.resolved.notes)
 
     @classmethod
@@ -439,7 +462,11 @@ class DeepSpeed(Strategy):
     @property
     def label(self) -> str:
         return f"deepspeed_zero{self.stage}" + ("_offload" if self.offloads_optimizer else "") + \
-            ("_sp" if self.sp > 1 else "")
+            ("_sp" if self.sp > 1 else "") + ("_ep" if self.ep > 1 else "")
+
+    @property
+    def needs_experts(self) -> bool:
+        return self.ep > 1
 
     @property
     def data_parallel_size(self) -> int:
@@ -456,7 +483,8 @@ class DeepSpeed(Strategy):
     def resolved_fields(self) -> dict[str, Any]:
         """Also the whole DeepSpeed config as the engine gets it (bucket sizes still "auto": they are filled from
         the model when it is built), and the sequence-parallel size."""
-        return {"strategy": self.name, "zero_stage": self.stage, "sp": self.sp, "deepspeed_config": self.config}
+        return {"strategy": self.name, "zero_stage": self.stage, "sp": self.sp, "ep": self.ep,
+                "deepspeed_config": self.config}
 
     @property
     def speed_rank(self) -> int:
@@ -465,7 +493,12 @@ class DeepSpeed(Strategy):
         return {0: 1, 1: 1, 2: 2, 3: 4}.get(self.stage, 4)
 
     def check(self, this_machine: bool = True) -> list[Problem]:
-        return super().check(this_machine) + self.resolved.problems + self.sequence_problems()
+        problems = super().check(this_machine) + self.resolved.problems + self.sequence_problems()
+        if self.resolved.problems:  # the section is read from a config that passed its own checks
+            return problems
+        return problems + deepspeed_ep.launch_problems(self.config, self.launch.world_size, self.stage, self.sp,
+                                                       self.offloads_optimizer or self.offloads_params,
+                                                       self.cfg.compile, self.resolved.where)
 
     def sequence_problems(self) -> list[Problem]:
         """A YAML's parallelism_config under DeepSpeed: only its sp size applies, dividing the processes, for a recipe
@@ -487,6 +520,8 @@ class DeepSpeed(Strategy):
         return problems
 
     def check_model(self, model: torch.nn.Module) -> list[Problem]:
+        if self.ep > 1:
+            return deepspeed_ep.model_problems(model, self.config, self.resolved.where)
         if self.sp == 1:
             return []
         return sequence_parallel.problems(model, self.sp, f"parallelism_config in {self.launch.source}",
@@ -516,9 +551,15 @@ class DeepSpeed(Strategy):
         low = 2 if self.launch.mixed_precision in ("bf16", "fp16") else 4  # DeepSpeed casts the model itself
         optimizer = (4 + OPTIMIZER_BYTES[self.cfg.optimizer]) * math.ceil(t / w)  # fp32 master + optimizer states
         if self.stage != 3:
+            # AutoEP: 1/ep of the experts' weights on each rank, their optimizer state partitioned over the w/ep ranks
+            # that hold the same experts (1/w of it, as the rest's)
+            experts, trained_experts = shape.expert_numel(), trained.expert_numel()
+            held = n - experts + math.ceil(experts / self.ep)
+            held_trained = t - trained_experts + math.ceil(trained_experts / self.ep)
             if not self.offloads_optimizer:
-                transient = low * t if self.stage in (0, 1) else 0  # ZeRO-2 reduce-scatters in buckets
-                return Estimate(self.label, shape.weight_bytes(n, t, low), 0, optimizer, 0, activations, transient)
+                transient = low * held_trained if self.stage in (0, 1) else 0  # ZeRO-2 reduce-scatters in buckets
+                return Estimate(self.label, shape.weight_bytes(held, held_trained, low), 0, optimizer, 0, activations,
+                                transient)
             staging = low * max(trained.numels, default=0)
             grads = 4 * math.ceil(t / w) + 2 * staging
             optimizer += low * math.ceil(t / w)
