@@ -16,9 +16,9 @@ round. The losses of the three kernels are compared at the first step (the same 
 Expert parallelism: a Qwen3-MoE whose experts are most of its weights (4 layers, hidden 256, 8 experts of 1,024, top
 2), saved with a tokenizer trained on the default corpus, fine-tuned by the causal_lm recipe on that corpus (2 rows of
 256 tokens per rank, fp32: few tokens per expert weight, as in fine-tuning a large one) under fsdp.yaml and
-fsdp_ep.yaml, 2 processes each: each rank's model state and the most its live tensors grow over the second step
-(bench/live_peak.py: a GPU's max_memory_allocated, measured on a CPU), and in a plain run of 6 steps the tokens per
-second.
+fsdp_ep.yaml, and under deepspeed_zero2.yaml and deepspeed_zero2_ep.yaml (DeepSpeed's AutoEP), 2 processes each:
+each rank's model state and the most its live tensors grow over the second step (bench/live_peak.py: a GPU's
+max_memory_allocated, measured on a CPU), and in a plain run of 6 steps the tokens per second.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from sections import replace_section  # noqa: E402
 
 START, END = "<!-- moe table: written by bench/moe.py -->", "<!-- end of moe table -->"
 EP_START, EP_END = "<!-- moe ep: written by bench/moe.py -->", "<!-- end of moe ep -->"
-EP_CONFIGS = ("fsdp", "fsdp_ep")
+EP_CONFIGS = ("fsdp", "fsdp_ep", "deepspeed_zero2", "deepspeed_zero2_ep")  # each without EP, then with it
 MiB = 1024 ** 2
 KERNELS = ("eager", "grouped_mm", "batched_mm")
 ROUNDS, STEPS, WARMUP = 3, 6, 2
@@ -183,7 +183,8 @@ def ep_run(config: str, folder: Path, work: Path) -> dict:
                    check=True, capture_output=True)
     metrics = [json.loads(line) for line in (work / config / "timed" / "metrics.jsonl").read_text().splitlines()]
     held = next((line.split("this rank holds ")[1].split(" expert")[0] for line in profiled.stderr.splitlines()
-                 if "this rank holds" in line), "a shard of each (all gathered to compute)")
+                 if "this rank holds" in line),
+                "a shard of each (all gathered to compute)" if config == "fsdp" else "all of them, whole")
     return {"held": max(r["held"] for r in ranks), "step": max(r["step"] for r in ranks), "experts": held,
             "tokens_per_s": statistics.median(m["tokens_per_s"] for m in metrics[2:])}
 
@@ -199,7 +200,7 @@ def measure_ep() -> str:
         total = sum(p.numel() for p in model.parameters())
         experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
         runs = {config: ep_run(config, folder, work) for config in EP_CONFIGS}
-    fsdp, ep = runs["fsdp"], runs["fsdp_ep"]
+    fsdp, ep, zero2, autoep = (runs[config] for config in EP_CONFIGS)
     rows = [f"| {config}.yaml | {r['experts']} | {r['held'] / MiB:.1f} MiB | {r['step'] / MiB:.1f} MiB | "
             f"{(r['held'] + r['step']) / MiB:.1f} MiB | {r['tokens_per_s']:,.0f} |" for config, r in runs.items()]
     return "\n".join([
@@ -225,6 +226,12 @@ def measure_ep() -> str:
         f"{(ep['held'] + ep['step']) / (fsdp['held'] + fsdp['step']):.2f}x. The speed on 2 CPU cores is "
         f"{ep['tokens_per_s'] / fsdp['tokens_per_s']:.2f}x FSDP2's (one run each; a CPU has no fast links to lose to "
         "either all-to-all or gather).",
+        "",
+        f"DeepSpeed's AutoEP under ZeRO-2 holds {autoep['held'] / zero2['held']:.3f}x what ZeRO-2 holds: ZeRO-2 keeps "
+        "every weight whole on each rank (only the optimizer state and gradients are partitioned), and AutoEP keeps "
+        f"half of the experts' weights; its step grows {autoep['step'] / zero2['step']:.2f}x as much, its peak is "
+        f"{(autoep['held'] + autoep['step']) / (zero2['held'] + zero2['step']):.2f}x, its speed "
+        f"{autoep['tokens_per_s'] / zero2['tokens_per_s']:.2f}x ZeRO-2's.",
         EP_END,
     ])
 
