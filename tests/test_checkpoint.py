@@ -692,15 +692,22 @@ def test_each_format_has_one_name_and_the_deepspeed_one_says_which_moves_it_rest
     assert len({f.name for f in formats}) == len(formats) and len({f.folder for f in formats}) == 2
     assert all(for_format(f.name) is f for f in formats)
 
-    def restores(stage, world_size, saved_stage, saved_world_size, saved_format="deepspeed"):
-        engine = SimpleNamespace(strategy=SimpleNamespace(stage=stage), launch=SimpleNamespace(world_size=world_size))
+    def restores(stage, world_size, saved_stage, saved_world_size, saved_format="deepspeed", ep=1, saved_ep=1):
+        engine = SimpleNamespace(strategy=SimpleNamespace(stage=stage, ep=ep),
+                                 launch=SimpleNamespace(world_size=world_size))
+        autoep = {"expert_parallel": {"enabled": True, "autoep_size": saved_ep}} if saved_ep > 1 else {}
         return DeepSpeedFormat(engine).resumes_exactly(
-            {"format": saved_format, "zero_stage": saved_stage, "world_size": saved_world_size})
+            {"format": saved_format, "zero_stage": saved_stage, "world_size": saved_world_size,
+             "resolved_config": {"deepspeed_config": autoep}})
 
     assert restores(3, 2, 3, 2) and restores(2, 4, 1, 2) and restores(1, 1, 2, 2)  # natively; universal for 1/2
     assert restores(3, 4, 3, 2) and restores(3, 1, 3, 2)  # ZeRO-3 on another process count: universal, mended
     assert not restores(2, 2, 3, 2) and not restores(3, 2, 2, 2)  # between ZeRO-3 and ZeRO-1/2: a warm start
     assert not restores(2, 2, 2, 2, saved_format="dcp")
+    # DeepSpeed's AutoEP: natively only, under the same stage, process count and autoep_size
+    assert restores(2, 2, 2, 2, ep=2, saved_ep=2) and not restores(2, 4, 2, 2, ep=2, saved_ep=2)
+    assert not restores(1, 2, 2, 2, ep=2, saved_ep=2) and not restores(2, 2, 2, 2, saved_ep=2)
+    assert not restores(2, 2, 2, 2, ep=2)
     # the DCP format of before flattened optimizer state (and its pipeline variant): the weights only, a warm start
     dcp = for_format("dcp")
     assert for_format("dcp_pipeline") is dcp and not dcp(None).resumes_exactly({"format": "dcp"})

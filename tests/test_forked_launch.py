@@ -109,6 +109,31 @@ def test_a_forked_run_trains_as_the_real_command(tmp_path, config):
         assert str(tmp_path / "forked") not in server_log()
 
 
+@pytest.mark.slow
+def test_a_forked_expert_parallel_run_trains_as_the_real_command(chat, moe_folder, tmp_path):
+    """fsdp_ep.yaml's ranks read the ep size from the YAML their launcher's command line names, which a forked rank's
+    does not (the server's is above it): the fast path gives that size in the environment, as the YAML has it
+    (tests/helpers/launching.py's runner_sizes), and the run is the real command's: the experts split alike, the
+    same losses, evaluations and printed lines."""
+    args = ["--recipe", "causal_lm", "--model_name_or_path", str(moe_folder("qwen3_moe")), "--data", str(chat[1]),
+            "--chat_template", "chatml", "--seq_len", "64", "--max_steps", "2", "--eval_every", "1", "--batch_size",
+            "4", "--router_aux_loss_coef", "1"]
+    forked = launch(tmp_path / "forked", *args, config="fsdp_ep").check()
+    real = run_config("fsdp_ep", tmp_path / "real", args, env=TEST_ENV, timeout=300).check()
+    assert trained(forked) == trained(real) and "eval_aux_loss" in real.metrics[-1]
+    split = [line for line in real.stderr.splitlines() if "this rank holds" in line]
+    assert split and split == [line for line in forked.stderr.splitlines() if "this rank holds" in line]
+    assert [line for line in forked.stdout.splitlines() if line.startswith("step ")] == \
+        [line for line in real.stdout.splitlines() if line.startswith("step ")]
+    assert str(tmp_path / "forked") not in server_log()
+
+
+def trained(run) -> list[dict]:
+    """What a run's metrics.jsonl says of its training, without its timings."""
+    return [{k: v for k, v in m.items() if "loss" in k or k.startswith("expert_load") or
+             k in ("step", "grad_norm", "lr", "state_bytes")} for m in run.metrics]
+
+
 def test_a_run_on_another_environment_is_the_real_process(tmp_path):
     """A variable that a library may read at import (MKL's threads here) differs from the server's: the client
     becomes `python train.py` itself, and the server's log says why."""
