@@ -413,18 +413,20 @@ def test_expert_parallelism_that_cannot_apply_is_refused(check_only, moe_args, c
     assert_refused(run, message)
 
 
-def autoep_yaml(tmp_path, processes: int = 2, stage: int = 2, offload: bool = False, **section) -> str:
-    """deepspeed_zero2_ep.yaml for `processes` ranks, its JSON at ZeRO `stage` (with optimizer offload), its
-    expert_parallel section updated with `section`."""
+def autoep_yaml(tmp_path, processes: int = 2, stage: int = 2, offload: bool = False, sp: int = 1,
+                **section) -> str:
+    """deepspeed_zero2_ep.yaml for `processes` ranks (sequence-parallel groups of `sp`), its JSON at ZeRO `stage`
+    (with the optimizer in CPU memory), its expert_parallel section updated with `section`."""
     ds = json.loads((ROOT / "ds_configs" / "zero2_ep.json").read_text())
     ds["zero_optimization"]["stage"] = stage
     ds["expert_parallel"].update(section)
     if offload:
-        ds["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+        ds["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
     if stage == 3:
         ds["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
+    sizes = f"\nparallelism_config:\n  parallelism_config_sp_size: {sp}\n  parallelism_config_sp_backend: deepspeed"
     return str(write_yaml(tmp_path, "deepspeed_zero2_ep", json.dumps(ds),
-                          **{"\nnum_processes:__2": f"\nnum_processes: {processes}"}))
+                          **{"\nnum_processes:__2": f"{sizes if sp > 1 else ''}\nnum_processes: {processes}"}))
 
 
 @pytest.mark.slow
@@ -437,13 +439,14 @@ def test_deepspeeds_autoep_trains_the_one_process_curve(moe_args, references, ru
     under deepspeed_zero2.yaml, which cannot read AutoEP's layout (nor AutoEP a ZeRO-2 checkpoint); Qwen3-MoE under
     ZeRO-1 with accumulation, its blocks recomputed in backward (all-to-alls included: --gradient_checkpointing);
     DeepSeek-V3 (a dense first layer, a shared expert, grouped routing with a bias) on 4 processes, each expert on
-    2 of them. final/ is the model's own layout, every expert gathered: one process's final/."""
+    2 of them, the optimizer in CPU memory (ZeRO-Offload's cpu_adam). final/ is the model's own layout, every expert
+    gathered: one process's final/."""
     yaml, flags = entry("deepspeed_zero2_ep", 8)
     if name == "qwen3_moe":
         yaml, flags = autoep_yaml(tmp_path, stage=1), ["--batch_size", "2", "--grad_accum", "2",
                                                        "--gradient_checkpointing", "true"]
     if name == "deepseek_v3":
-        yaml, flags = autoep_yaml(tmp_path, processes=4), ["--batch_size", "2"]
+        yaml, flags = autoep_yaml(tmp_path, processes=4, offload=True), ["--batch_size", "2"]
     out = run_dir("out")
     stop = ["--stop_at", "3"] if name == "mixtral" else []
     run = launch(out, *moe_args(name), *flags, *stop, config=yaml).check()
@@ -451,7 +454,8 @@ def test_deepspeeds_autoep_trains_the_one_process_curve(moe_args, references, ru
     total = expert_parameters(name)
     assert f"this rank holds {total // 2:,} of the {total:,} expert parameters" in run.stderr
     held, estimated = run.metrics[-1]["state_bytes"], run.resolved["estimated_state_bytes"]
-    assert abs(estimated - held) <= 0.1 * held and held < 0.6 * references(name).metrics[-1]["state_bytes"]
+    shrink = 0.7 if name == "deepseek_v3" else 0.6  # with offload: host copies of the partition and its gradients
+    assert abs(estimated - held) <= 0.1 * held and held < shrink * references(name).metrics[-1]["state_bytes"]
     if stop:
         assert len(run.metrics) == 3
         step_3 = str(out / "checkpoints" / "step_3")
@@ -478,13 +482,14 @@ def test_deepspeeds_autoep_trains_the_one_process_curve(moe_args, references, ru
      "(Qwen2ForCausalLM): AutoEP has presets for mixtral, qwen3_moe"),
     (2, {}, ["gpt_oss"], "finds no mixture-of-experts block to split in model_type 'gpt_oss'"),
     (2, {}, ["--lora_r", "8"], "LoRA with DeepSpeed's AutoEP: peft's wrapper renames the blocks"),
-    (2, {"stage": 3}, [], "expert_parallel with ZeRO-3: the runner runs DeepSpeed's AutoEP under ZeRO-1/2 without "
-     "offload only"),
-    (2, {"offload": True}, [], "expert_parallel with ZeRO-2 offload"),
+    (2, {"stage": 3}, [], "expert_parallel with ZeRO-3: DeepSpeed 0.19 cannot consolidate AutoEP's experts under "
+     "ZeRO-3 for final/"),
+    (4, {"sp": 2}, [], "expert_parallel with sequence parallelism: not tested"),
     (2, {"autoep_size": 3}, [], "expert_parallel.autoep_size 3 does not divide the 2 process(es)"),
+    (2, {"autoep_size": "two"}, [], "expert_parallel.autoep_size 'two' does not divide the 2 process(es)"),
     (2, {}, ["--compile"], "--compile with DeepSpeed's AutoEP: not tested"),
     (3, {"autoep_size": 3}, [], "DeepSpeed's AutoEP rejects Qwen3MoeForCausalLM's experts: num_experts=4"),
-], ids=["dense", "no-preset", "lora", "zero3", "offload", "processes", "compile", "experts"])
+], ids=["dense", "no-preset", "lora", "zero3", "sp", "processes", "not-a-number", "compile", "experts"])
 def test_deepspeeds_autoep_where_it_cannot_apply_is_refused(check_only, moe_args, moe_folder, chat, tmp_path,
                                                             processes, changes, flags, message):
     """Before anything is built (the dry run, as each rank does at start-up), with the reason and the fix: AutoEP

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import PARITY_BOUND, architecture, assert_refused, launch, max_rel_diff
+from conftest import PARITY_BOUND, ROOT, architecture, assert_refused, launch, max_rel_diff
 from trainkit.data import preference
 from trainkit.losses import dpo as dpo_loss
 from trainkit.recipes import load_recipe
@@ -295,6 +295,18 @@ def test_a_pair_that_cannot_teach_is_named_at_its_line(check_only, chat, pairs, 
     assert '{"text"' not in run.stderr and ("chosen" in run.stderr.split("): ", 1)[-1]), run.stderr
 
 
+def test_deepspeeds_autoep_is_refused_for_the_dpo_recipe_which_wraps_its_models(check_only, moe_folder, pairs,
+                                                                               tmp_path):
+    """AutoEP finds the blocks by name from the root of the model handed to DeepSpeed: inside the dpo recipe's
+    wrapper (a policy and its reference) it would split nothing, without a word. Refused before anything is built,
+    with fsdp_ep.yaml as the way (its parity cell above); the reward model, handed over whole, trains under it."""
+    run = check_only(tmp_path / "out", *dpo_args((moe_folder("qwen3_moe"), None), pairs), "--dry_run",
+                     "--accelerate_config", str(ROOT / "accelerate_configs" / "deepspeed_zero2_ep.yaml"))
+    assert_refused(run, "DeepSpeed's AutoEP finds no mixture-of-experts block to split in the recipe's Preference, "
+                        "which holds its transformers model(s) inside")
+    assert "accelerate_configs/fsdp_ep.yaml" in run.stderr
+
+
 def test_an_empty_pairs_file_is_refused_showing_a_pair(check_only, chat, pairs, tmp_path):
     path = written(tmp_path, "empty.jsonl", ["", ""])
     run = check_only(tmp_path / "out", *with_data(dpo_args(chat, pairs, "--dry_run"), path))
@@ -377,7 +389,10 @@ PARITY = {"full-ddp": ("qwen2", "ddp", []), "full-zero3": ("qwen2", "deepspeed_z
           # tensor parallelism: the policy's and the reference's fused experts cut by transformers' styles
           "moe-mixtral-tp": ("mixtral", "tp", ["--router_aux_loss_coef", "1"]),
           # a reward model: its sequence classifier's router logits caught for the balance, its experts split
-          "reward-moe-qwen3-ep": ("qwen3_moe", "fsdp_ep", ["--recipe", "reward", "--router_aux_loss_coef", "1"])}
+          "reward-moe-qwen3-ep": ("qwen3_moe", "fsdp_ep", ["--recipe", "reward", "--router_aux_loss_coef", "1"]),
+          # DeepSpeed's AutoEP on the classifier (its router logits caught from AutoEP's routers), final/ gathered
+          "reward-moe-qwen3-autoep": ("qwen3_moe", "deepspeed_zero2_ep",
+                                      ["--recipe", "reward", "--router_aux_loss_coef", "1"])}
 DATA_PARALLEL = {"tp": 1}  # the configs whose 2 processes are not 2 data-parallel ranks
 
 

@@ -121,8 +121,9 @@ def balances(model: nn.Module) -> bool:
 def routers(model: nn.Module, within: nn.Module) -> list[tuple[nn.Module, int]]:
     """The modules of `within` whose output holds a layer's router logits, in order, with the logits' index in it:
     those the transformers `model` (or the one inside its wrapper) declares to record its router_logits from (its
-    `_can_record_outputs`: a class, an index, a name part); none where it declares none."""
-    spec = (getattr(type(_inner(model)), "_can_record_outputs", None) or {}).get("router_logits")
+    `_can_record_outputs`: a class, an index, a name part; the instance's where a library pointed it elsewhere, as
+    DeepSpeed's AutoEP does at its own routers); none where it declares none."""
+    spec = (getattr(_inner(model), "_can_record_outputs", None) or {}).get("router_logits")
     spec = spec[0] if isinstance(spec, list) and len(spec) == 1 else spec
     if isinstance(spec, type):
         spec = (spec, 1, None)  # transformers' own default index for a class given alone

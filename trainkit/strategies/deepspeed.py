@@ -268,16 +268,16 @@ class ZeroEngine(Engine):
 
     def make_optimizer(self, model: torch.nn.Module,
                        build_optimizer: Callable[..., torch.optim.Optimizer]) -> torch.optim.Optimizer:
-        if self.strategy.ep > 1:  # AutoEP runs without offload (deepspeed_ep.launch_problems)
-            optimizer = build_optimizer(self.cfg, model)
-            deepspeed_ep.expert_groups(optimizer, model, self.strategy.config)
-            return optimizer
         if not self.strategy.offloads_optimizer:
-            return build_optimizer(self.cfg, model)
-        if self.accelerator.is_main_process:
-            print("note: ZeRO-Offload runs Adam in DeepSpeed's cpu_adam op; its first use compiles it (about a "
-                  "minute), later runs reuse ~/.cache/torch_extensions", flush=True)
-        return build_optimizer(self.cfg, model, adam_class=_resumable_cpu_adam())
+            optimizer = build_optimizer(self.cfg, model)
+        else:
+            if self.accelerator.is_main_process:
+                print("note: ZeRO-Offload runs Adam in DeepSpeed's cpu_adam op; its first use compiles it (about a "
+                      "minute), later runs reuse ~/.cache/torch_extensions", flush=True)
+            optimizer = build_optimizer(self.cfg, model, adam_class=_resumable_cpu_adam())
+        if self.strategy.ep > 1:
+            deepspeed_ep.expert_groups(optimizer, model, self.strategy.config)
+        return optimizer
 
     @property
     def deepspeed_engine(self):
@@ -563,8 +563,8 @@ class DeepSpeed(Strategy):
             staging = low * max(trained.numels, default=0)
             grads = 4 * math.ceil(t / w) + 2 * staging
             optimizer += low * math.ceil(t / w)
-            return Estimate(self.label, shape.weight_bytes(n, t, low), grads, optimizer, optimizer + grads - staging,
-                            activations)
+            return Estimate(self.label, shape.weight_bytes(held, held_trained, low), grads, optimizer,
+                            optimizer + grads - staging, activations)
         persistent = sum(k for k in shape.numels if k < persistence_threshold(shape.hidden))
         # ZeRO-3 partitions every weight in its training dtype, a frozen base too (measured: a LoRA run's bf16 base
         # is held in fp32 under fp32 ZeRO-3 and trains as the fp32 base does; ZeRO-1/2 leave frozen weights alone)

@@ -41,7 +41,9 @@ def section(config: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def ep_size(config: dict[str, Any]) -> int:
-    return int((section(config) or {}).get("autoep_size", 1))
+    """The section's autoep_size (1 without the section; 0 for a value that is not a whole number: refused)."""
+    size = (section(config) or {}).get("autoep_size", 1)
+    return size if isinstance(size, int) and not isinstance(size, bool) else 0
 
 
 def run_ep_size(resolved: dict[str, Any]) -> int:
@@ -57,9 +59,9 @@ def _parsed(found: dict[str, Any]) -> Any:
 
 def launch_problems(config: dict[str, Any], world_size: int, stage: int | None, sp: int, offloads: bool,
                     compile: bool, where: str) -> list[Problem]:
-    """What the runner refuses of the section before any model exists: ZeRO-1/2 without offload, sequence
-    parallelism or --compile (what is tested here), an ep size that divides the processes, and what DeepSpeed's own
-    validation (validate_autoep_config) rejects."""
+    """What the runner refuses of the section before any model exists: ZeRO-3 (no final/), sequence parallelism and
+    --compile (not tested), an ep size that does not divide the processes, and what DeepSpeed's own validation
+    (validate_autoep_config) rejects."""
     if (found := section(config)) is None:
         return []
     problems = []
@@ -68,14 +70,17 @@ def launch_problems(config: dict[str, Any], world_size: int, stage: int | None, 
                                 "runner compiles the model)", "--compile",
                                 "drop --compile, or train without the expert_parallel section"))
     size = ep_size(config)
-    if stage not in (1, 2) or offloads or sp > 1:
-        problems.append(Problem(f"expert_parallel with ZeRO-{stage}{' offload' if offloads else ''}"
-                                f"{' and sequence parallelism' if sp > 1 else ''}: the runner runs DeepSpeed's AutoEP "
-                                f"under ZeRO-1/2 without offload only (its final/ and checkpoints are tested there)",
-                                where, f"set zero_optimization.stage to 2 without offload (ds_configs/zero2_ep.json), "
-                                       f"or {FIX}"))
+    if stage not in (1, 2):  # measured under ZeRO-3: the curve is one process's, but DeepSpeed will not write final/
+        problems.append(Problem(f"expert_parallel with ZeRO-{stage}: DeepSpeed 0.19 cannot consolidate AutoEP's "
+                                f"experts under ZeRO-3 for final/ (\"_zero3_consolidated_16bit_state_dict is not "
+                                f"supported for AutoEP with ZeRO Stage 3\")", where,
+                                f"set zero_optimization.stage to 1 or 2 (ds_configs/zero2_ep.json), or {FIX}"))
+    if sp > 1:
+        problems.append(Problem("expert_parallel with sequence parallelism: not tested", where,
+                                f"set parallelism_config_sp_size: 1, or {FIX}"))
     if size < 2 or world_size % size:
-        problems.append(Problem(f"expert_parallel.autoep_size {size} does not divide the {world_size} process(es) "
+        problems.append(Problem(f"expert_parallel.autoep_size {found.get('autoep_size')!r} does not divide the "
+                                f"{world_size} process(es) "
                                 f"into groups of at least 2 that split the experts", where,
                                 "set autoep_size to a divisor of the process count above 1 (ds_configs/zero2_ep.json: "
                                 "2), or launch a multiple of it"))
@@ -120,6 +125,10 @@ def model_problems(model: torch.nn.Module, config: dict[str, Any], where: str) -
                         "AutoEP's presets look for by name from the model's root: it would split nothing",
                         where, "fine-tune the whole model under this config, or train adapters on the attention and "
                                "the router under accelerate_configs/fsdp_ep.yaml")]
+    if not isinstance(model, PreTrainedModel) and any(isinstance(m, PreTrainedModel) for m in model.modules()):
+        return [Problem(f"DeepSpeed's AutoEP finds no mixture-of-experts block to split in the recipe's {name}, which "
+                        f"holds its transformers model(s) inside (a policy and its reference...): AutoEP looks for "
+                        f"the blocks by name from the root of the model handed to DeepSpeed", where, FIX)]
     try:
         specs = layer_specs(model, found)
     except ValueError as error:
@@ -127,10 +136,7 @@ def model_problems(model: torch.nn.Module, config: dict[str, Any], where: str) -
     if not specs:
         model_type = getattr(getattr(model, "config", None), "model_type", None)
         preset = found.get("preset_model") or preset_name_for_hf_model_type(model_type or "")
-        if not isinstance(model, PreTrainedModel) and any(isinstance(m, PreTrainedModel) for m in model.modules()):
-            what = f"the recipe's {name}, which holds its transformers model(s) inside: AutoEP looks for the blocks " \
-                   f"by name from the root of the model handed to DeepSpeed"
-        elif preset is None:
+        if preset is None:
             what = f"model_type {model_type!r} ({name}): AutoEP has presets for " \
                    f"{', '.join(available_preset_names())} only" if model_type else f"{name}, not a transformers model"
         else:
