@@ -482,7 +482,7 @@ class DeepSpeed(Strategy):
 
     def resolved_fields(self) -> dict[str, Any]:
         """Also the whole DeepSpeed config as the engine gets it (bucket sizes still "auto": they are filled from
-        the model when it is built), and the sequence-parallel size."""
+        the model when it is built), the sequence-parallel size and AutoEP's (1 without it)."""
         return {"strategy": self.name, "zero_stage": self.stage, "sp": self.sp, "ep": self.ep,
                 "deepspeed_config": self.config}
 
