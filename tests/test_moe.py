@@ -505,6 +505,25 @@ def test_deepspeeds_autoep_where_it_cannot_apply_is_refused(check_only, moe_args
     assert_refused(run, message)
 
 
+def test_deepspeeds_autoep_refuses_experts_kept_one_module_each():
+    """AutoEP also splits experts kept as a ModuleList of one module per expert (an older layout its presets match),
+    which the runner cannot write back into the model's final/: refused before the run, not after it."""
+    import torch
+
+    from trainkit.strategies.deepspeed_ep import model_problems
+
+    model = mixture_of_experts("mixtral")
+    hidden, ffn = model.config.hidden_size, model.config.intermediate_size
+    for layer in model.model.layers:
+        experts = torch.nn.ModuleList(torch.nn.Module() for _ in range(model.config.num_local_experts))
+        for expert in experts:
+            expert.gate_up_proj, expert.down_proj = torch.nn.Linear(hidden, 2 * ffn), torch.nn.Linear(ffn, hidden)
+        layer.mlp.experts = experts
+    config = json.loads((ROOT / "ds_configs" / "zero2_ep.json").read_text())
+    (problem,) = model_problems(model, config, "here")
+    assert "MixtralForCausalLM keeps one module per expert (model.layers.0.mlp...)" in problem.what
+
+
 def dense_llama(folder, chat_folder) -> None:
     """A small Llama with tied embeddings (the tiny transformer's layout) and the chat fixture's tokenizer."""
     import torch

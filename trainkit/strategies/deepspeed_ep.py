@@ -148,6 +148,9 @@ def model_problems(model: torch.nn.Module, config: dict[str, Any], where: str) -
     except ValueError as error:
         return [Problem(f"DeepSpeed's AutoEP rejects {name}'s experts: {error}", where,
                         f"set autoep_size to a divisor of the experts per layer, or {FIX}")]
+    if apart := [spec.moe_module_name for spec in specs if spec.expert_storage != "fused_3d"]:
+        return [Problem(f"{name} keeps one module per expert ({apart[0]}...): the runner writes final/ back from "
+                        f"AutoEP's layout for the fused experts transformers builds only", where, FIX)]
     return []
 
 
@@ -240,9 +243,7 @@ def transformers_layout(model: torch.nn.Module, state_dict: dict[str, torch.Tens
             del out[key]
         experts = f"{prefix}.{spec.experts_name}"
         w1, w2, w3 = (_gathered(getattr(block.experts, w).detach(), block) for w in ("w1", "w2", "w3"))
-        if spec.expert_storage != "fused_3d":
-            raise ValueError(f"{prefix}: AutoEP's {spec.expert_storage} experts are not mapped back to their layout")
-        if spec.expert_w3_name is None:
+        if spec.expert_w3_name is None:  # fused_3d storage: one module per expert is refused (model_problems)
             fused = classify_fused_gate_up_layout(tuple(before.shapes[f"{experts}.{spec.expert_w1_name}"]),
                                                   tuple(before.shapes[f"{experts}.{spec.expert_w2_name}"]))
             if fused.needs_transpose:  # [E, hidden, 2 x ffn] and [E, ffn, hidden]
