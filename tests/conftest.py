@@ -27,7 +27,6 @@ from helpers.launching import (
     forked_run_config,
     launch,
     processes,
-    runner_sizes,
     strategy_of,
     write_yaml,
     yaml_of,
@@ -39,8 +38,7 @@ from trainkit.launch.train_process import ROOT, Run, kill_tree, launch_command, 
 __all__ = ["CPU_STAND_INS", "EXAMPLES", "FLAG_STRATEGIES", "GPU_ONLY", "LAUNCHES", "LAUNCH_TIMEOUT", "LM", "ROOT",
            "TEST_ENV", "Run", "architecture", "mixture_of_experts", "assert_refused", "conversation", "entry",
            "forkable", "forked_run_config", "kill_tree",
-           "error_lines", "launch", "launch_command", "max_rel_diff", "PARITY_BOUND", "processes", "runner_sizes",
-           "SERVER_ENV",
+           "error_lines", "launch", "launch_command", "max_rel_diff", "PARITY_BOUND", "processes", "SERVER_ENV",
            "strategy_of",
            "write_yaml", "yaml_of", "zero2_json"]
 

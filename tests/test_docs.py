@@ -21,7 +21,7 @@ from unittest import mock
 import pytest
 from helpers import forked_launch
 
-from conftest import ROOT, SERVER_ENV, TEST_ENV, forkable, forked_run_config, runner_sizes
+from conftest import ROOT, SERVER_ENV, TEST_ENV, forkable, forked_run_config
 
 PAGES = [ROOT / "README.md", ROOT / "recipes" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 STARTS = ("python train.py", "accelerate launch", "python -m trainkit.")
@@ -185,7 +185,7 @@ def run(command: str, args: list[str]) -> tuple[int, str]:
     env = {**os.environ, **TEST_ENV}
     config = args[args.index("--config_file") + 1] if "--config_file" in args else None
     if args[:2] == ["accelerate", "launch"] and command != COMMANDS[0][1] and config and forkable(config):
-        code, out, err = forked_launch.launch(args[2:], ROOT, {**runner_sizes(config, env), **env}, 600, SERVER_ENV)
+        code, out, err = forked_launch.launch(args[2:], ROOT, env, 600, SERVER_ENV)
         return code, out + err
     if args[:2] == ["python", "train.py"] and forkable(None):
         code, out, err = forked_launch.train(args[2:], ROOT, env, 600, SERVER_ENV)

@@ -113,7 +113,7 @@ def test_a_forked_run_trains_as_the_real_command(tmp_path, config):
 def test_a_forked_expert_parallel_run_trains_as_the_real_command(chat, moe_folder, tmp_path):
     """fsdp_ep.yaml's ranks read the ep size from the YAML their launcher's command line names, which a forked rank's
     does not (the server's is above it): the fast path gives that size in the environment, as the YAML has it
-    (tests/helpers/launching.py's runner_sizes), and the run is the real command's: the experts split alike, the
+    (tests/helpers/forked_launch.py's runner_sizes), and the run is the real command's: the experts split alike, the
     same losses, evaluations and printed lines."""
     args = ["--recipe", "causal_lm", "--model_name_or_path", str(moe_folder("qwen3_moe")), "--data", str(chat[1]),
             "--chat_template", "chatml", "--seq_len", "64", "--max_steps", "2", "--eval_every", "1", "--batch_size",

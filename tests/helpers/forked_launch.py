@@ -292,6 +292,24 @@ def _line(conn: socket.socket) -> str:
     return data.decode()
 
 
+def runner_sizes(args: list[str], cwd: Path) -> dict[str, str]:
+    """A forked launch's ranks have the server's command line above them, not `accelerate launch --config_file`'s:
+    the sizes a rank reads from its launcher's YAML where its environment does not name them (RUNNER_SIZES: the
+    experts' ep; trainkit/launch/launcher.py's launcher_sizes) are given in the environment instead, with the YAML's
+    values (the caller's environment still wins, as the rank's own would). tests/test_forked_launch.py shows the run
+    the same as the real one."""
+    import yaml
+
+    from trainkit.launch.launcher import PARALLELISM_KEY, RUNNER_SIZES
+
+    if "--config_file" not in args:
+        return {}
+    sizes = yaml.safe_load((Path(cwd) / args[args.index("--config_file") + 1]).read_text()).get(
+        "parallelism_config") or {}
+    return {var: str(sizes[PARALLELISM_KEY.format(name)]) for name, var in RUNNER_SIZES.items()
+            if PARALLELISM_KEY.format(name) in sizes}
+
+
 def launch(args: list[str], cwd: Path, env: dict[str, str], timeout: float | None,
            server_env: dict[str, str]) -> tuple[int, str, str]:
     """(exit status, stdout, stderr) of `python -m accelerate.commands.launch ARGS`; a launch still going after
@@ -304,7 +322,7 @@ def launch(args: list[str], cwd: Path, env: dict[str, str], timeout: float | Non
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err, \
             socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
         conn.connect(server(server_env))
-        request = {"args": args, "cwd": str(cwd), "env": env}
+        request = {"args": args, "cwd": str(cwd), "env": {**runner_sizes(args, cwd), **env}}
         socket.send_fds(conn, [json.dumps(request).encode() + b"\n"], [out.fileno(), err.fileno()])
         pid = int(_line(conn))
         conn.settimeout(timeout)

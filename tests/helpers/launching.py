@@ -15,7 +15,7 @@ import torch
 import yaml
 from helpers import forked_launch
 
-from trainkit.launch.launcher import PARALLELISM_KEY, RUNNER_SIZES, config_path, shipped_configs
+from trainkit.launch.launcher import config_path, shipped_configs
 from trainkit.launch.train_process import ROOT, Run, launch_command, run_config
 from trainkit.recipes import load_recipe
 from trainkit.strategies.registry import Strategy, for_launch, shipped_strategies
@@ -152,8 +152,7 @@ def _launch(output_dir: Path, *args: str, config: str | None = None, extra_launc
         return run_config(config, output_dir, list(args), launch_args=extra_launch, script=script,
                           env={**TEST_ENV, **(env or {})}, timeout=LAUNCH_TIMEOUT)
     assert command[1:3] == ["-m", "accelerate.commands.launch"], command
-    return Run(config, *forked_launch.launch(command[3:], ROOT, {**runner_sizes(config, run_env), **run_env},
-                                             LAUNCH_TIMEOUT, SERVER_ENV), output_dir)
+    return Run(config, *forked_launch.launch(command[3:], ROOT, run_env, LAUNCH_TIMEOUT, SERVER_ENV), output_dir)
 
 
 def forkable(config: str | None) -> bool:
@@ -168,16 +167,6 @@ def forkable(config: str | None) -> bool:
         return yaml.safe_load((ROOT / config_path(config)).read_text())["distributed_type"] not in ("NO", "MULTI_CPU")
     except (OSError, yaml.YAMLError, KeyError, TypeError, AttributeError):
         return False  # what Accelerate makes of it is the test's to see
-
-
-def runner_sizes(config: str, env: dict[str, str]) -> dict[str, str]:
-    """A forked launch's ranks have the server's command line above them, not `accelerate launch --config_file`'s:
-    the sizes a rank reads from its launcher's YAML where its environment does not name them (RUNNER_SIZES: the
-    experts' ep; trainkit/launch/launcher.py's launcher_sizes) are given in the environment instead, with the YAML's
-    values, where `env` does not name them. tests/test_forked_launch.py shows the run the same as the real one."""
-    sizes = yaml.safe_load((ROOT / config_path(config)).read_text()).get("parallelism_config") or {}
-    return {var: str(sizes[PARALLELISM_KEY.format(name)]) for name, var in RUNNER_SIZES.items()
-            if PARALLELISM_KEY.format(name) in sizes and var not in env}
 
 
 def error_lines(stderr: str) -> list[str]:
