@@ -276,7 +276,7 @@ class ZeroEngine(Engine):
                       "minute), later runs reuse ~/.cache/torch_extensions", flush=True)
             optimizer = build_optimizer(self.cfg, model, adam_class=_resumable_cpu_adam())
         if self.strategy.ep > 1:
-            deepspeed_ep.expert_groups(optimizer, model, self.strategy.config)
+            deepspeed_ep.expert_groups(optimizer, model, self.expert_layout, self.strategy.ep)
         return optimizer
 
     @property

@@ -195,14 +195,14 @@ def experts_held(model: torch.nn.Module, before: Layout) -> tuple[int, int]:
     return held, total
 
 
-def expert_groups(optimizer: torch.optim.Optimizer, model: torch.nn.Module, config: dict[str, Any]) -> None:
-    """Move the experts' weights into parameter groups of their own, marked as DeepSpeed's ZeRO wants an expert group
-    (`moe`, and the ep group's name), settings kept: the engine then puts each repacked expert weight into its
-    source's group and partitions those over the ranks that hold the same experts ("The model has moe layers, but
-    None of the param groups are marked as MoE" otherwise)."""
-    experts = {id(p) for spec in layer_specs(model, section(config))
+def expert_groups(optimizer: torch.optim.Optimizer, model: torch.nn.Module, before: Layout, ep: int) -> None:
+    """Move the experts' weights of the blocks AutoEP replaces into parameter groups of their own, marked as
+    DeepSpeed's ZeRO wants an expert group (`moe`, and the ep group's name), settings kept: the engine then puts each
+    repacked expert weight into its source's group and partitions those over the ranks that hold the same experts
+    ("The model has moe layers, but None of the param groups are marked as MoE" otherwise)."""
+    experts = {id(p) for spec in before.specs
                for p in model.get_submodule(f"{spec.moe_module_name}.{spec.experts_name}").parameters()}
-    name = f"ep_size_{ep_size(config)}"
+    name = f"ep_size_{ep}"
     for group in list(optimizer.param_groups):
         moved = [p for p in group["params"] if id(p) in experts]
         if not moved:
