@@ -476,11 +476,11 @@ def ssh_env(sshd, tmp_path: Path) -> dict[str, str]:
             "PDSH_SSH_ARGS_APPEND": f"-F {sshd.config}"}
 
 
-def start_hosts_launch(sshd, tmp_path: Path, args: list[str],
-                       launch_args: tuple[str, ...] = ()) -> tuple[subprocess.Popen, Path]:
+def start_hosts_launch(sshd, tmp_path: Path, args: list[str], launch_args: tuple[str, ...] = (),
+                       env: dict[str, str] | None = None) -> tuple[subprocess.Popen, Path]:
     """`python -m trainkit.launch.hostfile` of deepspeed_hostfile.yaml on the two loopback hosts, one rank each, in a
-    session
-    of its own (a scheduler signals its process group), its output in one pipe; and the run's output folder."""
+    session of its own (a scheduler signals its process group), its output in one pipe; and the run's output folder.
+    `env`: the launch's environment (ssh_env's unless given)."""
     hostfile = write_hostfile(tmp_path / "hostfile", f"{HOSTS[0]} slots=1", f"{HOSTS[1]} slots=1")
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "trainkit.launch.hostfile",
@@ -488,7 +488,7 @@ def start_hosts_launch(sshd, tmp_path: Path, args: list[str],
            "--deepspeed_hostfile", str(hostfile), "--main_process_ip", HOSTS[0],
            "--main_process_port", str(free_port()), "train.py", "--output_dir", str(out), "--report_to", "none",
            *args]
-    return subprocess.Popen(cmd, cwd=ROOT, env=ssh_env(sshd, tmp_path), stdout=subprocess.PIPE,
+    return subprocess.Popen(cmd, cwd=ROOT, env=env or ssh_env(sshd, tmp_path), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True), out
 
 
@@ -556,48 +556,6 @@ def test_hosts_launcher_names_a_leftover_env_file(tmp_path, monkeypatch, capsys)
 
 
 @pytest.mark.slow
-def test_hosts_launcher_sends_the_hosts_no_secret(sshd, ddp_reference, tmp_path):
-    """python -m trainkit.launch.hostfile: the hostfile launch with a fake token and key planted in the shell. Neither
-    reaches a file or a host's command line (accelerate launch alone wrote the shell's 47 lines into ./.deepspeed_env
-    and
-    onto every pdsh command line); what ~/.deepspeed_env lists still travels; the private env file is gone after."""
-    token, key = "hf_fake_secret_123", "key_fake_456"
-    hostfile = write_hostfile(tmp_path / "hostfile", f"{HOSTS[0]} slots=1", f"{HOSTS[1]} slots=1")
-    bin_dir, home = tmp_path / "bin", tmp_path / "home"
-    bin_dir.mkdir()
-    home.mkdir()
-    (home / ".deepspeed_env").write_text("TRAINKIT_MARK=from_home\n")
-    ssh_args = tmp_path / "ssh_args"
-    (bin_dir / "ssh").write_text(f'#!/bin/sh\necho "$@" >> {ssh_args}\n'
-                                 f'exec {shutil.which("ssh")} -F {sshd.config} "$@"\n')
-    (bin_dir / "ssh").chmod(0o755)
-    # HOME is the test's (its ~/.deepspeed_env); DeepSpeed's compiled ops stay where they are (else ~30 s to rebuild)
-    extensions = os.environ.get("TORCH_EXTENSIONS_DIR") or str(Path(get_default_build_root()) / (
-        f"py{sys.version_info[0]}{sys.version_info[1]}_"
-        + (f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda else "cpu")))
-    env = {**ENV, "HOME": str(home), "PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}",
-           "PDSH_SSH_ARGS_APPEND": f"-F {sshd.config}", "HF_TOKEN": token, "MY_API_KEY": key,
-           "TORCH_EXTENSIONS_DIR": extensions}
-    env.pop("DS_ENV_FILE", None)
-    out = tmp_path / "out"
-    before = (ROOT / ".deepspeed_env").read_text() if (ROOT / ".deepspeed_env").exists() else None
-    cmd = [sys.executable, "-m", "trainkit.launch.hostfile",
-           "--config_file", str(ROOT / "accelerate_configs" / "deepspeed_hostfile.yaml"),
-           "--deepspeed_hostfile", str(hostfile), "--main_process_ip", HOSTS[0],
-           "--main_process_port", str(free_port()), "train.py", "--output_dir", str(out), "--report_to", "none", *MLP]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=110)
-    check_deepspeed_run(Run("trainkit.launch.hostfile", proc.returncode, proc.stdout, proc.stderr, out), ddp_reference)
-    assert "not sent to the hosts, among them HF_TOKEN, MY_API_KEY" in proc.stderr
-    sent = ssh_args.read_text()
-    assert "export TRAINKIT_MARK=from_home" in sent and "export ACCELERATE_USE_DEEPSPEED=true" in sent
-    assert token not in sent and key not in sent
-    written = [p for p in tmp_path.rglob("*") if p.is_file()] + [ROOT / ".deepspeed_env"] * (before is not None)
-    assert not [file for file in written if token in file.read_text(errors="ignore")]
-    assert ((ROOT / ".deepspeed_env").read_text() if (ROOT / ".deepspeed_env").exists() else None) == before
-    assert not list(Path(tempfile.gettempdir()).glob("trainkit-hosts-*"))
-
-
-@pytest.mark.slow
 def test_hosts_launcher_stopped_by_a_scheduler_over_ssh_exits_0_with_the_stop_recorded(sshd, tmp_path):
     """SIGTERM to `python -m trainkit.launch.hostfile`'s process group, as a scheduler sends it, over real ssh:
     DeepSpeed's pdsh runner closes the hosts' ssh sessions a second after passing the signal on, and each host's
@@ -628,19 +586,41 @@ def test_hosts_launcher_stopped_by_a_scheduler_over_ssh_exits_0_with_the_stop_re
     assert len(private) == 1 and not private[0].exists(), output[-3000:]  # removed after the launch, not before
 
 
-@pytest.mark.slow
-def test_hosts_launcher_restarts_a_launch_that_lost_a_rank(sshd, tmp_path):
-    """`python -m trainkit.launch.hostfile --max_restarts 1 ... --resume auto` over real ssh (DeepSpeed's pdsh launcher,
-    which has no restarts of its own): one host's rank SIGKILLed between two checkpoints, the other loses contact, the
-    launch fails and trainkit.launch.hostfile starts it again; the run continues from the newest checkpoint and ends
-    with each step
-    once and the curve of one uninterrupted DDP launch (ZeRO-2 against DDP: within 1e-5)."""
+# One launch of `python -m trainkit.launch.hostfile` serves the two tests below: a restart over real ssh, with
+# secrets planted in the shell that neither attempt may send.
+SECRETS = {"HF_TOKEN": "hf_fake_secret_123", "MY_API_KEY": "key_fake_456"}
+
+
+@pytest.fixture(scope="module")
+def hosts_restarted(sshd, tmp_path_factory):
+    """`python -m trainkit.launch.hostfile --max_restarts 1 ... --resume auto` over real ssh (DeepSpeed's pdsh
+    launcher, which has no restarts of its own), with a fake token and key in the shell and a ~/.deepspeed_env of the
+    test's: one host's rank SIGKILLed between two checkpoints, the other loses contact, the launch fails and
+    trainkit.launch.hostfile starts it again. Its output, output folder, the step of the kill, the ssh command lines
+    both attempts sent, the repository's .deepspeed_env before it, and a DDP launch of the same run."""
     import psutil
 
+    tmp_path = tmp_path_factory.mktemp("hosts_restarted")
     steps, save_every = 120, 40
     args = ["--recipe", "mlp", "--max_steps", str(steps), "--eval_every", "0", "--batch_size", "4", "--save_every",
             str(save_every)]
-    proc, out = start_hosts_launch(sshd, tmp_path, [*args, "--resume", "auto"], ("--max_restarts", "1"))
+    bin_dir, home = tmp_path / "bin", tmp_path / "home"
+    bin_dir.mkdir()
+    home.mkdir()
+    (home / ".deepspeed_env").write_text("TRAINKIT_MARK=from_home\n")
+    ssh_args = tmp_path / "ssh_args"
+    (bin_dir / "ssh").write_text(f'#!/bin/sh\necho "$@" >> {ssh_args}\n'
+                                 f'exec {shutil.which("ssh")} -F {sshd.config} "$@"\n')
+    (bin_dir / "ssh").chmod(0o755)
+    # HOME is the test's (its ~/.deepspeed_env); DeepSpeed's compiled ops stay where they are (else ~30 s to rebuild)
+    extensions = os.environ.get("TORCH_EXTENSIONS_DIR") or str(Path(get_default_build_root()) / (
+        f"py{sys.version_info[0]}{sys.version_info[1]}_"
+        + (f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda else "cpu")))
+    env = {**ENV, "HOME": str(home), "PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}",
+           "PDSH_SSH_ARGS_APPEND": f"-F {sshd.config}", **SECRETS, "TORCH_EXTENSIONS_DIR": extensions}
+    env.pop("DS_ENV_FILE", None)
+    before = (ROOT / ".deepspeed_env").read_text() if (ROOT / ".deepspeed_env").exists() else None
+    proc, out = start_hosts_launch(sshd, tmp_path, [*args, "--resume", "auto"], ("--max_restarts", "1"), env)
     metrics, killed = out / "metrics.jsonl", None
     try:
         deadline = time.time() + 120
@@ -655,12 +635,42 @@ def test_hosts_launcher_restarts_a_launch_that_lost_a_rank(sshd, tmp_path):
     finally:
         kill_tree(proc)
     reference = launch(tmp_path / "ddp", *args, config="ddp").check()
-    assert proc.returncode == 0 and killed is not None and killed < 2 * save_every, output[-3000:]
-    assert "note: the launch failed (exit 1); starting it again (1 of --max_restarts 1)" in output, output[-3000:]
-    assert f"note: --resume auto: continuing from {out / 'checkpoints' / f'step_{save_every}'}" in output
-    lines = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert [m["step"] for m in lines] == list(range(1, steps + 1))
-    assert max_rel_diff([m["loss"] for m in lines], reference.losses) <= 1e-5
+    return SimpleNamespace(returncode=proc.returncode, output=output, out=out, killed=killed, steps=steps,
+                           save_every=save_every, sent=ssh_args.read_text(), tmp_path=tmp_path,
+                           deepspeed_env_before=before, reference=reference)
+
+
+@pytest.mark.slow
+def test_hosts_launcher_restarts_a_launch_that_lost_a_rank(hosts_restarted):
+    """The run (hosts_restarted) continues from the newest checkpoint and ends with each step once and the curve of
+    one uninterrupted DDP launch (ZeRO-2 against DDP: within 1e-5)."""
+    run, save_every = hosts_restarted, hosts_restarted.save_every
+    assert run.returncode == 0 and run.killed is not None and run.killed < 2 * save_every, run.output[-3000:]
+    assert "note: the launch failed (exit 1); starting it again (1 of --max_restarts 1)" in run.output, \
+        run.output[-3000:]
+    assert f"note: --resume auto: continuing from {run.out / 'checkpoints' / f'step_{save_every}'}" in run.output
+    lines = [json.loads(line) for line in (run.out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == list(range(1, run.steps + 1))
+    assert max_rel_diff([m["loss"] for m in lines], run.reference.losses) <= 1e-5
+
+
+@pytest.mark.slow
+def test_hosts_launcher_sends_the_hosts_no_secret(hosts_restarted):
+    """The fake token and key planted in the shell (hosts_restarted) reach no file and no host's command line in
+    either attempt (accelerate launch alone wrote the shell's 47 lines into ./.deepspeed_env and onto every pdsh
+    command line); what ~/.deepspeed_env lists still travels; the private env file is gone after."""
+    run = hosts_restarted
+    assert run.returncode == 0, run.output[-3000:]
+    assert "not sent to the hosts, among them HF_TOKEN, MY_API_KEY" in run.output, run.output[-3000:]
+    assert run.sent.count("export TRAINKIT_MARK=from_home") == 4  # 2 hosts x 2 attempts
+    assert "export ACCELERATE_USE_DEEPSPEED=true" in run.sent
+    assert not [secret for secret in SECRETS.values() if secret in run.sent]
+    written = [p for p in run.tmp_path.rglob("*") if p.is_file()] + [ROOT / ".deepspeed_env"] * (
+        run.deepspeed_env_before is not None)
+    assert not [file for file in written if any(s in file.read_text(errors="ignore") for s in SECRETS.values())]
+    assert ((ROOT / ".deepspeed_env").read_text() if (ROOT / ".deepspeed_env").exists() else None) \
+        == run.deepspeed_env_before
+    assert not list(Path(tempfile.gettempdir()).glob("trainkit-hosts-*"))
 
 
 # The launcher DeepSpeed's runner stands for: on SIGTERM it has the ranks save and record the stop, then ends.
