@@ -3,13 +3,14 @@ family, with rewards you write as Python functions.
 
 Trains: the model that --model_name_or_path names (a causal_lm run's final/, or a Hub id) on --data's prompts (TRL's
 layouts, trainkit/data/prompts.py: `prompt` a string or a list of chat messages; every other field goes to the reward
-functions by name). Each step, every prompt of the global batch gets --num_generations completions from the model as
-it is (trainkit/rl/sampling.py: each from a generator seeded by the run's seed, the step, the prompt and its number,
-so the same on any number of processes), the reward functions score them (--reward_funcs module.function[,...] with
---reward_weights: trainkit/rl/rewards.py; recipes/rewards/chat.py holds the chat walk-through's), each completion's
-advantage is its reward against its prompt's other completions, and the loss is the clipped policy gradient
-(--loss_type grpo|dr_grpo|dapo|bnpo, TRL's default dapo) with --beta times the KL to the model as it started
-(trainkit/losses/grpo.py has every formula and its paper). The global batch counts completions: batch_size x
+functions by name; --streaming and mixtures as in the causal_lm recipe). Each step, every prompt of the global
+batch gets --num_generations completions from the model as it is (trainkit/rl/sampling.py: each from a generator
+seeded by the run's seed, the step, the prompt and its number, so the same on any number of processes), the reward
+functions score them (--reward_funcs module.function[,...] with --reward_weights: trainkit/rl/rewards.py;
+recipes/rewards/chat.py holds the chat walk-through's), each completion's advantage is its reward against its
+prompt's other completions, and the loss is the clipped policy gradient (--loss_type grpo|dr_grpo|dapo|bnpo, TRL's
+default dapo) with --beta times the KL to the model as it started (trainkit/losses/grpo.py has every formula and its
+paper). The global batch counts completions: batch_size x
 grad_accum x processes, a multiple of --num_generations.
 Reports TRL's metrics: reward, reward_std, rewards/<function>/mean and /std, frac_reward_zero_std, completions/
 mean_length, /min_length, /max_length, /clipped_ratio, kl (beta > 0), entropy, clip_ratio/low_mean, /high_mean,
@@ -46,6 +47,7 @@ from torch import nn
 
 from trainkit.data import prompts, sft
 from trainkit.data.prompts import PromptsConfig
+from trainkit.data.stream import Streamed
 from trainkit.errors import Problem, TrainingError
 from trainkit.losses import chunked_loss, grpo, router
 from trainkit.models import finetune, pretrained
@@ -234,6 +236,8 @@ def build_datasets(cfg: Config, cache_dir: Path):
     """(train, held-out): the training prompts as completion slots (num_generations each, num_iterations steps on
     each global batch), the held-out prompts as they are (one greedy completion each at evaluation)."""
     train, held_out = prompts.prompt_datasets(cfg, cache_dir)
+    if isinstance(train, Streamed):  # read as the run trains: a prompt per lane, filling its group's slots
+        return train.grouped(cfg.num_generations, cfg.num_iterations), held_out
     return prompts.Slots(train, cfg.num_generations, cfg.num_iterations), held_out
 
 
@@ -460,7 +464,7 @@ def preview(cfg: Config, cache_dir: Path) -> str:
     """--dry_run: a prompt as the model reads it, and each reward function called on the first prompt with an empty
     completion (a function that fails or returns the wrong count is refused here, before any GPU hour)."""
     shown = prompts.preview(cfg, cache_dir)
-    first = prompts.prompt_datasets(cfg, cache_dir)[0][0]
+    first = prompts.first_prompt(cfg, cache_dir)
     scoring = _scoring(cfg)
     made = sampling.Completions(torch.tensor([[scoring.how.pad]]), torch.zeros(1, 1, dtype=torch.long),
                                 torch.tensor([True]))

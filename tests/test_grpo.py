@@ -272,6 +272,19 @@ def test_the_dry_run_shows_a_prompt_and_calls_every_reward_function(check_only, 
     assert "the reward functions on an empty completion of it: even_ids 0, short 1" in run.stderr
 
 
+def test_the_dry_run_of_streamed_prompts_shows_the_first_and_names_a_source_without_prompts(check_only, chat, prompts,
+                                                                                          tmp_path):
+    streamed = grpo_args(chat[0], prompts, "--dry_run", "--streaming", "true")
+    run = check_only(tmp_path / "out", *streamed)
+    assert run.returncode == 0, run.stderr
+    assert "the first prompt of the stream as the model reads it" in run.stderr and "What is 2 plus 3?" in run.stderr
+    assert "the reward functions on an empty completion of it: even_ids 0, short 1" in run.stderr
+    texts = tmp_path / "texts.jsonl"
+    texts.write_text('{"text": "no prompt here"}\n')
+    mixed = grpo_args(chat[0], f"{prompts}:0.5,{texts}:0.5", "--dry_run")
+    assert_refused(check_only(tmp_path / "out2", *mixed), f"{texts}:1: no field 'prompt' (its fields: text)")
+
+
 def test_a_model_built_from_scratch_learns_a_programmatic_reward(check_only, chat, prompts, tmp_path):
     """A Llama (tied embeddings) built from its config, rewarded for the share of its completions' tokens among the
     vocabulary's first tenth: from chance (about 0.1) to at least 0.9, its greedy held-out answers too."""
@@ -390,6 +403,37 @@ def test_a_stopped_run_resumes_bit_exact(one_process, tmp_path, flags):
         assert [m["step"] for m in read_jsonl(out / "rollouts.jsonl")][::4] == [1, 1, 3, 3, 5, 5]
         step3, step4 = whole.metrics[2], whole.metrics[3]  # one batch of completions, the model moved between
         assert step4["reward"] == step3["reward"] and step4["loss"] != step3["loss"]
+
+
+@pytest.mark.slow
+def test_streamed_prompts_are_the_same_on_any_number_of_processes_and_resume_exactly(chat, tmp_path):
+    """--data a mixture of two prompt files, streamed as every mixture is (trainkit/data/stream.py: a prompt per lane,
+    each filling its 4 completion slots): one process and DDP on 2 with accumulation give the same prompts,
+    completions and curve; a DDP run stopped at step 3 with --num_iterations 2, between a batch's two steps, resumes
+    to the uninterrupted run's values bit for bit (the stream gives step 4 the batch of step 3 again)."""
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text("".join(json.dumps(prompt_record(i)) + "\n" for i in range(160)))
+    b.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"What is {i} times 3?"}], "answer": 3 * i})
+                         + "\n" for i in range(120)))
+    args = [*grpo_args(chat[0], f"{a}:0.6,{b}:0.4", "--max_steps", "6", "--num_iterations", "2", "--beta", "0.04")]
+    one = launch(tmp_path / "one", *args, "--batch_size", "8").check()
+    assert "--data streamed:" in one.stderr
+    ddp = ["--batch_size", "2", "--grad_accum", "2"]
+    whole = launch(tmp_path / "whole", *args, *ddp, config="ddp").check()
+    out = tmp_path / "out"
+    launch(out, *args, *ddp, "--save_every", "3", "--stop_at", "3", config="ddp").check()
+    resumed = launch(out, *args, *ddp, "--resume", "latest", config="ddp").check()
+    rows = read_jsonl(one.output_dir / "rollouts.jsonl")
+    assert len(rows) == 3 * 8 and [r["step"] for r in rows[::8]] == [1, 3, 5]  # sampled every other step
+    groups = [rows[i:i + 4] for i in range(0, len(rows), 4)]
+    assert all(len({json.dumps(r["prompt"]) for r in group}) == 1 for group in groups)  # a prompt's 4 slots
+    assert {len(group[0]["prompt"]) for group in groups} == {1, 2}  # prompts of both files (b's have no system turn)
+    assert completions(resumed) == completions(whole) == completions(one)
+    assert [r["prompt"] for r in read_jsonl(out / "rollouts.jsonl")] == [r["prompt"] for r in rows]
+    for key in ("loss", "grad_norm", "reward"):
+        assert [m[key] for m in resumed.metrics] == [m[key] for m in whole.metrics], key
+    assert max_rel_diff([m["grad_norm"] for m in whole.metrics], [m["grad_norm"] for m in one.metrics]) <= PARITY_BOUND
+    assert whole.metrics[-1]["data_share"] == one.metrics[-1]["data_share"]
 
 
 def test_the_estimate_counts_the_sampling_kv_cache_and_the_reference(check_only, chat, prompts, tmp_path):

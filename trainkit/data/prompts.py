@@ -4,7 +4,10 @@ field of a record is passed to the reward functions by name (trainkit/rl/rewards
 
 A training sample is one completion slot: prompt p's generation j, the global batch `G` slots of each of its prompts
 side by side (Slots: the data order permutes whole groups, trainkit/data/batches.py), so that the advantages of a
-prompt's completions are computed from the same global batch on any number of processes.
+prompt's completions are computed from the same global batch on any number of processes. Streamed (--streaming, or a
+mixture of sources with weights), a global batch of B slots reads B / G prompts, one per lane of
+trainkit/data/stream.py, and each fills its G positions (Streamed.grouped): the same prompts on any number of
+processes, read as the run trains.
 """
 
 from __future__ import annotations
@@ -20,7 +23,9 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from trainkit.data import sft, text
+from trainkit.data import sft, stream_sources, text
+from trainkit.data.stream import Streamed
+from trainkit.data.stream_sources import BadRecord
 from trainkit.errors import ConfigError, Problem
 from trainkit.models.finetune import FineTuneConfig, tokenizer_of
 
@@ -35,10 +40,16 @@ class PromptsConfig(FineTuneConfig):
     max_completion_length: int = 64  # tokens generated per completion, at most (its end token included)
     num_generations: int = 8  # completions per prompt: the global batch counts completions
     preview: int = 0  # which prompt --dry_run shows as the model reads it (from 0)
+    # auto | true | false: read the prompts as the run trains (trainkit/data/stream.py), as the causal_lm recipe reads
+    # its data; auto streams mixtures (`a.jsonl:0.7,b.jsonl:0.3`) and local files past 1 GiB. bad_lines: a streamed
+    # record that cannot be read stops the run, or skip
+    streaming: str = "auto"
+    bad_lines: str = "stop"
     may_change_on_resume = FineTuneConfig.may_change_on_resume | {"preview"}
 
     def check(self) -> list[Problem]:
-        problems = FineTuneConfig.check(self)
+        problems = FineTuneConfig.check(self) + text.check_streaming(self.data, "prompt", self.streaming,
+                                                                    self.bad_lines)
         if not 0 < self.max_completion_length < self.seq_len:
             problems.append(Problem(f"max_completion_length must be between 1 and seq_len - 1 (--seq_len counts the "
                                     f"prompt and its completion), got {self.max_completion_length} with seq_len "
@@ -47,7 +58,14 @@ class PromptsConfig(FineTuneConfig):
         if not self.data:
             return [*problems, Problem("no prompts to train on", "config field data",
                                        f"pass --data with .jsonl files of records like {PROMPT_RECORD}")]
-        files = [(data, flag) for data, flag in ((self.data, "--data"), (self.eval_data, "--eval_data")) if data]
+        if text.streams(self.data, self.streaming):  # each source's first record here, the rest as the run reads them
+            try:
+                problems += stream_sources.check_first_records(
+                    stream_sources.parse_data(self.data, "prompt", self.data_config), ("prompt",))
+            except ConfigError as e:
+                problems += e.problems
+        files = [(data, flag) for data, flag in ((self.data, "--data"), (self.eval_data, "--eval_data"))
+                 if data and not (flag == "--data" and text.streams(data, self.streaming))]
         return problems + text.records_problems(files, PROMPT_RECORD, check_records)
 
     @property
@@ -103,7 +121,17 @@ def encode_prompt(prompt: Any, tokenizer: Any, template: str | None) -> list[int
 
 def prompt_datasets(cfg: PromptsConfig, cache_dir: Path) -> tuple[Any, Any]:
     """(train, held-out) prompts, encoded: --eval_data's held out, or eval_fraction of --data's drawn from the
-    seed."""
+    seed; streamed, the train split is a Streamed whose rows are prompts (PromptRows) and the held-out one its
+    sources' last pieces (or --eval_data)."""
+    if text.streams(cfg.data, cfg.streaming):
+        streamed = Streamed.open(text.streamed_data(cfg.data, cache_dir), "prompt", cfg.data_config,
+                                 cfg.eval_fraction, cfg.bad_lines, ("prompt",))
+        first = stream_sources.first_record(streamed.sources[0])[1]
+        tokenizer = tokenizer_of(cfg)
+        streamed = streamed.with_rows(PromptRows(tokenizer, sft.chat_template(tokenizer, cfg.chat_template),
+                                                 cfg.seq_len, cfg.prompt_length, layout(first) or "standard"))
+        return streamed, _prompts(cfg, cfg.eval_data, cache_dir, cfg.eval_split) if cfg.eval_data else \
+            streamed.held_out()
     if cfg.eval_data:
         return _prompts(cfg, cfg.data, cache_dir), _prompts(cfg, cfg.eval_data, cache_dir, cfg.eval_split)
     return text.drawn_held_out(_prompts(cfg, cfg.data, cache_dir), cfg.eval_fraction, cfg.seed, cfg.data,
@@ -148,6 +176,45 @@ def _prompts(cfg: PromptsConfig, data: str, cache_dir: Path, split: str = "train
     return encoded.with_format("torch", columns=["prompt_ids", "prompt_length", "index"], output_all_columns=True)
 
 
+@dataclass(frozen=True, slots=True)
+class PromptRows:
+    """Streamed prompts (trainkit/data/stream.py's RowMaker): one row per record, as _prompts encodes it; a prompt
+    longer than prompt_length gives none (it is passed over, as a streamed chat example with nothing to learn is),
+    a record that is not a prompt of the first record's layout is a bad line (named, or skipped: --bad_lines). It
+    runs in the data workers: it pickles."""
+
+    tokenizer: Any
+    template: str | None
+    seq_len: int
+    prompt_length: int
+    layout: str
+
+    def examples(self, records: list[dict], source: Any = None) -> list:
+        made: list = []
+        for record in records:
+            if what := record_problem(record, self.layout):
+                made.append(BadRecord(f"{what}: a prompt is {PROMPT_RECORD}"))
+                continue
+            if self.template is None and self.layout == "conversational":
+                raise ConfigError([Problem("the tokenizer has no chat template to render conversational prompts "
+                                           "with", "--chat_template", f"pass --chat_template "
+                                                                      f"{' or '.join(sft.TEMPLATES)}")])
+            ids = encode_prompt(record["prompt"], self.tokenizer, self.template)
+            made.append({"prompt_ids": ids, "columns": json.dumps(record)} if len(ids) <= self.prompt_length
+                        else None)
+        return made
+
+    def pack(self, examples: Any, used: int) -> Any:
+        """A row per prompt (`used` 1: the prompt resumed at was given already)."""
+        pad = sft.pad_id(self.tokenizer)
+        for example, at in examples:
+            if not used:
+                ids = example["prompt_ids"]
+                yield {"prompt_ids": torch.tensor(ids + [pad] * (self.prompt_length - len(ids))),
+                       "prompt_length": torch.tensor(len(ids)), "columns": example["columns"]}, (at, 1)
+            used = 0
+
+
 class Slots(Dataset):
     """Completion slots: sample i is prompt i // group's generation i % group. `group_size` tells the data order to
     keep a prompt's slots together (trainkit/data/batches.py's epoch_order); `repeats` to train on each global batch
@@ -163,14 +230,28 @@ class Slots(Dataset):
         return {**self.prompts[i // self.group_size], "generation": torch.tensor(i % self.group_size)}
 
 
-def preview(cfg: PromptsConfig, cache_dir: Path) -> str:
-    """--dry_run's view: prompt --preview (from 0) as the model reads it, and how many prompts there are."""
+def first_prompt(cfg: PromptsConfig, cache_dir: Path) -> dict[str, Any]:
+    """Prompt --preview of --data as a training row has it (prompt_ids, prompt_length, columns), and how many
+    prompts there are (None streamed: --preview is then the first source's first prompt that fits)."""
+    if text.streams(cfg.data, cfg.streaming):
+        row = prompt_datasets(cfg, cache_dir)[0].first_row()
+        if row is None:
+            raise ConfigError([Problem(f"no prompt of {cfg.data} fits in --seq_len {cfg.seq_len} beside a completion "
+                                       f"of --max_completion_length {cfg.max_completion_length}", f"--data {cfg.data}",
+                                       "pass a larger --seq_len, or a smaller --max_completion_length")])
+        return {**row, "count": None}
     prompts = _prompts(cfg, cfg.data, cache_dir)
     if cfg.preview >= len(prompts):
         raise ConfigError([Problem(f"--preview {cfg.preview}: {cfg.data} holds {len(prompts)} prompts to train on",
                                    "--preview", f"pass a number from 0 to {len(prompts) - 1}")])
-    row = prompts[cfg.preview]
+    return {**prompts[cfg.preview], "count": len(prompts)}
+
+
+def preview(cfg: PromptsConfig, cache_dir: Path) -> str:
+    """--dry_run's view: prompt --preview (from 0) as the model reads it, and how many prompts there are."""
+    row = first_prompt(cfg, cache_dir)
     ids = row["prompt_ids"][:int(row["prompt_length"])].tolist()
-    return (f"prompt {cfg.preview} of {len(prompts)} as the model reads it ({len(ids)} tokens; each gets "
-            f"{cfg.num_generations} completions of at most {cfg.max_completion_length}):\n"
-            f"{tokenizer_of(cfg).decode(ids)}")
+    which = f"prompt {cfg.preview} of {row['count']}" if row["count"] is not None else \
+        "the first prompt of the stream"
+    return (f"{which} as the model reads it ({len(ids)} tokens; each gets {cfg.num_generations} completions of at "
+            f"most {cfg.max_completion_length}):\n{tokenizer_of(cfg).decode(ids)}")

@@ -53,6 +53,10 @@ class Streamed:
     bad_lines: str = "stop"  # stop | skip
     rows: Any = None
     mixture: bool = False  # weighed sources (or a mixture YAML): streamed whatever --streaming says
+    # Online RL's completion slots (trainkit/data/prompts.py): each row fills `group` positions side by side (its
+    # completions), and each global batch is given `repeats` steps in a row (--num_iterations)
+    group: int = 1
+    repeats: int = 1
 
     @classmethod
     def open(cls, data: str, text_field: str, data_config: str, eval_fraction: float, bad_lines: str,
@@ -77,6 +81,11 @@ class Streamed:
     def with_rows(self, rows: Any) -> Streamed:
         return dataclasses.replace(self, rows=rows)
 
+    def grouped(self, group: int, repeats: int = 1) -> Streamed:
+        """Rows that fill `group` positions each, every global batch given `repeats` times (trainkit/data/prompts.py's
+        Slots, streamed)."""
+        return dataclasses.replace(self, group=group, repeats=repeats)
+
     def sample_text(self, max_bytes: int) -> list[str]:
         """The text of each source's first training records, up to its weight's share of max_bytes (what a
         tokenizer is trained on)."""
@@ -90,6 +99,12 @@ class Streamed:
                 if left <= 0:
                     break
         return texts
+
+    def first_row(self) -> dict[str, Any] | None:
+        """The first row of the first source's training pieces (what --dry_run shows), None where it gives none; a
+        bad line on the way is named or skipped as the run would (bad_lines)."""
+        made = self.rows.pack(self._examples(0, ((0, piece, None) for piece in self.train[0]), [0]), 0)
+        return next((row for row, _ in made), None)
 
     def held_out(self) -> list[dict[str, torch.Tensor]]:
         """The held-out split: each source's held-out pieces made into rows, up to its weight's share of
@@ -209,7 +224,8 @@ class _Lanes(IterableDataset):
         try:
             while True:
                 made = [(lane, *next(lane_made)) for lane, lane_made in zip(mine, rows, strict=True)]
-                yield [(lane, {key: value.numpy() for key, value in row.items()}, state) for lane, row, state in made]
+                yield [(lane, {key: value.numpy() if torch.is_tensor(value) else value for key, value in row.items()},
+                        state) for lane, row, state in made]
         except TrainingError as e:  # a bad line: named in the training process, as the run's own error
             yield _Failure(e.what, e.fix)
         except ConfigError as e:
@@ -242,11 +258,17 @@ class StreamedTrain:
     def __init__(self, streamed: Streamed, layout: BatchLayout, seed: int, workers: int):
         self.streamed, self.layout, self.seed = streamed, layout, seed
         first = layout.rank * layout.micro_batch * layout.grad_accum
-        self.lanes = list(range(first, first + layout.micro_batch * layout.grad_accum))
+        self.positions = range(first, first + layout.micro_batch * layout.grad_accum)
+        # a lane per row of a global batch: `group` positions each (streamed.grouped), this process's the rows of
+        # its positions
+        self.width = layout.global_batch // streamed.group
+        self.lanes = sorted({position // streamed.group for position in self.positions})
         # a divisor of the lanes, so that each worker always makes the same lanes (_Lanes)
         self.workers = max(w for w in range(min(workers, len(self.lanes)) + 1) if w == 0 or len(self.lanes) % w == 0)
         self.k = 0  # global batches done
-        self.states: dict[str, dict] = {}  # lane -> its state after row k - 1
+        self.states: dict[str, dict] = {}  # lane -> its state after the last row read
+        self.before: dict[str, dict] = {}  # lane -> its state before it (the row a repeated batch is made of)
+        self.last: list | None = None  # the last global batch, given again while it repeats
         self.rows_of = np.zeros(len(streamed.sources), dtype=np.int64)  # rows each source gave, every lane, so far
         self._iterator: Iterator | None = None
         mixture = ", ".join(f"{source.spec} {source.weight:.2f}" for source in streamed.sources)
@@ -254,9 +276,9 @@ class StreamedTrain:
                      f"{self.workers} data worker(s) per process" + ("" if self.workers else
                      " (rows made in the training process; --data_workers N starts N beside it)"))
         few = [source.spec for source, pieces in zip(streamed.sources, streamed.train, strict=True)
-               if len(pieces) < layout.global_batch]
+               if len(pieces) < self.width]
         if few:  # lanes j and j + pieces start on the same piece (in two epochs' orders): rows can repeat
-            self.note += (f"; {', '.join(few)}: fewer pieces to train on than the {layout.global_batch} rows of a "
+            self.note += (f"; {', '.join(few)}: fewer pieces to train on than the {self.width} rows of a "
                           f"global batch, so a global batch can hold a row twice (stream more data"
                           f"{unstreamed(streamed.mixture)})")
 
@@ -265,21 +287,27 @@ class StreamedTrain:
         return 0, self.k
 
     def rank_state(self) -> dict[str, Any]:
-        """What the checkpoint keeps of this process's stream (data/rank_<r>.json)."""
-        return {"lanes": {lane: self.states[lane] for lane in map(str, self.lanes) if lane in self.states},
+        """What the checkpoint keeps of this process's stream (data/rank_<r>.json): where each lane reads its next
+        row, or within a repeated batch (streamed.repeats) where it reads that batch's row again."""
+        states = self.before if self.k % self.streamed.repeats else self.states
+        return {"lanes": {lane: states[lane] for lane in map(str, self.lanes) if lane in states},
                 "rows_of_sources": self.rows_of.tolist()}
 
     def seek(self, epoch: int, k: int, rank_states: list[dict[str, Any]] | None = None) -> None:
         """Continue after global batch k, from the lanes' states that the checkpoint's processes wrote."""
-        self.k, self._iterator, rank_states = k, None, rank_states or []
+        self.k, self._iterator, self.last, rank_states = k, None, None, rank_states or []
         self.states = {lane: state for saved in rank_states for lane, state in saved["lanes"].items()}
         self.rows_of = np.array(rank_states[0]["rows_of_sources"]) if rank_states else self.rows_of
 
     def next_global_batch(self) -> list:
+        if self.k % self.streamed.repeats and self.last is not None:  # the same batch, trained on again
+            self.k += 1
+            return self.last
+        row_k = self.k // self.streamed.repeats  # the lanes' row this batch is made of
         if self._iterator is None:
             if self.workers:  # the tokenizer's own threads would be stopped in each forked worker, with a warning
                 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-            lanes = _Lanes(self.streamed, self.lanes, self.layout.global_batch, self.seed, self.k, self.states)
+            lanes = _Lanes(self.streamed, self.lanes, self.width, self.seed, row_k, self.states)
             self._iterator = iter(DataLoader(lanes, batch_size=None, num_workers=self.workers,
                                              collate_fn=_as_they_are, generator=private_generator()))
         items = [next(self._iterator) for _ in range(max(1, self.workers))]
@@ -287,15 +315,26 @@ class StreamedTrain:
             raise failed.error()
         made = {lane: (row, state) for item in items for lane, row, state in item}
         assert sorted(made) == self.lanes, sorted(made)  # one row of every lane: the workers took turns
-        rows = []
+        self.before = dict(self.states)
         for lane in self.lanes:
-            row, self.states[str(lane)] = made[lane]
-            rows.append(row)
-        draw = draws(self.seed, self.k, self.layout.global_batch)
-        self.rows_of += np.bincount(source_of(self.streamed, draw), minlength=len(self.rows_of))
+            self.states[str(lane)] = made[lane][1]
+        if self.k % self.streamed.repeats == 0:  # a batch resumed within its repeats was counted when first read
+            self.rows_of += np.bincount(source_of(self.streamed, draws(self.seed, row_k, self.width)),
+                                        minlength=len(self.rows_of))
+        rows = [self._slot(made[position // self.streamed.group][0], position, row_k) for position in self.positions]
         self.k += 1
         m = self.layout.micro_batch
-        return [default_collate(rows[a * m:(a + 1) * m]) for a in range(self.layout.grad_accum)]
+        self.last = [default_collate(rows[a * m:(a + 1) * m]) for a in range(self.layout.grad_accum)]
+        return self.last
+
+    def _slot(self, row: dict[str, Any], position: int, row_k: int) -> dict[str, Any]:
+        """Position `position`'s sample of its lane's row: the row itself, or one of a group's slots (its number in
+        the group, and the row's number in the run's order, which seeds its sampling: trainkit/rl/sampling.py)."""
+        if self.streamed.group == 1:
+            return row
+        lane = position // self.streamed.group
+        return {**row, "index": np.int64(row_k * self.width + lane),
+                "generation": np.int64(position % self.streamed.group)}
 
     def metrics(self, accelerator: Any, copies: int) -> dict[str, Any]:
         """Each source's share of the rows trained on so far (a mixture), and the bad lines every process skipped
@@ -305,7 +344,9 @@ class StreamedTrain:
             out["data_share"] = {source.spec: round(float(rows / self.rows_of.sum()), 6)
                                  for source, rows in zip(self.streamed.sources, self.rows_of, strict=True)}
         if self.streamed.bad_lines == "skip":
-            mine = sum(state.get("skipped", 0) for state in map(self.states.get, map(str, self.lanes)) if state)
+            # a lane whose group spans processes is counted by the one that holds its first position
+            owned = [str(lane) for lane in self.lanes if lane * self.streamed.group in self.positions]
+            mine = sum(state.get("skipped", 0) for state in map(self.states.get, owned) if state)
             total = accelerator.reduce(torch.tensor([float(mine)], device=accelerator.device), "sum").item()
             out["skipped_lines"] = round(total / copies)
         return out
