@@ -302,7 +302,7 @@ class StreamedTrain:
     def next_global_batch(self) -> list:
         if self.k % self.streamed.repeats and self.last is not None:  # the same batch, trained on again
             self.k += 1
-            return self.last
+            return [dict(micro_batch) for micro_batch in self.last]  # as a new batch: its users may change it
         row_k = self.k // self.streamed.repeats  # the lanes' row this batch is made of
         if self._iterator is None:
             if self.workers:  # the tokenizer's own threads would be stopped in each forked worker, with a warning
