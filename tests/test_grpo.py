@@ -415,7 +415,7 @@ def test_streamed_prompts_are_the_same_on_any_number_of_processes_and_resume_exa
     a.write_text("".join(json.dumps(prompt_record(i)) + "\n" for i in range(160)))
     b.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"What is {i} times 3?"}], "answer": 3 * i})
                          + "\n" for i in range(120)))
-    args = [*grpo_args(chat[0], f"{a}:0.6,{b}:0.4", "--max_steps", "6", "--num_iterations", "2", "--beta", "0.04")]
+    args = [*grpo_args(chat[0], f"{a}:0.6,{b}:0.4", "--max_steps", "5", "--num_iterations", "2", "--beta", "0.04")]
     one = launch(tmp_path / "one", *args, "--batch_size", "8").check()
     assert "--data streamed:" in one.stderr
     ddp = ["--batch_size", "2", "--grad_accum", "2"]
