@@ -285,6 +285,14 @@ def test_the_dry_run_of_streamed_prompts_shows_the_first_and_names_a_source_with
     assert_refused(check_only(tmp_path / "out2", *mixed), f"{texts}:1: no field 'prompt' (its fields: text)")
 
 
+@pytest.mark.parametrize("streaming", ["false", "true"])
+def test_chat_prompts_without_a_template_are_refused_with_the_fix(check_only, chat, prompts, tmp_path, streaming):
+    args = grpo_args(chat[0], prompts, "--dry_run", "--streaming", streaming)
+    del args[args.index("--chat_template"):args.index("--chat_template") + 2]  # the fixture's tokenizer has none
+    assert_refused(check_only(tmp_path / "out", *args), "the tokenizer has no chat template to render "
+                                                         "conversational prompts with")
+
+
 def test_a_model_built_from_scratch_learns_a_programmatic_reward(check_only, chat, prompts, tmp_path):
     """A Llama (tied embeddings) built from its config, rewarded for the share of its completions' tokens among the
     vocabulary's first tenth: from chance (about 0.1) to at least 0.9, its greedy held-out answers too."""

@@ -126,16 +126,24 @@ def prompt_datasets(cfg: PromptsConfig, cache_dir: Path) -> tuple[Any, Any]:
     if text.streams(cfg.data, cfg.streaming):
         streamed = Streamed.open(text.streamed_data(cfg.data, cache_dir), "prompt", cfg.data_config,
                                  cfg.eval_fraction, cfg.bad_lines, ("prompt",))
-        first = stream_sources.first_record(streamed.sources[0])[1]
+        first = layout(stream_sources.first_record(streamed.sources[0])[1]) or "standard"
         tokenizer = tokenizer_of(cfg)
-        streamed = streamed.with_rows(PromptRows(tokenizer, sft.chat_template(tokenizer, cfg.chat_template),
-                                                 cfg.seq_len, cfg.prompt_length, layout(first) or "standard"))
+        template = sft.chat_template(tokenizer, cfg.chat_template)
+        check_template(first, template)
+        streamed = streamed.with_rows(PromptRows(tokenizer, template, cfg.seq_len, cfg.prompt_length, first))
         return streamed, _prompts(cfg, cfg.eval_data, cache_dir, cfg.eval_split) if cfg.eval_data else \
             streamed.held_out()
     if cfg.eval_data:
         return _prompts(cfg, cfg.data, cache_dir), _prompts(cfg, cfg.eval_data, cache_dir, cfg.eval_split)
     return text.drawn_held_out(_prompts(cfg, cfg.data, cache_dir), cfg.eval_fraction, cfg.seed, cfg.data,
                                "prompts within --seq_len - --max_completion_length tokens")
+
+
+def check_template(kind: str | None, template: str | None) -> None:
+    """Conversational prompts need a chat template to be rendered with."""
+    if template is None and kind == "conversational":
+        raise ConfigError([Problem("the tokenizer has no chat template to render conversational prompts with",
+                                   "--chat_template", f"pass --chat_template {' or '.join(sft.TEMPLATES)}")])
 
 
 def _prompts(cfg: PromptsConfig, data: str, cache_dir: Path, split: str = "train"):
@@ -151,9 +159,7 @@ def _prompts(cfg: PromptsConfig, data: str, cache_dir: Path, split: str = "train
     def encode(batch, indices):
         listed = text.listed_records(batch, indices, lambda record: record_problem(record, first), data, flag,
                                      f"mend that record: a prompt is {PROMPT_RECORD}")
-        if template is None and first == "conversational":
-            raise ConfigError([Problem("the tokenizer has no chat template to render conversational prompts with",
-                                       "--chat_template", f"pass --chat_template {' or '.join(sft.TEMPLATES)}")])
+        check_template(first, template)
         ids = [encode_prompt(record["prompt"], tokenizer, template) for record in listed]
         return {"prompt_ids": [row[:cfg.prompt_length] + [pad] * (cfg.prompt_length - len(row[:cfg.prompt_length]))
                                for row in ids],
@@ -195,10 +201,6 @@ class PromptRows:
             if what := record_problem(record, self.layout):
                 made.append(BadRecord(f"{what}: a prompt is {PROMPT_RECORD}"))
                 continue
-            if self.template is None and self.layout == "conversational":
-                raise ConfigError([Problem("the tokenizer has no chat template to render conversational prompts "
-                                           "with", "--chat_template", f"pass --chat_template "
-                                                                      f"{' or '.join(sft.TEMPLATES)}")])
             ids = encode_prompt(record["prompt"], self.tokenizer, self.template)
             made.append({"prompt_ids": ids, "columns": json.dumps(record)} if len(ids) <= self.prompt_length
                         else None)
