@@ -50,7 +50,9 @@ __all__ = ["CPU_STAND_INS", "EXAMPLES", "FLAG_STRATEGIES", "GPU_ONLY", "LAUNCHES
 # matrix's shared runs (lm_runs) run together. xdist's own `--dist loadgroup` cannot do it under pytest 9: it marks
 # a test's group by rewriting `item._nodeid`, which pytest 9 no longer reads (Node.nodeid is `_id`), so its groups
 # were silently ignored and files split between the workers; the scheduler below groups by file name instead.
-SHARED_RUNS = {"test_strategies": "strategy_matrix", "test_tensor_parallel": "strategy_matrix"}
+SHARED_RUNS = {name: "strategy_matrix" for name in ("test_strategies", "test_tensor_parallel", "test_pipeline",
+                                                    "test_checkpoint", "test_context_parallel",
+                                                    "test_sequence_parallel")}
 
 
 def group(path: str) -> str:
@@ -95,7 +97,8 @@ def lm_reference(tmp_path_factory):
 def lm_runs(tmp_path_factory):
     """lm_runs(config): LM under a shipped config or a flag strategy, global batch 8, a checkpoint at step 5;
     launched on first use and shared by every module that reads it (tests/test_strategies.py,
-    tests/test_tensor_parallel.py)."""
+    tests/test_tensor_parallel.py, tests/test_pipeline.py, tests/test_checkpoint.py, tests/test_context_parallel.py,
+    tests/test_sequence_parallel.py: SHARED_RUNS keeps them on one worker, where each run is launched once)."""
     done: dict[str, Run] = {}
 
     def run(name: str) -> Run:
