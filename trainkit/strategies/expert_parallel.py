@@ -76,7 +76,7 @@ def moe_models(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The outermost transformers models inside `model` (itself included) that declare an expert-parallel plan: the
     recipe's model under peft's wrapper (whose classes pass `ep_plan` on from the model inside, under other module
     names), a reference or teacher beside it. A process that has not imported transformers holds none of its models:
-    no import then (3 s of every start of a run of a plain nn.Module, measured on 2 cores)."""
+    no import then (about 2 s of the start of a run of a plain nn.Module, measured on 2 cores)."""
     if "transformers" not in sys.modules:
         return []
     from transformers import PreTrainedModel
