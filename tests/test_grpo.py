@@ -416,8 +416,8 @@ def test_a_stopped_run_resumes_bit_exact(one_process, tmp_path, flags):
 @pytest.mark.slow
 def test_streamed_prompts_are_the_same_on_any_number_of_processes_and_resume_exactly(chat, tmp_path):
     """--data a mixture of two prompt files, streamed as every mixture is (trainkit/data/stream.py: a prompt per lane,
-    each filling its 4 completion slots): one process and DDP on 2 with accumulation give the same prompts,
-    completions and curve; a DDP run stopped at step 3 with --num_iterations 2, between a batch's two steps, resumes
+    each filling its 4 completion slots): one process and DDP on 2 with accumulation (its rows made in a data
+    worker) give the same prompts, completions and curve; a DDP run stopped at step 3 with --num_iterations 2, between a batch's two steps, resumes
     to the uninterrupted run's values bit for bit (the stream gives step 4 the batch of step 3 again)."""
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     a.write_text("".join(json.dumps(prompt_record(i)) + "\n" for i in range(160)))
@@ -427,7 +427,7 @@ def test_streamed_prompts_are_the_same_on_any_number_of_processes_and_resume_exa
     one = launch(tmp_path / "one", *args, "--batch_size", "8").check()
     assert "--data streamed:" in one.stderr
     ddp = ["--batch_size", "2", "--grad_accum", "2"]
-    whole = launch(tmp_path / "whole", *args, *ddp, config="ddp").check()
+    whole = launch(tmp_path / "whole", *args, *ddp, "--data_workers", "1", config="ddp").check()  # a data worker
     out = tmp_path / "out"
     launch(out, *args, *ddp, "--save_every", "3", "--stop_at", "3", config="ddp").check()
     resumed = launch(out, *args, *ddp, "--resume", "latest", config="ddp").check()
