@@ -417,8 +417,9 @@ def test_a_stopped_run_resumes_bit_exact(one_process, tmp_path, flags):
 def test_streamed_prompts_are_the_same_on_any_number_of_processes_and_resume_exactly(chat, tmp_path):
     """--data a mixture of two prompt files, streamed as every mixture is (trainkit/data/stream.py: a prompt per lane,
     each filling its 4 completion slots): one process and DDP on 2 with accumulation (its rows made in a data
-    worker) give the same prompts, completions and curve; a DDP run stopped at step 3 with --num_iterations 2, between a batch's two steps, resumes
-    to the uninterrupted run's values bit for bit (the stream gives step 4 the batch of step 3 again)."""
+    worker) give the same prompts, completions and curve; a DDP run stopped at step 3 with --num_iterations 2,
+    between a batch's two steps, resumes to the uninterrupted run's values bit for bit (the stream gives step 4 the
+    batch of step 3 again)."""
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     a.write_text("".join(json.dumps(prompt_record(i)) + "\n" for i in range(160)))
     b.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"What is {i} times 3?"}], "answer": 3 * i})
