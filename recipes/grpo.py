@@ -463,8 +463,8 @@ def tokens_per_sample(cfg: Config) -> int:
 def preview(cfg: Config, cache_dir: Path) -> str:
     """--dry_run: a prompt as the model reads it, and each reward function called on the first prompt with an empty
     completion (a function that fails or returns the wrong count is refused here, before any GPU hour)."""
-    shown = prompts.preview(cfg, cache_dir)
     first = prompts.first_prompt(cfg, cache_dir)
+    shown = prompts.preview(cfg, first)
     scoring = _scoring(cfg)
     made = sampling.Completions(torch.tensor([[scoring.how.pad]]), torch.zeros(1, 1, dtype=torch.long),
                                 torch.tensor([True]))

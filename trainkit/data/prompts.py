@@ -124,19 +124,25 @@ def prompt_datasets(cfg: PromptsConfig, cache_dir: Path) -> tuple[Any, Any]:
     seed; streamed, the train split is a Streamed whose rows are prompts (PromptRows) and the held-out one its
     sources' last pieces (or --eval_data)."""
     if text.streams(cfg.data, cfg.streaming):
-        streamed = Streamed.open(text.streamed_data(cfg.data, cache_dir), "prompt", cfg.data_config,
-                                 cfg.eval_fraction, cfg.bad_lines, ("prompt",))
-        first = layout(stream_sources.first_record(streamed.sources[0])[1]) or "standard"
-        tokenizer = tokenizer_of(cfg)
-        template = sft.chat_template(tokenizer, cfg.chat_template)
-        check_template(first, template)
-        streamed = streamed.with_rows(PromptRows(tokenizer, template, cfg.seq_len, cfg.prompt_length, first))
+        streamed = _streamed(cfg, cache_dir)
         return streamed, _prompts(cfg, cfg.eval_data, cache_dir, cfg.eval_split) if cfg.eval_data else \
             streamed.held_out()
     if cfg.eval_data:
         return _prompts(cfg, cfg.data, cache_dir), _prompts(cfg, cfg.eval_data, cache_dir, cfg.eval_split)
     return text.drawn_held_out(_prompts(cfg, cfg.data, cache_dir), cfg.eval_fraction, cfg.seed, cfg.data,
                                "prompts within --seq_len - --max_completion_length tokens")
+
+
+def _streamed(cfg: PromptsConfig, cache_dir: Path) -> Streamed:
+    """--data read as the run trains: each source cut into pieces, its records made into prompt rows (PromptRows) of
+    the first source's first record's layout."""
+    streamed = Streamed.open(text.streamed_data(cfg.data, cache_dir), "prompt", cfg.data_config, cfg.eval_fraction,
+                             cfg.bad_lines, ("prompt",))
+    first = layout(stream_sources.first_record(streamed.sources[0])[1]) or "standard"
+    tokenizer = tokenizer_of(cfg)
+    template = sft.chat_template(tokenizer, cfg.chat_template)
+    check_template(first, template)
+    return streamed.with_rows(PromptRows(tokenizer, template, cfg.seq_len, cfg.prompt_length, first))
 
 
 def check_template(kind: str | None, template: str | None) -> None:
@@ -236,7 +242,7 @@ def first_prompt(cfg: PromptsConfig, cache_dir: Path) -> dict[str, Any]:
     """Prompt --preview of --data as a training row has it (prompt_ids, prompt_length, columns), and how many
     prompts there are (None streamed: --preview is then the first source's first prompt that fits)."""
     if text.streams(cfg.data, cfg.streaming):
-        row = prompt_datasets(cfg, cache_dir)[0].first_row()
+        row = _streamed(cfg, cache_dir).first_row()  # not the held-out split, which prompt_datasets reads too
         if row is None:
             raise ConfigError([Problem(f"no prompt of {cfg.data} fits in --seq_len {cfg.seq_len} beside a completion "
                                        f"of --max_completion_length {cfg.max_completion_length}", f"--data {cfg.data}",
@@ -249,9 +255,8 @@ def first_prompt(cfg: PromptsConfig, cache_dir: Path) -> dict[str, Any]:
     return {**prompts[cfg.preview], "count": len(prompts)}
 
 
-def preview(cfg: PromptsConfig, cache_dir: Path) -> str:
-    """--dry_run's view: prompt --preview (from 0) as the model reads it, and how many prompts there are."""
-    row = first_prompt(cfg, cache_dir)
+def preview(cfg: PromptsConfig, row: dict[str, Any]) -> str:
+    """--dry_run's view of first_prompt's row: the prompt as the model reads it, and how many prompts there are."""
     ids = row["prompt_ids"][:int(row["prompt_length"])].tolist()
     which = f"prompt {cfg.preview} of {row['count']}" if row["count"] is not None else \
         "the first prompt of the stream"
