@@ -416,10 +416,10 @@ def test_a_stopped_run_resumes_bit_exact(one_process, tmp_path, flags):
 @pytest.mark.slow
 def test_streamed_prompts_are_the_same_on_any_number_of_processes_and_resume_exactly(chat, tmp_path):
     """--data a mixture of two prompt files, streamed as every mixture is (trainkit/data/stream.py: a prompt per lane,
-    each filling its 4 completion slots): one process and DDP on 2 with accumulation (its rows made in a data
-    worker) give the same prompts, completions and curve; a DDP run stopped at step 3 with --num_iterations 2,
-    between a batch's two steps, resumes to the uninterrupted run's values bit for bit (the stream gives step 4 the
-    batch of step 3 again)."""
+    each filling its 4 completion slots): one process, DDP on 2 with accumulation (its rows made in a data worker)
+    and ZeRO-3 with offload (the policy gathered to generate) give the same prompts, completions and curve; a DDP run
+    stopped at step 3 with --num_iterations 2, between a batch's two steps, resumes to the uninterrupted run's values
+    bit for bit (the stream gives step 4 the batch of step 3 again)."""
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     a.write_text("".join(json.dumps(prompt_record(i)) + "\n" for i in range(160)))
     b.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"What is {i} times 3?"}], "answer": 3 * i})
@@ -429,6 +429,8 @@ def test_streamed_prompts_are_the_same_on_any_number_of_processes_and_resume_exa
     assert "--data streamed:" in one.stderr
     ddp = ["--batch_size", "2", "--grad_accum", "2"]
     whole = launch(tmp_path / "whole", *args, *ddp, "--data_workers", "1", config="ddp").check()  # a data worker
+    offload = launch(tmp_path / "offload", *args, *ddp, config="deepspeed_zero3_offload").check()
+    assert offload.resolved["zero_stage"] == 3
     out = tmp_path / "out"
     launch(out, *args, *ddp, "--save_every", "3", "--stop_at", "3", config="ddp").check()
     resumed = launch(out, *args, *ddp, "--resume", "latest", config="ddp").check()
@@ -437,12 +439,14 @@ def test_streamed_prompts_are_the_same_on_any_number_of_processes_and_resume_exa
     groups = [rows[i:i + 4] for i in range(0, len(rows), 4)]
     assert all(len({json.dumps(r["prompt"]) for r in group}) == 1 for group in groups)  # a prompt's 4 slots
     assert {len(group[0]["prompt"]) for group in groups} == {1, 2}  # prompts of both files (b's have no system turn)
-    assert completions(resumed) == completions(whole) == completions(one)
+    assert completions(resumed) == completions(whole) == completions(offload) == completions(one)
     assert [r["prompt"] for r in read_jsonl(out / "rollouts.jsonl")] == [r["prompt"] for r in rows]
     for key in ("loss", "grad_norm", "reward"):
         assert [m[key] for m in resumed.metrics] == [m[key] for m in whole.metrics], key
-    assert max_rel_diff([m["grad_norm"] for m in whole.metrics], [m["grad_norm"] for m in one.metrics]) <= PARITY_BOUND
-    assert whole.metrics[-1]["data_share"] == one.metrics[-1]["data_share"]
+    for run in (whole, offload):
+        assert max_rel_diff([m["grad_norm"] for m in run.metrics], [m["grad_norm"] for m in one.metrics]) <= PARITY_BOUND
+        assert run.losses == pytest.approx(one.losses, rel=PARITY_BOUND, abs=1e-6)
+        assert run.metrics[-1]["data_share"] == one.metrics[-1]["data_share"]
 
 
 def test_the_estimate_counts_the_sampling_kv_cache_and_the_reference(check_only, chat, prompts, tmp_path):
