@@ -449,6 +449,25 @@ def test_streamed_prompts_are_the_same_on_any_number_of_processes_and_resume_exa
         assert run.metrics[-1]["data_share"] == one.metrics[-1]["data_share"]
 
 
+@pytest.mark.slow
+def test_the_recipes_defaults_train_under_zero3_offload_like_one_process(chat, prompts, tmp_path):
+    """The recipe's own defaults (8 completions of up to 64 tokens per prompt in 256, dapo, temperature 1, lr 1e-6,
+    its warmup): 2 steps of one prompt on one process, and of the same global batch under ZeRO-3 with offload, where
+    every rank generates with the policy gathered: the same completions, rewards and gradient norms."""
+    args = ["--recipe", "grpo", "--model_name_or_path", str(chat[0]), "--tokenizer", "saved", "--chat_template",
+            "chatml", "--data", str(prompts), "--reward_funcs", f"{REWARDS}.even_ids", "--max_steps", "2"]
+    one = launch(tmp_path / "one", *args).check()
+    cut = launch(tmp_path / "cut", *args, "--batch_size", "4", config="deepspeed_zero3_offload").check()
+    for key, value in {"num_generations": 8, "max_completion_length": 64, "seq_len": 256, "loss_type": "dapo",
+                       "global_batch_size": 8}.items():
+        assert one.resolved[key] == cut.resolved[key] == value, key
+    assert completions(cut) == completions(one) and len(completions(one)) == 16
+    assert max(row["tokens"] for row in read_jsonl(one.output_dir / "rollouts.jsonl")) > 8  # past the suite's 8
+    assert [m["reward"] for m in cut.metrics] == pytest.approx([m["reward"] for m in one.metrics], rel=1e-6)
+    norms = [m["grad_norm"] for m in cut.metrics]
+    assert min(norms) > 0 and max_rel_diff(norms, [m["grad_norm"] for m in one.metrics]) <= PARITY_BOUND, norms
+
+
 def test_the_estimate_counts_the_sampling_kv_cache_and_the_reference(check_only, chat, prompts, tmp_path):
     """--estimate: the KV cache of the rank's completion slots (where it is larger than the step's activations),
     and under --beta the frozen reference's weights beside the policy's."""
