@@ -7,6 +7,8 @@ On one GPU the multi-GPU checks skip too; every shipped config still runs there 
 from __future__ import annotations
 
 import importlib.util
+import json
+import math
 
 import pytest
 import torch
@@ -116,6 +118,31 @@ def test_a_mixture_of_experts_over_nccl_matches_one_gpu(chat, moe_folder, run_di
     run = launch(run_dir(config), *args, *flags, config=config).check()
     for key in ("loss", "aux_loss"):
         assert max_rel_diff([m[key] for m in run.metrics], [m[key] for m in reference.metrics]) <= 1e-5, key
+
+
+def test_grpo_samples_on_the_gpu_as_one_process_does_under_zero3(chat, run_dir):
+    """The grpo recipe on a GPU: each completion slot's generator lives on CUDA (trainkit/rl/sampling.py); in fp32
+    ZeRO-3 (a world of one over NCCL, the policy gathered to generate) samples single's completions at its gradient
+    norms; in bf16 the run trains (finite losses, every completion scored)."""
+    prompts = run_dir("prompts.jsonl")
+    prompts.parent.mkdir(parents=True, exist_ok=True)
+    prompts.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"What is {i} plus 3?"}],
+                                           "answer": i + 3}) + "\n" for i in range(32)))
+    args = ["--recipe", "grpo", "--model_name_or_path", str(chat[0]), "--tokenizer", "saved", "--chat_template",
+            "chatml", "--data", str(prompts), "--reward_funcs", "tests.helpers.rl_rewards.even_ids",
+            "--num_generations", "4", "--max_completion_length", "16", "--seq_len", "64", "--batch_size", "8",
+            "--max_steps", "4", "--lr", "3e-3", "--eval_every", "0"]
+    fp32 = ("--mixed_precision", "no", "--num_processes", "1")
+    single = launch(run_dir("single"), *args, config="single", extra_launch=fp32).check()
+    zero3 = launch(run_dir("zero3"), *args, config="deepspeed_zero3", extra_launch=fp32).check()
+    rollouts = [[(r["step"], r["generation"], r["completion"]) for r in map(json.loads, (
+        run.output_dir / "rollouts.jsonl").read_text().splitlines())] for run in (single, zero3)]
+    assert rollouts[0] == rollouts[1] and len(rollouts[0]) == 32
+    norms = [m["grad_norm"] for m in zero3.metrics]
+    assert max_rel_diff(norms, [m["grad_norm"] for m in single.metrics]) <= PARITY_BOUND, norms
+    bf16 = launch(run_dir("bf16"), *args, config="single", extra_launch=("--mixed_precision", "bf16")).check()
+    assert all(math.isfinite(m["loss"]) and m["generation_s"] > 0 for m in bf16.metrics)
+    assert len((bf16.output_dir / "rollouts.jsonl").read_text().splitlines()) == 32
 
 
 @pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs")
