@@ -391,6 +391,21 @@ def test_grpo_trains_like_one_process_under_each_config(one_process, tmp_path, c
 
 
 @pytest.mark.slow
+def test_the_memory_savers_sample_and_train_as_without_them(one_process, tmp_path):
+    """Gradient checkpointing (which transformers pairs with use_cache=False in training: the sampling must still
+    get its KV cache), activation offload and the log-probabilities in tiny chunks, under DDP: the completions and
+    the curve of one process without them."""
+    args, one = one_process("qwen2", ())
+    saving = launch(tmp_path / "out", *args, "--batch_size", "4", "--gradient_checkpointing", "true",
+                    "--activation_offload", "true", "--loss_chunk_mib", "0.001", config="ddp").check()
+    assert saving.resolved["gradient_checkpointing"] is True and saving.resolved["activation_offload"] is True
+    assert completions(saving) == completions(one)
+    assert saving.losses == pytest.approx(one.losses, rel=PARITY_BOUND, abs=1e-6)
+    norms = [m["grad_norm"] for m in saving.metrics]
+    assert max_rel_diff(norms, [m["grad_norm"] for m in one.metrics]) <= PARITY_BOUND, norms
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("flags", [(), ("--num_iterations", "2", "--beta", "0.04")], ids=["on-policy", "iterations"])
 def test_a_stopped_run_resumes_bit_exact(one_process, tmp_path, flags):
     """Stopped after step 3 under DDP and resumed: every later step's completions, loss and gradient norm are the
