@@ -102,6 +102,9 @@ class Config(causal_lm.Config):  # the student's and the data's settings: recipe
                                     f"{self.lmbda}: the teacher's tables cover the data's tokens, not the completions "
                                     "the student will sample", "--precompute_teacher_topk",
                                     "pass a K > 0 with --lmbda 0, or --precompute_teacher_topk 0 (the teacher held)"))
+        if self.teacher_model_name_or_path:
+            problems += pretrained.weights_problems(self.teacher_model_name_or_path, self.allow_pickle,
+                                                    "--teacher_model_name_or_path")
         if not problems:
             problems += vocabulary_problems(self.model_name_or_path, self.teacher_model_name_or_path, self.tokenizer,
                                             self.trust_remote_code, self.data)
@@ -124,7 +127,9 @@ def vocabulary_problems(student_folder: str, teacher_folder: str, tokenizer: str
     """The student's and the teacher's tokenizers: the same token for every id, and the same ids for the text of the
     data's first records (a teacher whose logits mean other tokens would teach nonsense without an error)."""
     cfg = FineTuneConfig(model_name_or_path=student_folder, tokenizer=tokenizer, trust_remote_code=trust_remote_code)
-    student, teacher = tokenizer_of(cfg), tokenizer_of(dataclasses.replace(cfg, model_name_or_path=teacher_folder))
+    student = tokenizer_of(cfg)
+    with pretrained.named("--teacher_model_name_or_path"):
+        teacher = tokenizer_of(dataclasses.replace(cfg, model_name_or_path=teacher_folder))
     mine, theirs = student.get_vocab(), teacher.get_vocab()
     fix = "distil from a teacher of the student's tokenizer (the same family), or train the student's tokenizer's " \
           "model as the teacher"
@@ -141,7 +146,8 @@ def vocabulary_problems(student_folder: str, teacher_folder: str, tokenizer: str
             return [Problem(f"the two tokenizers encode record {i} of {data} differently from token {at} on "
                             f"(student {a[at:at + 4]}, teacher {b[at:at + 4]}): their normalisers or pre-tokenisers "
                             "differ", "--teacher_model_name_or_path", fix)]
-    sizes = logit_entries(cfg, dataclasses.replace(cfg, model_name_or_path=teacher_folder))
+    with pretrained.named("--teacher_model_name_or_path"):
+        sizes = logit_entries(cfg, dataclasses.replace(cfg, model_name_or_path=teacher_folder))
     if min(sizes) < len(student):
         return [Problem(f"the models' logits have {sizes[0]} (student) and {sizes[1]} (teacher) entries, fewer than "
                         f"the tokenizer's {len(student)} tokens", "--teacher_model_name_or_path", fix)]
@@ -251,7 +257,8 @@ def vocab_of(cfg: Config) -> int:
 def build_teacher(cfg: Config) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
-    return finetune.build(teacher_config(cfg), AutoModelForCausalLM).requires_grad_(False)
+    with pretrained.named("--teacher_model_name_or_path"):
+        return finetune.build(teacher_config(cfg), AutoModelForCausalLM).requires_grad_(False)
 
 
 def build_model(cfg: Config) -> nn.Module:

@@ -110,7 +110,8 @@ class Config(PromptsConfig):  # settings: trainkit/models/finetune.py (model), t
                                     "use --top_k 0 --num_iterations 1"))
         if not problems:  # every function importable, and as many weights
             rewards.weights(self.reward_weights, reward_names(self, rewards.load(self.reward_funcs, REWARD_FOLDERS)))
-            problems += pretrained.weights_problems(self.reward_model, self.allow_pickle) if self.reward_model else []
+            problems += pretrained.weights_problems(self.reward_model, self.allow_pickle, "--reward_model") \
+                if self.reward_model else []
         return problems
 
 
@@ -226,9 +227,10 @@ def build_scorer(cfg: Config) -> nn.Module:
 
     own = dataclasses.replace(cfg, model_name_or_path=cfg.reward_model, lora_r=0, trainable="",
                               gradient_checkpointing=False)
-    scorer = finetune.build(own, AutoModelForSequenceClassification, num_labels=1).requires_grad_(False)
-    if scorer.config.pad_token_id is None:
-        scorer.config.pad_token_id = sft.pad_id(tokenizer_of(own))
+    with pretrained.named("--reward_model"):
+        scorer = finetune.build(own, AutoModelForSequenceClassification, num_labels=1).requires_grad_(False)
+        if scorer.config.pad_token_id is None:
+            scorer.config.pad_token_id = sft.pad_id(tokenizer_of(own))
     return scorer
 
 
@@ -291,7 +293,8 @@ def _scoring(cfg: Config) -> Scoring:
         if cfg.reward_model:
             import dataclasses
 
-            scorer_tokenizer = tokenizer_of(dataclasses.replace(cfg, model_name_or_path=cfg.reward_model))
+            with pretrained.named("--reward_model"):
+                scorer_tokenizer = tokenizer_of(dataclasses.replace(cfg, model_name_or_path=cfg.reward_model))
             scorer_tokenizer.chat_template = sft.chat_template(scorer_tokenizer, cfg.chat_template)
             scorer_tokenizer.pad_token_id, scorer_tokenizer.padding_side = sft.pad_id(scorer_tokenizer), "right"
         _scorings[key] = Scoring(tokenizer, how, found, torch.tensor(rewards.weights(cfg.reward_weights, names)),

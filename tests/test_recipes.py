@@ -208,6 +208,33 @@ def test_fine_tuning_is_safe_by_default(check_only, tmp_path):
     assert not marker.exists()
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--recipe", "causal_lm", "--model_name_or_path", "./missing"],
+     "no model folder ./missing (config field model_name_or_path): pass the folder that save_pretrained wrote"),
+    (["--recipe", "grpo", "--reward_model", "runs/reward/final", "--reward_funcs", "rewards.chat.arithmetic",
+      "--data", str(ROOT / "data" / "prompts.jsonl")],
+     "no model folder runs/reward/final (--reward_model): pass the folder that save_pretrained wrote"),
+    (["--recipe", "distill", "--teacher_model_name_or_path", "/missing/final"],
+     "no model folder /missing/final (--teacher_model_name_or_path): pass the folder"),
+    (["--recipe", "distill", "--teacher_model_name_or_path", "NO_TOKENIZER"],  # transformers refuses it
+     "transformers cannot load the tokenizer: ValueError: Couldn't instantiate the backend tokenizer"),
+], ids=["model", "reward-model", "teacher", "teacher-without-tokenizer"])
+def test_a_missing_model_is_named_by_its_own_flag(check_only, chat, tmp_path, flags, message):
+    """A path that can be no Hub id (absolute, ./, two slashes) and is no folder is refused at plan time, not sent to
+    the Hub; a second model of the run (the reward model, the teacher) is named by its own flag, also when
+    transformers refuses it (a model folder without its tokenizer's files)."""
+    import shutil
+
+    folder = tmp_path / "no_tokenizer"
+    shutil.copytree(chat[0], folder, ignore=shutil.ignore_patterns("tokenizer*", "special_tokens*"))
+    defaults = ["--model_name_or_path", str(chat[0]), "--tokenizer", "saved", "--data", str(chat[1])]
+    run = check_only(tmp_path / "out", *defaults, *(str(folder) if f == "NO_TOKENIZER" else f for f in flags),
+                     "--dry_run")
+    assert_refused(run, message)
+    if "NO_TOKENIZER" in flags:
+        assert f"(--teacher_model_name_or_path {folder}): check the folder" in run.stderr, run.stderr
+
+
 def test_a_model_folder_without_weights_is_named_with_what_it_holds(check_only, tmp_path):
     """config and tokenizer, no weights: said as such (not "pass --allow_pickle true"), by the dry run already."""
     from transformers import Qwen2Config

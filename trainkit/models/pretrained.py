@@ -28,22 +28,40 @@ def sizing(on: bool) -> Iterator[None]:
         sizes_only.reset(token)
 
 
-def weights_problems(model_name_or_path: str, allow_pickle: bool) -> list[Problem]:
-    """A local model folder without weights, or with pickled ones only (unless allowed); none while sizing only."""
-    folder = Path(model_name_or_path)
+def weights_problems(model_name_or_path: str, allow_pickle: bool,
+                     flag: str = "config field model_name_or_path") -> list[Problem]:
+    """A local path that is no folder (a Hub id, org/name, has one slash and starts with none of / . ~), a model
+    folder without weights, or with pickled ones only (unless allowed); `flag` names where the path came from. The
+    weights are not checked while sizing only."""
+    folder = Path(model_name_or_path).expanduser()
+    local = model_name_or_path.startswith(("/", ".", "~")) or model_name_or_path.count("/") > 1
+    if local and not folder.is_dir():
+        return [Problem(f"no model folder {model_name_or_path}", flag, "pass the folder that save_pretrained wrote "
+                        "the model into, such as a run's final/ (or a Hub id: org/name)")]
     if sizes_only.get() or not (model_name_or_path and folder.is_dir() and (folder / "config.json").is_file()):
         return []
     safetensors, pickled = any(folder.glob("*.safetensors")), any(folder.glob("*.bin"))
     if not (safetensors or pickled):
         held = ", ".join(sorted(p.name for p in folder.iterdir())[:8])
-        return [Problem(f"no weights in {folder} (it holds: {held})", "config field model_name_or_path",
+        return [Problem(f"no weights in {folder} (it holds: {held})", flag,
                         "pass the folder that save_pretrained wrote the model into (model.safetensors beside "
                         "config.json), such as a run's final/")]
     if pickled and not safetensors and not allow_pickle:
-        return [Problem(f"{folder} has no .safetensors weights, only pickled ones (.bin)",
-                        "config field model_name_or_path", "pass --allow_pickle true to read pytorch_model.bin "
-                        "if you trust the file, or convert it to safetensors")]
+        return [Problem(f"{folder} has no .safetensors weights, only pickled ones (.bin)", flag,
+                        "pass --allow_pickle true to read pytorch_model.bin if you trust the file, or convert it to "
+                        "safetensors")]
     return []
+
+
+@contextlib.contextmanager
+def named(flag: str) -> Iterator[None]:
+    """Loading another model of the run (a teacher, a reward model) through a config whose model_name_or_path is
+    that model's: what it refuses names `flag`, the path's own flag, not --model_name_or_path."""
+    try:
+        yield
+    except ConfigError as e:
+        raise ConfigError([Problem(p.what, p.where.replace("--model_name_or_path", flag, 1), p.fix)
+                           for p in e.problems]) from None
 
 
 PROBE = "In 2024, 1234567 users wrote:  Naïve CAFÉ's code\n\tdef f(x): return x ** 2  # ok!"
