@@ -321,6 +321,7 @@ PARITY = {"full-ddp": ("qwen2", "ddp", []),
           "lora-zero2-beta": ("qwen2", "deepspeed_zero2", ["--lora_r", "8", "--beta", "0.04"]),
           "lora-zero3-offload": ("qwen2", "deepspeed_zero3_offload", ["--lora_r", "8"]),
           "full-fsdp-offload": ("qwen2", "fsdp_offload", []),
+          "lora-hsdp-beta": ("qwen2", "hsdp", ["--lora_r", "8", "--beta", "0.04"]),  # 4 processes: 2 x 2
           "grpo-llama-tied-zero1": ("llama", "deepspeed_zero1", ["--loss_type", "grpo"]),
           "dr-grpo-lora-gpt-neox-ddp-accum": ("gpt_neox", "ddp", ["--lora_r", "8", "--grad_accum", "2",
                                                                   "--loss_type", "dr_grpo"]),
@@ -374,8 +375,10 @@ def test_grpo_trains_like_one_process_under_each_config(one_process, tmp_path, c
     and the gradient norm within PARITY_BOUND over 6 steps, the held-out reward alike."""
     name, config, flags = PARITY[case]
     args, one = one_process(name, tuple(flags))
-    cut = launch(tmp_path / "out", *args, "--batch_size", str(8 // (2 * accumulation(flags))), config=config).check()
-    assert cut.resolved["global_batch_size"] == 8
+    processes = 4 if config == "hsdp" else 2  # hsdp.yaml: 2 replicas of 2 shards
+    cut = launch(tmp_path / "out", *args, "--batch_size", str(8 // (processes * accumulation(flags))),
+                 config=config).check()
+    assert cut.resolved["global_batch_size"] == 8 and cut.resolved["world_size"] == processes
     assert cut.resolved.get("ep", 1) == (2 if config.endswith("_ep") else 1)  # the experts split, not only sharded
     assert completions(cut) == completions(one)
     assert [m["reward"] for m in cut.metrics] == pytest.approx([m["reward"] for m in one.metrics], rel=1e-6)
