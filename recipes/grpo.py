@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -378,7 +379,7 @@ def rollout(model: GRPOModel, cfg: Config, step: int, micro_batches: list[dict])
     # the same advantages and metrics from them
     everything = _gathered(torch.cat([per_function, lengths[None], made.truncated.float()[None]]))
     global_rewards = everything[:-2]
-    total = (global_rewards * scoring.weights[:, None].to(device)).sum(0)
+    total = (global_rewards * scoring.weights[:, None].to(device)).nansum(0)  # a None (NaN) adds nothing, as in TRL
     advantage, zero_std = grpo.advantages(total, cfg.num_generations, cfg.scale_rewards, cfg.advantage)
     mine = slice(_rank() * len(lengths), (_rank() + 1) * len(lengths))
     loss_mask = made.mask * (~made.truncated)[:, None] if cfg.mask_truncated_completions else made.mask
@@ -396,19 +397,27 @@ def rollout(model: GRPOModel, cfg: Config, step: int, micro_batches: list[dict])
             part["old_logps"] = model(**part, mode="policy")
     metrics = {"reward": total.mean().item(), "reward_std": total.std().item(),
                "frac_reward_zero_std": zero_std.float().mean().item(),
-               **{f"rewards/{name}/{stat}": getattr(values, stat)().item()
-                  for name, values in zip(scoring.names, global_rewards, strict=True) for stat in ("mean", "std")},
+               **{key: value for name, values in zip(scoring.names, global_rewards, strict=True)
+                  for key, value in _reward_stats(name, values).items()},
                "completions/mean_length": everything[-2].mean().item(),
                "completions/min_length": everything[-2].min().item(),
                "completions/max_length": everything[-2].max().item(),
                "completions/clipped_ratio": everything[-1].mean().item(), "generation_s": generation_s}
-    logged = [{**text, "generation": int(g), **{f"rewards/{name}": v for name, v in zip(
+    logged = [{**text, "generation": int(g), **{f"rewards/{name}": None if math.isnan(v) else v for name, v in zip(
         scoring.names, per_function[:, i].tolist(), strict=True)}, "advantage": advantage[mine][i].item(),
         "tokens": int(loss_mask[i].sum())}
         for i, (text, g) in enumerate(zip(shown, batch["generation"], strict=True))]
     if cfg.num_iterations > 1:
         _held.update(rollout=Rollout(trained, metrics, []), processes=sampling.processes())
     return Rollout(trained, metrics, logged)
+
+
+def _reward_stats(name: str, values: torch.Tensor) -> dict[str, float]:
+    """rewards/<name>/mean and /std over the completions the function scored (NaN where it returned None: TRL's
+    nanmean and nanstd); a statistic it has too few values for is left out (metrics.jsonl holds no NaN)."""
+    scored = values[~values.isnan()]
+    return {**({f"rewards/{name}/mean": scored.mean().item()} if len(scored) else {}),
+            **({f"rewards/{name}/std": scored.std().item()} if len(scored) > 1 else {})}
 
 
 def _rank() -> int:
@@ -444,9 +453,11 @@ def _held_out(model: nn.Module, batch: dict) -> tuple[torch.Tensor, dict[str, to
                            None, scoring.how, sampling.processes() > 1, scoring.ended)
     per_function, _ = _score(scoring, batch, made, model)
     per_function = per_function.to(made.ids.device)
-    total = (per_function * scoring.weights[:, None].to(made.ids.device)).sum(0)
-    sums = {"reward": total.sum(), **{f"rewards/{name}/mean": values.sum()
-                                      for name, values in zip(scoring.names, per_function, strict=True)},
+    total = (per_function * scoring.weights[:, None].to(made.ids.device)).nansum(0)
+    # each function's mean over the prompts it scored (trainkit/run/metrics.py's means_of: "<name> per <count>")
+    sums = {"reward": total.sum(), **{key: value for name, values in zip(scoring.names, per_function, strict=True)
+                                      for key, value in ((f"rewards/{name}/mean per _scored/{name}", values.nansum()),
+                                                         (f"_scored/{name}", (~values.isnan()).sum()))},
             "completions/mean_length": made.mask.sum().float()}
     return -total.mean(), sums
 
@@ -472,7 +483,8 @@ def preview(cfg: Config, cache_dir: Path) -> str:
     made = sampling.Completions(torch.tensor([[scoring.how.pad]]), torch.zeros(1, 1, dtype=torch.long),
                                 torch.tensor([True]))
     values, _ = _score(scoring, {"columns": [first["columns"]]}, made)
-    said = ", ".join(f"{r.name} {v:g}" for r, v in zip(scoring.rewards, values[:, 0].tolist(), strict=True))
+    said = ", ".join(f"{r.name} {'None' if math.isnan(v) else f'{v:g}'}"
+                     for r, v in zip(scoring.rewards, values[:, 0].tolist(), strict=True))
     return f"{shown}\nthe reward functions on an empty completion of it: {said}" if said else shown
 
 

@@ -203,16 +203,24 @@ def read_jsonl(path) -> list[dict]:
 @pytest.mark.parametrize("loss_type", grpo.LOSS_TYPES)
 def test_the_first_steps_loss_is_computed_from_rollouts_jsonl_alone(check_only, chat, prompts, tmp_path, loss_type):
     """Step 1: the advantages from the logged rewards (GRPO's group formula), the loss type's normalisation over the
-    logged token counts, the ratio 1: the logged loss. With beta > 0 the KL is exactly 0 there."""
+    logged token counts, the ratio 1: the logged loss. With beta > 0 the KL is exactly 0 there. A third function
+    returns None for some completions (TRL's "does not apply"): logged as null, it adds nothing to their reward, and
+    its metrics are over the completions it scored."""
     out = tmp_path / "out"
-    run = check_only(out, *grpo_args(chat[0], prompts, "--loss_type", loss_type, "--beta", "0.04", "--max_steps", "2",
-                                     "--batch_size", "8"))
+    args = grpo_args(chat[0], prompts, "--loss_type", loss_type, "--beta", "0.04", "--max_steps", "2",
+                     "--batch_size", "8", "--eval_data", str(prompts), "--eval_every", "2")
+    args[args.index("--reward_funcs") + 1] += f",{REWARDS}.partial"
+    run = check_only(out, *args)
     assert run.returncode == 0, run.stderr
     metrics, rows = read_jsonl(out / "metrics.jsonl"), read_jsonl(out / "rollouts.jsonl")
     first = [row for row in rows if row["step"] == 1]
     assert len(first) == 8 and [row["generation"] for row in first] == [0, 1, 2, 3] * 2
     assert {"prompt", "completion", "rewards/even_ids", "rewards/short", "advantage", "tokens"} <= set(first[0])
-    rewards = [row["rewards/even_ids"] + row["rewards/short"] for row in first]
+    partial = [row["rewards/partial"] for row in first]
+    assert {p is None for p in partial} == {True, False}, partial  # the step has completions of both kinds
+    assert metrics[0]["rewards/partial/mean"] == 1.0 and metrics[0]["rewards/partial/std"] == 0.0
+    assert metrics[1]["eval_rewards/partial/mean"] == 1.0  # over the held-out completions it scored
+    rewards = [row["rewards/even_ids"] + row["rewards/short"] + (row["rewards/partial"] or 0) for row in first]
     advantages = []
     for g in range(0, 8, 4):
         group = rewards[g:g + 4]

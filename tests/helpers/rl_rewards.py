@@ -30,5 +30,11 @@ def too_few(prompts, completions, completion_ids, **columns) -> list[float]:
     return [1.0] * (len(completions) - 1)
 
 
+def partial(prompts, completions, completion_ids, answer, **columns) -> list[float | None]:
+    """None (TRL's "does not apply", as a multi-task reward says for other tasks' prompts) where the record's answer
+    is odd, else 1: its mean over the completions it scored is 1, over all of them less."""
+    return [None if a % 2 else 1.0 for a in answer]
+
+
 def not_numbers(prompts, completions, completion_ids, **columns) -> list:
-    return [None] * len(completions)
+    return ["high"] * len(completions)

@@ -3,7 +3,9 @@
     def my_reward(prompts, completions, completion_ids, **columns) -> list[float]
 
 one number per completion (the completions are strings, or for chat prompts [{"role": "assistant", "content": ...}]),
-`columns` every other field of the prompts' records by name, one value per completion. A module is imported from
+`columns` every other field of the prompts' records by name, one value per completion. As in TRL, None says that the
+function does not apply to a completion (a math reward on a code prompt): it adds nothing to the completion's reward,
+and the function's metrics are its means over the completions it scored. A module is imported from
 the working directory or the recipe's folder (recipes/rewards/chat.py ships the chat walk-through's:
 `rewards.chat.arithmetic`, `rewards.chat.one_line`). A function that is missing, raises, or returns anything but one
 number per completion is named with the sample it was given and the fix, before the first step (the dry run calls each
@@ -79,8 +81,9 @@ def weights(spec: str, names: Sequence[str]) -> list[float]:
 
 def score(rewards: Sequence[Reward], prompts: list[Any], completions: list[Any], completion_ids: list[list[int]],
           columns: dict[str, list[Any]]) -> list[list[float]]:
-    """Each function's value of each completion: [function][completion]; a function that fails or returns
-    something else than one finite number per completion, refused naming it and the first sample."""
+    """Each function's value of each completion: [function][completion], NaN where it returned None; a function that
+    fails or returns something else than one finite number (or None) per completion, refused naming it and the first
+    sample."""
     values = []
     for reward in rewards:
         sample = json.dumps({"prompt": prompts[0], "completion": completions[0]})[:300]
@@ -96,14 +99,17 @@ def score(rewards: Sequence[Reward], prompts: list[Any], completions: list[Any],
             raise ConfigError([Problem(f"reward function {reward.path} returned {shown} for {len(completions)} "
                                        f"completions (the first {sample}): it must return one finite number per "
                                        "completion", "--reward_funcs",
-                                       f"return a list of {len(completions)} floats (0.0 where it does not apply)")])
+                                       f"return a list of {len(completions)} floats (None where it does not apply)")])
         values.append(numbers)
     return values
 
 
 def _numbers(got: Any, count: int) -> list[float] | None:
+    """The values as floats (None: NaN), or None where they are not `count` finite numbers or Nones."""
     try:
-        numbers = [float(value) for value in got]
+        values = list(got)
+        numbers = [math.nan if value is None else float(value) for value in values]
     except (TypeError, ValueError):
         return None
-    return numbers if len(numbers) == count and all(math.isfinite(n) for n in numbers) else None
+    scored = [n for n, value in zip(numbers, values, strict=True) if value is not None]
+    return numbers if len(numbers) == count and all(math.isfinite(n) for n in scored) else None
