@@ -303,22 +303,24 @@ def _scoring(cfg: Config) -> Scoring:
     return _scorings[key]
 
 
-def _score(scoring: Scoring, batch: dict, made: sampling.Completions,
-           model: nn.Module | None = None) -> tuple[torch.Tensor, list[dict]]:
+def _score(scoring: Scoring, batch: dict, made: sampling.Completions, global_step: int, max_steps: int,
+           model: nn.Module | None = None) -> tuple[torch.Tensor, list[dict], rewards.Logged]:
     """Each reward's value of each completion [rewards, rows] (the functions', then the reward model's where there
-    is one: `model`, whose forward scores), and the texts they were given."""
+    is one: `model`, whose forward scores), the texts they were given, and what the functions logged (their
+    trainer_state says global_step optimizer steps of max_steps are done)."""
     records = [json.loads(columns) for columns in batch["columns"]]
     texts = [scoring.text(ids, mask) for ids, mask in zip(made.ids, made.mask, strict=True)]
     chat = isinstance(records[0]["prompt"], list)
     completions = [[{"role": "assistant", "content": t}] for t in texts] if chat else texts
     ids = [row[mask.bool()].tolist() for row, mask in zip(made.ids, made.mask, strict=True)]
     columns = {key: [record.get(key) for record in records] for key in records[0] if key != "prompt"}
-    values = torch.tensor(rewards.score(scoring.rewards, [r["prompt"] for r in records], completions, ids, columns),
-                          dtype=torch.float32).reshape(len(scoring.rewards), len(records))
+    scored, logged = rewards.score(scoring.rewards, [r["prompt"] for r in records], completions, ids, columns,
+                                   global_step, max_steps)
+    values = torch.tensor(scored, dtype=torch.float32).reshape(len(scoring.rewards), len(records))
     if scoring.scorer_tokenizer is not None and model is not None:
         values = torch.cat([values, _model_scores(model, scoring.scorer_tokenizer, records, completions)[None]])
     shown = [{"prompt": r["prompt"], "completion": t} for r, t in zip(records, texts, strict=True)]
-    return values, shown
+    return values, shown, logged
 
 
 def _model_scores(model: nn.Module, tokenizer: Any, records: list[dict], completions: list) -> torch.Tensor:
@@ -336,6 +338,7 @@ def _model_scores(model: nn.Module, tokenizer: Any, records: list[dict], complet
 
 
 _held: dict[str, Any] = {}  # --num_iterations > 1: this rank's last rollout ("rollout") and the process count
+_training: dict[str, int] = {"step": 0}  # the step the last rollout was for: evaluation comes after it
 
 
 def rollout_state() -> dict[str, Any] | None:
@@ -355,6 +358,7 @@ def rollout(model: GRPOModel, cfg: Config, step: int, micro_batches: list[dict])
     reference's (beta > 0) and the sampling policy's (num_iterations > 1) log-probabilities."""
     import time
 
+    _training["step"] = step
     if (step - 1) % cfg.num_iterations:  # the same completions, trained on again
         if "rollout" not in _held or _held["processes"] != sampling.processes():
             raise TrainingError(
@@ -372,7 +376,7 @@ def rollout(model: GRPOModel, cfg: Config, step: int, micro_batches: list[dict])
     made = sampling.sample(lambda **kw: model(mode="generate", **kw), batch["prompt_ids"], batch["prompt_length"],
                            seeds, scoring.how, sampling.processes() > 1, scoring.ended)
     generation_s = time.perf_counter() - started
-    per_function, shown = _score(scoring, batch, made, model)
+    per_function, shown, logged = _score(scoring, batch, made, step - 1, cfg.max_steps, model)
     per_function = per_function.to(device)
     lengths = made.mask.sum(-1).float()
     # the global batch's rewards, lengths and truncations, in rank order (= the data's order): every rank computes
@@ -402,14 +406,30 @@ def rollout(model: GRPOModel, cfg: Config, step: int, micro_batches: list[dict])
                "completions/mean_length": everything[-2].mean().item(),
                "completions/min_length": everything[-2].min().item(),
                "completions/max_length": everything[-2].max().item(),
-               "completions/clipped_ratio": everything[-1].mean().item(), "generation_s": generation_s}
-    logged = [{**text, "generation": int(g), **{f"rewards/{name}": None if math.isnan(v) else v for name, v in zip(
+               "completions/clipped_ratio": everything[-1].mean().item(), "generation_s": generation_s,
+               **_logged_metrics(logged.metrics)}
+    rows = [{**text, "generation": int(g), **{f"rewards/{name}": None if math.isnan(v) else v for name, v in zip(
         scoring.names, per_function[:, i].tolist(), strict=True)}, "advantage": advantage[mine][i].item(),
-        "tokens": int(loss_mask[i].sum())}
+        "tokens": int(loss_mask[i].sum()), **{column: values[i] for column, values in logged.columns.items()}}
         for i, (text, g) in enumerate(zip(shown, batch["generation"], strict=True))]
     if cfg.num_iterations > 1:
         _held.update(rollout=Rollout(trained, metrics, []), processes=sampling.processes())
-    return Rollout(trained, metrics, logged)
+    return Rollout(trained, metrics, rows)
+
+
+def _logged_metrics(logged: dict[str, list[float]]) -> dict[str, float]:
+    """What the reward functions passed to log_metric: each name's mean over this rank's calls, averaged over the
+    processes that logged it (an object gather: a name one rank logged and another did not cannot hang a
+    collective)."""
+    mine = {name: sum(values) / len(values) for name, values in logged.items()}
+    if sampling.processes() == 1:
+        return mine
+    import torch.distributed as dist
+
+    every: list[dict[str, float]] = [{} for _ in range(sampling.processes())]
+    dist.all_gather_object(every, mine)
+    names = dict.fromkeys(name for rank in every for name in rank)
+    return {name: sum(r[name] for r in every if name in r) / sum(name in r for r in every) for name in names}
 
 
 def _reward_stats(name: str, values: torch.Tensor) -> dict[str, float]:
@@ -448,10 +468,11 @@ def loss(model: nn.Module, batch: dict) -> tuple[torch.Tensor, dict[str, torch.T
 def _held_out(model: nn.Module, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     from accelerate.utils import extract_model_from_parallel
 
-    scoring = _scoring(extract_model_from_parallel(model).settings)
+    settings = extract_model_from_parallel(model).settings
+    scoring = _scoring(settings)
     made = sampling.sample(lambda **kw: model(mode="generate", **kw), batch["prompt_ids"], batch["prompt_length"],
                            None, scoring.how, sampling.processes() > 1, scoring.ended)
-    per_function, _ = _score(scoring, batch, made, model)
+    per_function, _, _ = _score(scoring, batch, made, _training["step"], settings.max_steps, model)
     per_function = per_function.to(made.ids.device)
     total = (per_function * scoring.weights[:, None].to(made.ids.device)).nansum(0)
     # each function's mean over the prompts it scored (trainkit/run/metrics.py's means_of: "<name> per <count>")
@@ -482,7 +503,7 @@ def preview(cfg: Config, cache_dir: Path) -> str:
     scoring = _scoring(cfg)
     made = sampling.Completions(torch.tensor([[scoring.how.pad]]), torch.zeros(1, 1, dtype=torch.long),
                                 torch.tensor([True]))
-    values, _ = _score(scoring, {"columns": [first["columns"]]}, made)
+    values, _, _ = _score(scoring, {"columns": [first["columns"]]}, made, 0, cfg.max_steps)
     said = ", ".join(f"{r.name} {'None' if math.isnan(v) else f'{v:g}'}"
                      for r, v in zip(scoring.rewards, values[:, 0].tolist(), strict=True))
     return f"{shown}\nthe reward functions on an empty completion of it: {said}" if said else shown

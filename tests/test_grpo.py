@@ -241,12 +241,33 @@ def test_the_first_steps_loss_is_computed_from_rollouts_jsonl_alone(check_only, 
     assert metrics[0]["completions/mean_length"] == pytest.approx(sum(tokens) / 8)
 
 
+def test_reward_functions_get_trls_extras_and_may_be_async(check_only, chat, prompts, tmp_path):
+    """TRL's kwargs: trainer_state (the optimizer steps done), log_metric (into metrics.jsonl) and log_extra (a column
+    of rollouts.jsonl); an async function is awaited (the same values as its plain twin)."""
+    out = tmp_path / "out"
+    args = grpo_args(chat[0], prompts, "--max_steps", "3", "--batch_size", "8", "--eval_data", str(prompts),
+                     "--eval_every", "3")
+    args[args.index("--reward_funcs") + 1] = f"{REWARDS}.even_ids,{REWARDS}.even_ids_async,{REWARDS}.curriculum"
+    run = check_only(out, *args)
+    assert run.returncode == 0, run.stderr
+    metrics, rows = read_jsonl(out / "metrics.jsonl"), read_jsonl(out / "rollouts.jsonl")
+    assert [row["rewards/even_ids_async"] for row in rows] == [row["rewards/even_ids"] for row in rows]
+    for step, m in enumerate(metrics, start=1):
+        mine = [row for row in rows if row["step"] == step]
+        assert m["curriculum/steps_done"] == step - 1
+        assert m["curriculum/even_first"] == pytest.approx(sum(r["first_id"] % 2 == 0 for r in mine) / len(mine))
+        assert [r["rewards/curriculum"] for r in mine] == [float(r["tokens"] > step - 1) for r in mine]
+    assert "eval_rewards/curriculum/mean" in metrics[-1]
+
+
 @pytest.mark.parametrize("reward, message", [
     ("nowhere.score", "module nowhere cannot be imported"),
     (f"{REWARDS}.missing", "has no function missing"),
     (f"{REWARDS}.raises", f"reward function {REWARDS}.raises raised KeyError: 'label'"),
     (f"{REWARDS}.too_few", f"reward function {REWARDS}.too_few returned [] for 1 completions"),
     (f"{REWARDS}.not_numbers", "must return one finite number per completion"),
+    (f"{REWARDS}.raises_async", f"reward function {REWARDS}.raises_async raised TimeoutError: the judge did not "
+                                "answer"),
 ])
 def test_a_broken_reward_function_is_named_by_the_dry_run(check_only, chat, prompts, tmp_path, reward, message):
     args = grpo_args(chat[0], prompts, "--dry_run")
@@ -323,7 +344,7 @@ def test_a_model_built_from_scratch_learns_a_programmatic_reward(check_only, cha
 # Every data-parallel config at the one-process curve, full and with LoRA, the reference (beta > 0) and a reward model
 # held as the policy is, on the chat fixture's Qwen2 (untied) and two architectures the recipe was not written for:
 # Llama with tied embeddings and GPT-NeoX; each loss type and the sequence-level ratio under one split.
-PARITY = {"full-ddp": ("qwen2", "ddp", []),
+PARITY = {"full-ddp": ("qwen2", "ddp", ["--reward_funcs", f"{REWARDS}.even_ids,{REWARDS}.short,{REWARDS}.curriculum"]),
           "full-zero3-beta": ("qwen2", "deepspeed_zero3", ["--beta", "0.04"]),
           "full-fsdp-beta": ("qwen2", "fsdp", ["--beta", "0.04"]),
           "lora-zero2-beta": ("qwen2", "deepspeed_zero2", ["--lora_r", "8", "--beta", "0.04"]),
@@ -396,6 +417,10 @@ def test_grpo_trains_like_one_process_under_each_config(one_process, tmp_path, c
     # summation error is absolute, ~1e-7, and a relative bound on a value near 0 would measure nothing but that
     assert cut.losses == pytest.approx(one.losses, rel=PARITY_BOUND, abs=1e-6)
     assert cut.metrics[-1]["eval_reward"] == pytest.approx(one.metrics[-1]["eval_reward"], rel=1e-6)
+    if f"{REWARDS}.curriculum" in " ".join(flags):  # what the functions logged, gathered from both ranks
+        assert [m["curriculum/even_first"] for m in cut.metrics] == [m["curriculum/even_first"] for m in one.metrics]
+        assert [r["first_id"] for r in read_jsonl(cut.output_dir / "rollouts.jsonl")] == \
+            [r["first_id"] for r in read_jsonl(one.output_dir / "rollouts.jsonl")]
     assert min(norms) > 0  # the rewards differ within groups: every step moved the model
     assert (cut.output_dir / "final" / "config.json").is_file()
     assert (cut.output_dir / "final" / "adapter" / "adapter_config.json").is_file() == ("--lora_r" in flags)

@@ -3,6 +3,8 @@ dense ones that an untrained model's completions already spread, and broken ones
 
 from __future__ import annotations
 
+import asyncio
+
 LOW = 40  # share_of_low_ids rewards the ids below it: a tenth of the tests' 400-token vocabulary
 
 
@@ -34,6 +36,26 @@ def partial(prompts, completions, completion_ids, answer, **columns) -> list[flo
     """None (TRL's "does not apply", as a multi-task reward says for other tasks' prompts) where the record's answer
     is odd, else 1: its mean over the completions it scored is 1, over all of them less."""
     return [None if a % 2 else 1.0 for a in answer]
+
+
+async def even_ids_async(prompts, completions, completion_ids, **columns) -> list[float]:
+    """even_ids as an LLM judge would be written: awaited."""
+    await asyncio.sleep(0)
+    return even_ids(prompts, completions, completion_ids)
+
+
+def curriculum(prompts, completions, completion_ids, trainer_state, log_metric, log_extra, **columns) -> list[float]:
+    """TRL's extras: 1 for a completion longer than the optimizer steps done (trainer_state.global_step), else 0;
+    logs the steps done and the share of completions whose first token id is even (log_metric), and each
+    completion's first token id (log_extra)."""
+    log_metric("curriculum/steps_done", trainer_state.global_step)
+    log_metric("curriculum/even_first", sum(ids[0] % 2 == 0 for ids in completion_ids) / len(completion_ids))
+    log_extra("first_id", [ids[0] for ids in completion_ids])
+    return [float(len(ids) > trainer_state.global_step) for ids in completion_ids]
+
+
+async def raises_async(prompts, completions, completion_ids, **columns) -> list[float]:
+    raise TimeoutError("the judge did not answer")
 
 
 def not_numbers(prompts, completions, completion_ids, **columns) -> list:

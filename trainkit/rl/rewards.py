@@ -1,12 +1,16 @@
 """The user's reward functions: `--reward_funcs module.function[,...]`, plain Python callables with TRL's signature
 
-    def my_reward(prompts, completions, completion_ids, **columns) -> list[float]
+    def my_reward(prompts, completions, completion_ids, **kwargs) -> list[float]
 
 one number per completion (the completions are strings, or for chat prompts [{"role": "assistant", "content": ...}]),
-`columns` every other field of the prompts' records by name, one value per completion. As in TRL, None says that the
-function does not apply to a completion (a math reward on a code prompt): it adds nothing to the completion's reward,
-and the function's metrics are its means over the completions it scored. A module is imported from
-the working directory or the recipe's folder (recipes/rewards/chat.py ships the chat walk-through's:
+`kwargs` every other field of the prompts' records by name, one value per completion, and TRL's three extras:
+`trainer_state` (a transformers TrainerState: global_step, the optimizer steps done, and max_steps, for a reward that
+changes as training goes on), `log_metric(name, value)` (a number for metrics.jsonl: its mean over the step's calls,
+averaged over the processes) and `log_extra(column, values)` (one value per completion, a column of rollouts.jsonl).
+An `async def` function is awaited, the step's async functions side by side (an LLM judge's requests). As in TRL,
+None says that the function does not apply to a completion (a math reward on a code prompt): it adds nothing to the
+completion's reward, and the function's metrics are its means over the completions it scored. A module is imported
+from the working directory or the recipe's folder (recipes/rewards/chat.py ships the chat walk-through's:
 `rewards.chat.arithmetic`, `rewards.chat.one_line`). A function that is missing, raises, or returns anything but one
 number per completion is named with the sample it was given and the fix, before the first step (the dry run calls each
 on one sample) as in the run.
@@ -14,18 +18,20 @@ on one sample) as in the run.
 
 from __future__ import annotations
 
+import asyncio
 import importlib
+import inspect
 import json
 import math
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from trainkit.errors import ConfigError, Problem
 
-SIGNATURE = "def f(prompts, completions, completion_ids, **columns) -> list[float]"
+SIGNATURE = "def f(prompts, completions, completion_ids, **kwargs) -> list[float]"
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,29 +85,64 @@ def weights(spec: str, names: Sequence[str]) -> list[float]:
     return values
 
 
+@dataclass(slots=True)
+class Logged:
+    """What the functions passed to log_metric (name -> its values) and log_extra (column -> one value per
+    completion) while scoring one batch."""
+    metrics: dict[str, list[float]] = field(default_factory=dict)
+    columns: dict[str, list[Any]] = field(default_factory=dict)
+
+
 def score(rewards: Sequence[Reward], prompts: list[Any], completions: list[Any], completion_ids: list[list[int]],
-          columns: dict[str, list[Any]]) -> list[list[float]]:
-    """Each function's value of each completion: [function][completion], NaN where it returned None; a function that
-    fails or returns something else than one finite number (or None) per completion, refused naming it and the first
-    sample."""
-    values = []
+          columns: dict[str, list[Any]], global_step: int, max_steps: int) -> tuple[list[list[float]], Logged]:
+    """Each function's value of each completion: [function][completion], NaN where it returned None, and what they
+    logged; a function that fails, returns something else than one finite number (or None) per completion, or logs
+    a column of another length, refused naming it and the first sample."""
+    from transformers import TrainerState
+
+    logged = Logged()
+    extras = {"trainer_state": TrainerState(global_step=global_step, max_steps=max_steps),
+              "log_metric": lambda name, value: logged.metrics.setdefault(name, []).append(float(value)),
+              "log_extra": lambda column, values: logged.columns.setdefault(column, []).extend(values)}
+    sample = json.dumps({"prompt": prompts[0], "completion": completions[0]})[:300]
+
+    def raised(reward: Reward, e: Exception) -> ConfigError:
+        return ConfigError([Problem(f"reward function {reward.path} raised {type(e).__name__}: {e} (on "
+                                    f"{len(completions)} completions, the first {sample})", "--reward_funcs",
+                                    f"fix {reward.path}; it is called as {SIGNATURE}")])
+
+    got: list[Any] = []
     for reward in rewards:
-        sample = json.dumps({"prompt": prompts[0], "completion": completions[0]})[:300]
         try:
-            got = reward.function(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+            got.append(reward.function(prompts=prompts, completions=completions, completion_ids=completion_ids,
+                                       **columns, **extras))
         except Exception as e:
-            raise ConfigError([Problem(f"reward function {reward.path} raised {type(e).__name__}: {e} (on "
-                                       f"{len(completions)} completions, the first {sample})", "--reward_funcs",
-                                       f"fix {reward.path}; it is called as {SIGNATURE}")]) from None
-        numbers = _numbers(got, len(completions))
+            raise raised(reward, e) from None
+    waiting = [i for i, value in enumerate(got) if inspect.isawaitable(value)]
+    if waiting:  # the async functions side by side, as TRL gathers them
+        async def gathered() -> list[Any]:
+            return await asyncio.gather(*(got[i] for i in waiting), return_exceptions=True)
+
+        for i, value in zip(waiting, asyncio.run(gathered()), strict=True):
+            if isinstance(value, Exception):
+                raise raised(rewards[i], value) from None
+            got[i] = value
+    values = []
+    for reward, value in zip(rewards, got, strict=True):
+        numbers = _numbers(value, len(completions))
         if numbers is None:
-            shown = repr(got)[:200]
+            shown = repr(value)[:200]
             raise ConfigError([Problem(f"reward function {reward.path} returned {shown} for {len(completions)} "
                                        f"completions (the first {sample}): it must return one finite number per "
                                        "completion", "--reward_funcs",
                                        f"return a list of {len(completions)} floats (None where it does not apply)")])
         values.append(numbers)
-    return values
+    for column, logged_values in logged.columns.items():
+        if len(logged_values) != len(completions):
+            raise ConfigError([Problem(f"the reward functions logged {len(logged_values)} values of column {column!r} "
+                                       f"for {len(completions)} completions (the first {sample})", "--reward_funcs",
+                                       "call log_extra(column, values) once per batch, one value per completion")])
+    return values, logged
 
 
 def _numbers(got: Any, count: int) -> list[float] | None:
