@@ -48,9 +48,10 @@ def curriculum(prompts, completions, completion_ids, trainer_state, log_metric, 
     """TRL's extras: 1 for a completion longer than the optimizer steps done (trainer_state.global_step), else 0;
     logs the steps done and the share of completions whose first token id is even (log_metric), and each
     completion's first token id (log_extra)."""
+    first = [ids[0] if ids else -1 for ids in completion_ids]  # the dry run's sample is empty
     log_metric("curriculum/steps_done", trainer_state.global_step)
-    log_metric("curriculum/even_first", sum(ids[0] % 2 == 0 for ids in completion_ids) / len(completion_ids))
-    log_extra("first_id", [ids[0] for ids in completion_ids])
+    log_metric("curriculum/even_first", sum(i % 2 == 0 for i in first) / len(first))
+    log_extra("first_id", first)
     return [float(len(ids) > trainer_state.global_step) for ids in completion_ids]
 
 
