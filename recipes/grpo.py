@@ -382,8 +382,7 @@ def rollout(model: GRPOModel, cfg: Config, step: int, micro_batches: list[dict])
     # the global batch's rewards, lengths and truncations, in rank order (= the data's order): every rank computes
     # the same advantages and metrics from them
     everything = _gathered(torch.cat([per_function, lengths[None], made.truncated.float()[None]]))
-    global_rewards = everything[:-2]
-    total = (global_rewards * scoring.weights[:, None].to(device)).nansum(0)  # a None (NaN) adds nothing, as in TRL
+    total = (everything[:-2] * scoring.weights[:, None].to(device)).nansum(0)  # a None (NaN) adds nothing, as in TRL
     advantage, zero_std = grpo.advantages(total, cfg.num_generations, cfg.scale_rewards, cfg.advantage)
     mine = slice(_rank() * len(lengths), (_rank() + 1) * len(lengths))
     loss_mask = made.mask * (~made.truncated)[:, None] if cfg.mask_truncated_completions else made.mask
@@ -399,14 +398,7 @@ def rollout(model: GRPOModel, cfg: Config, step: int, micro_batches: list[dict])
             part["ref_logps"] = model(**part, mode="reference")
         if cfg.num_iterations > 1:
             part["old_logps"] = model(**part, mode="policy")
-    metrics = {"reward": total.mean().item(), "reward_std": total.std().item(),
-               "frac_reward_zero_std": zero_std.float().mean().item(),
-               **{key: value for name, values in zip(scoring.names, global_rewards, strict=True)
-                  for key, value in _reward_stats(name, values).items()},
-               "completions/mean_length": everything[-2].mean().item(),
-               "completions/min_length": everything[-2].min().item(),
-               "completions/max_length": everything[-2].max().item(),
-               "completions/clipped_ratio": everything[-1].mean().item(), "generation_s": generation_s,
+    metrics = {**_step_metrics(scoring.names, total, zero_std, everything), "generation_s": generation_s,
                **_logged_metrics(logged.metrics)}
     rows = [{**text, "generation": int(g), **{f"rewards/{name}": None if math.isnan(v) else v for name, v in zip(
         scoring.names, per_function[:, i].tolist(), strict=True)}, "advantage": advantage[mine][i].item(),
@@ -415,6 +407,19 @@ def rollout(model: GRPOModel, cfg: Config, step: int, micro_batches: list[dict])
     if cfg.num_iterations > 1:
         _held.update(rollout=Rollout(trained, metrics, []), processes=sampling.processes())
     return Rollout(trained, metrics, rows)
+
+
+def _step_metrics(names: list[str], total: torch.Tensor, zero_std: torch.Tensor,
+                  everything: torch.Tensor) -> dict[str, float]:
+    """TRL's metrics of the global batch: its rewards (weighted, and each function's: everything's rows but the last
+    two) and its completions' lengths and truncations (the last two)."""
+    lengths, truncated = everything[-2], everything[-1]
+    return {"reward": total.mean().item(), "reward_std": total.std().item(),
+            "frac_reward_zero_std": zero_std.float().mean().item(),
+            **{key: value for name, values in zip(names, everything[:-2], strict=True)
+               for key, value in _reward_stats(name, values).items()},
+            "completions/mean_length": lengths.mean().item(), "completions/min_length": lengths.min().item(),
+            "completions/max_length": lengths.max().item(), "completions/clipped_ratio": truncated.mean().item()}
 
 
 def _logged_metrics(logged: dict[str, list[float]]) -> dict[str, float]:
