@@ -268,6 +268,8 @@ def test_reward_functions_get_trls_extras_and_may_be_async(check_only, chat, pro
     (f"{REWARDS}.not_numbers", "must return one finite number per completion"),
     (f"{REWARDS}.raises_async", f"reward function {REWARDS}.raises_async raised TimeoutError: the judge did not "
                                 "answer"),
+    (f"{REWARDS}.logs_a_set", "the reward functions logged values of column 'seen' that JSON cannot hold: Object of "
+                              "type set is not JSON serializable"),
 ])
 def test_a_broken_reward_function_is_named_by_the_dry_run(check_only, chat, prompts, tmp_path, reward, message):
     args = grpo_args(chat[0], prompts, "--dry_run")

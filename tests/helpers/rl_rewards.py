@@ -59,5 +59,10 @@ async def raises_async(prompts, completions, completion_ids, **columns) -> list[
     raise TimeoutError("the judge did not answer")
 
 
+def logs_a_set(prompts, completions, completion_ids, log_extra, **columns) -> list[float]:
+    log_extra("seen", [set(ids) for ids in completion_ids])
+    return [0.0] * len(completions)
+
+
 def not_numbers(prompts, completions, completion_ids, **columns) -> list:
     return ["high"] * len(completions)

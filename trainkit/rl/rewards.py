@@ -142,6 +142,12 @@ def score(rewards: Sequence[Reward], prompts: list[Any], completions: list[Any],
             raise ConfigError([Problem(f"the reward functions logged {len(logged_values)} values of column {column!r} "
                                        f"for {len(completions)} completions (the first {sample})", "--reward_funcs",
                                        "call log_extra(column, values) once per batch, one value per completion")])
+        try:  # rollouts.jsonl holds them
+            json.dumps(logged_values, allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise ConfigError([Problem(f"the reward functions logged values of column {column!r} that JSON cannot "
+                                       f"hold: {e}", "--reward_funcs", "log numbers, strings, and lists or dicts of "
+                                       "them (float(x) of a numpy value)")]) from None
     return values, logged
 
 
