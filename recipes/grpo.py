@@ -49,7 +49,7 @@ from torch import nn
 from trainkit.data import prompts, sft
 from trainkit.data.prompts import PromptsConfig
 from trainkit.data.stream import Streamed
-from trainkit.errors import Problem, TrainingError
+from trainkit.errors import ConfigError, Problem, TrainingError
 from trainkit.losses import chunked_loss, grpo, router
 from trainkit.models import finetune, pretrained
 from trainkit.models.finetune import tokenizer_of
@@ -303,6 +303,19 @@ def _scoring(cfg: Config) -> Scoring:
     return _scorings[key]
 
 
+# The names a reward function's log_metric and log_extra must not take (those ending in / or _: any name they begin):
+# the runner's and this recipe's own in metrics.jsonl, and rollouts.jsonl's own fields
+OWN_METRICS = ("step", "loss", "lr", "grad_norm", "samples_per_s", "tokens_per_s", "data_wait_s", "checkpoint_s", "mfu",
+               "state_bytes", "peak_mem_bytes", "skipped_steps", "elapsed_s", "rollout_s", "generation_s", "reward",
+               "reward_std", "frac_reward_zero_std", "kl", "entropy", "rewards/", "completions/", "clip_ratio/",
+               "eval_")
+OWN_COLUMNS = ("step", "prompt", "completion", "generation", "advantage", "tokens", "rewards/")
+
+
+def _own(name: str, names: tuple[str, ...]) -> bool:
+    return name in names or name.startswith(tuple(n for n in names if n.endswith(("/", "_"))))
+
+
 def _score(scoring: Scoring, batch: dict, made: sampling.Completions, global_step: int, max_steps: int,
            model: nn.Module | None = None) -> tuple[torch.Tensor, list[dict], rewards.Logged]:
     """Each reward's value of each completion [rewards, rows] (the functions', then the reward model's where there
@@ -320,6 +333,12 @@ def _score(scoring: Scoring, batch: dict, made: sampling.Completions, global_ste
     if scoring.scorer_tokenizer is not None and model is not None:
         values = torch.cat([values, _model_scores(model, scoring.scorer_tokenizer, records, completions)[None]])
     shown = [{"prompt": r["prompt"], "completion": t} for r, t in zip(records, texts, strict=True)]
+    taken = [f"log_metric {name!r}" for name in logged.metrics if _own(name, OWN_METRICS)] + \
+            [f"log_extra {column!r}" for column in logged.columns if _own(column, OWN_COLUMNS)]
+    if taken:
+        raise ConfigError([Problem(f"a reward function logged {', '.join(taken)}: a name metrics.jsonl or "
+                                   "rollouts.jsonl fills itself", "--reward_funcs",
+                                   "log it under a name of your own, e.g. 'my_reward/...'")])
     return values, shown, logged
 
 
@@ -427,12 +446,12 @@ def _logged_metrics(logged: dict[str, list[float]]) -> dict[str, float]:
     processes that logged it (an object gather: a name one rank logged and another did not cannot hang a
     collective)."""
     mine = {name: sum(values) / len(values) for name, values in logged.items()}
-    if sampling.processes() == 1:
-        return mine
-    import torch.distributed as dist
+    every = [mine]
+    if sampling.processes() > 1:
+        import torch.distributed as dist
 
-    every: list[dict[str, float]] = [{} for _ in range(sampling.processes())]
-    dist.all_gather_object(every, mine)
+        every = [{} for _ in range(sampling.processes())]
+        dist.all_gather_object(every, mine)
     names = dict.fromkeys(name for rank in every for name in rank)
     return {name: sum(r[name] for r in every if name in r) / sum(name in r for r in every) for name in names}
 

@@ -270,6 +270,10 @@ def test_reward_functions_get_trls_extras_and_may_be_async(check_only, chat, pro
                                 "answer"),
     (f"{REWARDS}.logs_a_set", "the reward functions logged values of column 'seen' that JSON cannot hold: Object of "
                               "type set is not JSON serializable"),
+    (f"{REWARDS}.logs_the_loss", "a reward function logged log_metric 'loss': a name metrics.jsonl or rollouts.jsonl "
+                                 "fills itself"),
+    (f"{REWARDS}.logs_an_advantage", "a reward function logged log_extra 'advantage': a name metrics.jsonl or "
+                                     "rollouts.jsonl fills itself"),
 ])
 def test_a_broken_reward_function_is_named_by_the_dry_run(check_only, chat, prompts, tmp_path, reward, message):
     args = grpo_args(chat[0], prompts, "--dry_run")
