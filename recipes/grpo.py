@@ -109,8 +109,11 @@ class Config(PromptsConfig):  # settings: trainkit/models/finetune.py (model), t
             problems.append(Problem(f"top_k must be >= 0 and num_iterations >= 1, got {self.top_k} and "
                                     f"{self.num_iterations}", "--top_k, --num_iterations",
                                     "use --top_k 0 --num_iterations 1"))
-        if not problems:  # every function importable, and as many weights
-            rewards.weights(self.reward_weights, reward_names(self, rewards.load(self.reward_funcs, REWARD_FOLDERS)))
+        if not problems:  # every function importable and callable with the columns, and as many weights
+            found = rewards.load(self.reward_funcs, REWARD_FOLDERS)
+            rewards.weights(self.reward_weights, reward_names(self, found))
+            if (columns := prompts.first_columns(self.data)) is not None:
+                problems += rewards.signature_problems(found, columns)
             problems += pretrained.weights_problems(self.reward_model, self.allow_pickle, "--reward_model") \
                 if self.reward_model else []
         return problems

@@ -264,8 +264,11 @@ def test_reward_functions_get_trls_extras_and_may_be_async(check_only, chat, pro
     ("nowhere.score", "module nowhere cannot be imported"),
     (f"{REWARDS}.missing", "has no function missing"),
     (f"{REWARDS}.raises", f"reward function {REWARDS}.raises raised KeyError: 'label'"),
-    (f"{REWARDS}.too_few", f"reward function {REWARDS}.too_few returned [] for 1 completions"),
-    (f"{REWARDS}.not_numbers", "must return one finite number per completion"),
+    (f"{REWARDS}.too_few", f"reward function {REWARDS}.too_few returned [] for 1 completions (the first "),
+    (f"{REWARDS}.not_numbers", "completion 0's value 'high' (str) is not a finite real number; it must return one "
+                               "finite real number (or None) per completion"),
+    (f"{REWARDS}.numbers_as_strings", f"reward function {REWARDS}.numbers_as_strings returned ['0.5'] for 1 "
+                                      "completions"),
     (f"{REWARDS}.raises_async", f"reward function {REWARDS}.raises_async raised TimeoutError: the judge did not "
                                 "answer"),
     (f"{REWARDS}.logs_a_set", "the reward functions logged values of column 'seen' that JSON cannot hold: Object of "
@@ -279,6 +282,52 @@ def test_a_broken_reward_function_is_named_by_the_dry_run(check_only, chat, prom
     args = grpo_args(chat[0], prompts, "--dry_run")
     args[args.index("--reward_funcs") + 1] = reward
     assert_refused(check_only(tmp_path / "out", *args), message)
+
+
+def test_reward_values_must_be_real_numbers_and_any_librarys_number_is_one():
+    from helpers import rl_rewards
+
+    from trainkit.errors import ConfigError
+    from trainkit.rl import rewards
+
+    def scored(function):
+        reward = rewards.Reward(function.__name__, f"rl_rewards.{function.__name__}", function)
+        return rewards.score([reward], ["p"] * 4, ["c"] * 4, [[1]] * 4, {"answer": [1] * 4}, 0, 1)[0][0]
+
+    import numpy
+    import torch
+
+    for value, expected in [(numpy.float32(0.25), 0.25), (torch.tensor([1.5]), 1.5), (numpy.int64(2), 2.0),
+                            (True, 1.0), (numpy.bool_(True), 1.0), (None, None)]:
+        got = scored(lambda prompts, completions, completion_ids, v=value, **kw: [v] * len(completions))
+        assert got == [expected] * 4 if expected is not None else all(x != x for x in got)
+    assert scored(lambda prompts, completions, completion_ids, **kw: torch.tensor([0.0, 1, 2, 3])) == [0, 1, 2, 3]
+    assert scored(lambda prompts, completions, completion_ids, **kw: numpy.arange(4.0)) == [0, 1, 2, 3]
+    for bad, said in [(["0.5"] * 4, "completion 0's value '0.5' (str)"),
+                      ([1.0, 2.0, b"3", 4.0], "completion 2's value b'3' (bytes)"),
+                      ([1.0, float("inf"), 0, 0], "completion 1's value inf (float)"),
+                      ([1.0, 1j, 0, 0], "completion 1's value 1j (complex)"),
+                      ("1234", "that is a str, not a list"), (torch.tensor(1.0), "that is a Tensor with no values")]:
+        with pytest.raises(ConfigError) as refused:
+            scored(lambda prompts, completions, completion_ids, b=bad, **kw: b)
+        assert said in refused.value.problems[0].what
+    # a signature without **kwargs is refused when the run is planned, unless it names all it is given
+    found = [rewards.Reward(f.__name__, f.__name__, f) for f in (rl_rewards.no_kwargs, rl_rewards.names_everything)]
+    problems = rewards.signature_problems(found, ["answer"])
+    assert [p.what.split(" (")[0] for p in problems] == ["reward function no_kwargs cannot be called as the run calls "
+                                                         "it"]
+    assert "got an unexpected keyword argument 'answer'" in problems[0].what
+    assert [p.what.split(" (")[0] for p in rewards.signature_problems(found[1:], ["answer", "level"])] == \
+        ["reward function names_everything cannot be called as the run calls it"]
+
+
+def test_a_reward_function_that_cannot_take_the_columns_is_refused_before_the_run(check_only, chat, prompts,
+                                                                                   tmp_path):
+    args = grpo_args(chat[0], prompts)  # no --dry_run: refused while planning, before a model is built
+    args[args.index("--reward_funcs") + 1] = f"{REWARDS}.no_kwargs"
+    assert_refused(check_only(tmp_path / "out", *args), f"reward function {REWARDS}.no_kwargs cannot be called as "
+                                                        "the run calls it")
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()
 
 
 @pytest.mark.parametrize("args, message", [

@@ -76,3 +76,18 @@ def logs_an_advantage(prompts, completions, completion_ids, log_extra, **columns
 
 def not_numbers(prompts, completions, completion_ids, **columns) -> list:
     return ["high"] * len(completions)
+
+
+def numbers_as_strings(prompts, completions, completion_ids, **columns) -> list:
+    """Strings that float() would read as 0.5: not numbers, refused (they trained as reward 0.5, advantage 0)."""
+    return ["0.5"] * len(completions)
+
+
+def no_kwargs(prompts, completions, completion_ids) -> list[float]:
+    """No **kwargs: the columns and TRL's extras cannot be passed to it."""
+    return [0.0] * len(completions)
+
+
+def names_everything(prompts, completions, completion_ids, answer, trainer_state, log_metric, log_extra) -> list:
+    """No **kwargs, but every argument it is called with named: callable."""
+    return [0.0] * len(completions)

@@ -13,7 +13,9 @@ completion's reward, and the function's metrics are its means over the completio
 from the working directory or the recipe's folder (recipes/rewards/chat.py ships the chat walk-through's:
 `rewards.chat.arithmetic`, `rewards.chat.one_line`). A function that is missing, raises, or returns anything but one
 number per completion is named with the sample it was given and the fix, before the first step (the dry run calls each
-on one sample) as in the run.
+on one sample) as in the run. A number is a real number: a Python, numpy or one-element torch number; a string that
+reads as one is refused, not parsed. A function whose signature cannot take what it is called with (the prompts' columns
+and TRL's extras by name: `**kwargs` takes them) is refused when the run is planned.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import importlib
 import inspect
 import json
 import math
+import numbers
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -32,6 +35,7 @@ from typing import Any
 from trainkit.errors import ConfigError, Problem
 
 SIGNATURE = "def f(prompts, completions, completion_ids, **kwargs) -> list[float]"
+EXTRAS = ("trainer_state", "log_metric", "log_extra")  # TRL's, passed by name on every call
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +71,24 @@ def load(spec: str, folders: Sequence[Path]) -> list[Reward]:
                                        f"{getattr(module, '__file__', module_name)}")])
         found.append(Reward(function, path, target))
     return found
+
+
+def signature_problems(found: Sequence[Reward], columns: Sequence[str]) -> list[Problem]:
+    """Each function that cannot be called with the prompts' `columns` and the extras by name (it has no
+    **kwargs and leaves one of them out, or wants an argument that is never passed)."""
+    problems = []
+    passed = ("prompts", "completions", "completion_ids", *columns, *EXTRAS)
+    for reward in found:
+        try:
+            inspect.signature(reward.function).bind(**dict.fromkeys(passed))
+        except TypeError as e:
+            problems.append(Problem(f"reward function {reward.path} cannot be called as the run calls it ({e}): it "
+                                    f"is given prompts, completions, completion_ids, the prompts' columns "
+                                    f"({', '.join(columns) or 'none'}) and {', '.join(EXTRAS)} by name",
+                                    "--reward_funcs", f"give it TRL's signature, {SIGNATURE}"))
+        except ValueError:  # a builtin or C function without a signature: it is called as it is
+            continue
+    return problems
 
 
 def weights(spec: str, names: Sequence[str]) -> list[float]:
@@ -129,14 +151,13 @@ def score(rewards: Sequence[Reward], prompts: list[Any], completions: list[Any],
             got[i] = value
     values = []
     for reward, value in zip(rewards, got, strict=True):
-        numbers = _numbers(value, len(completions))
-        if numbers is None:
-            shown = repr(value)[:200]
-            raise ConfigError([Problem(f"reward function {reward.path} returned {shown} for {len(completions)} "
-                                       f"completions (the first {sample}): it must return one finite number per "
-                                       "completion", "--reward_funcs",
+        scored, bad = _numbers(value, len(completions))
+        if scored is None:
+            raise ConfigError([Problem(f"reward function {reward.path} returned {repr(value)[:200]} for "
+                                       f"{len(completions)} completions (the first {sample}): {bad}; it must return "
+                                       "one finite real number (or None) per completion", "--reward_funcs",
                                        f"return a list of {len(completions)} floats (None where it does not apply)")])
-        values.append(numbers)
+        values.append(scored)
     for column, logged_values in logged.columns.items():
         if len(logged_values) != len(completions):
             raise ConfigError([Problem(f"the reward functions logged {len(logged_values)} values of column {column!r} "
@@ -151,12 +172,34 @@ def score(rewards: Sequence[Reward], prompts: list[Any], completions: list[Any],
     return values, logged
 
 
-def _numbers(got: Any, count: int) -> list[float] | None:
-    """The values as floats (None: NaN), or None where they are not `count` finite numbers or Nones."""
+def _numbers(got: Any, count: int) -> tuple[list[float] | None, str]:
+    """The values as floats (None: NaN), or None and what is wrong where they are not `count` finite real numbers
+    or Nones."""
+    if isinstance(got, (str, bytes, dict)) or not hasattr(got, "__iter__"):
+        return None, f"that is a {type(got).__name__}, not a list"
     try:
         values = list(got)
-        numbers = [math.nan if value is None else float(value) for value in values]
-    except (TypeError, ValueError):
-        return None
-    scored = [n for n, value in zip(numbers, values, strict=True) if value is not None]
-    return numbers if len(numbers) == count and all(math.isfinite(n) for n in scored) else None
+    except TypeError:  # a 0-d array or tensor
+        return None, f"that is a {type(got).__name__} with no values to list"
+    if len(values) != count:
+        return None, f"{len(values)} values"
+    scored = []
+    for i, value in enumerate(values):
+        number = math.nan if value is None else _real(value)
+        if number is None or (value is not None and not math.isfinite(number)):
+            return None, f"completion {i}'s value {value!r} ({type(value).__name__}) is not a finite real number"
+        scored.append(number)
+    return scored, ""
+
+
+def _real(value: Any) -> float | None:
+    """A real number's value (Python's, numpy's, a one-element tensor's), or None: a string that reads as a number
+    is not one (float("0.5") would take it)."""
+    import numpy
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return float(value.item()) if value.numel() == 1 and not value.is_complex() else None
+    if isinstance(value, (numbers.Real, numpy.bool_)):  # numpy's bool is no numbers.Real
+        return float(value)
+    return None
