@@ -114,8 +114,9 @@ class Config(PromptsConfig):  # settings: trainkit/models/finetune.py (model), t
             rewards.weights(self.reward_weights, reward_names(self, found))
             if (columns := prompts.first_columns(self.data)) is not None:
                 problems += rewards.signature_problems(found, columns)
-            problems += pretrained.weights_problems(self.reward_model, self.allow_pickle, "--reward_model") \
-                if self.reward_model else []
+            if self.reward_model:
+                problems += pretrained.weights_problems(self.reward_model, self.allow_pickle, "--reward_model") or \
+                    pretrained.scorer_problems(self.reward_model, "--reward_model")
         return problems
 
 

@@ -602,6 +602,22 @@ def test_the_estimate_counts_the_sampling_kv_cache_and_the_reference(check_only,
     assert int(params.split()[0].replace(",", "")) == 2 * int(alone.split()[0].replace(",", ""))
 
 
+def test_a_folder_that_is_no_reward_model_is_refused_before_the_run(check_only, chat, prompts, tmp_path):
+    """A causal LM's folder would load as a sequence classifier with a head drawn at random (trained with exit 0):
+    refused naming the missing head; so is a classifier of three outputs."""
+    from transformers import AutoConfig, Qwen2ForSequenceClassification
+
+    three = tmp_path / "three"
+    config = AutoConfig.from_pretrained(chat[0], num_labels=3)
+    Qwen2ForSequenceClassification(config).save_pretrained(three)
+    for folder, said in [(chat[0], f"{chat[0]} is no reward model: its weights have no scoring head (score.weight; "
+                                   "it holds a Qwen2ForCausalLM)"),
+                         (three, f"{three} is no reward model: score.weight has 3 outputs, a reward model has one")]:
+        run = check_only(tmp_path / "out", *grpo_args(chat[0], prompts, "--reward_model", str(folder)))
+        assert_refused(run, said)
+        assert "--recipe reward" in run.stderr and not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
 def test_a_reward_model_scores_each_completion_in_the_run(check_only, chat, prompts, scorer, tmp_path):
     """--reward_model: every completion scored by it (its own tokens, the prompt and completion rendered with the
     chat template, as TRL renders them), weighed with the functions; the score in rollouts.jsonl is the exported

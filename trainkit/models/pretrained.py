@@ -53,6 +53,43 @@ def weights_problems(model_name_or_path: str, allow_pickle: bool,
     return []
 
 
+def scorer_problems(folder: str, flag: str) -> list[Problem]:
+    """A reward model's folder must hold a trained scoring head of one output: transformers would load a causal LM's
+    folder as a sequence classifier with a freshly drawn head, and say so only in its load report. The head is what
+    AutoModelForSequenceClassification (built on the meta device: no memory) holds beside its base model; its shape
+    is read from the safetensors headers. Pickled weights are not read here."""
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    path = Path(folder).expanduser()
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
+    if sizes_only.get() or not files:
+        return []
+    shapes = {}
+    for file in files:
+        with safe_open(file, "pt") as f:
+            shapes.update({key: f.get_slice(key).get_shape() for key in f.keys()})  # noqa: SIM118 (no __iter__)
+    config = AutoConfig.from_pretrained(path)
+    config.num_labels = 1  # the head as a reward model has it; the folder's own width is read from its weights
+    with torch.device("meta"):
+        model = AutoModelForSequenceClassification.from_config(config)
+    prefix = f"{model.base_model_prefix}."
+    head = [name for name, _ in model.named_parameters() if not name.startswith(prefix) and name.endswith("weight")]
+    fix = ("pass a reward model: the final/ of a reward run (--recipe reward on preference pairs) trains one; a "
+           "folder that AutoModelForSequenceClassification saved with num_labels=1")
+    missing = [name for name in head if name not in shapes]
+    if missing:
+        kind = ", ".join(config.architectures or [config.model_type])
+        return [Problem(f"{path} is no reward model: its weights have no scoring head ({', '.join(missing)}; it "
+                        f"holds a {kind}), so one would be drawn at random", flag, fix)]
+    wide = [f"{name} has {shapes[name][0]} outputs" for name in head if shapes[name][0] != 1]
+    if wide:
+        return [Problem(f"{path} is no reward model: {', '.join(wide)}, a reward model has one (a score)", flag,
+                        fix)]
+    return []
+
+
 @contextlib.contextmanager
 def named(flag: str) -> Iterator[None]:
     """Loading another model of the run (a teacher, a reward model) through a config whose model_name_or_path is
