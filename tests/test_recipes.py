@@ -184,6 +184,41 @@ def test_freezing_all_but_some_modules_holds_less(pretrained, fine_tune_referenc
     assert run.losses[1:] != fine_tune_reference.losses[1:] and run.losses[-1] < run.losses[0] + 0.5
 
 
+def test_a_recipe_written_against_the_earlier_layout_still_loads_and_says_where_its_modules_went(check_only,
+                                                                                                  tmp_path):
+    """The tiny transformer's recipe as the release before trainkit/ was grouped had its imports: it plans and
+    passes the dry run (which imports it and checks its config and data), with one FutureWarning per moved module
+    naming its new home."""
+    import sys
+    import warnings
+
+    import trainkit
+    from trainkit import moved
+
+    source = (ROOT / "recipes" / "tiny_transformer.py").read_text()
+    new = source[source.index("from trainkit.config"):source.index("from trainkit.strategies import pipeline_decoder")]
+    old = source.replace(new, "from trainkit import chunked_loss, decoder_stages, sft, text, tiled_mlp\n"
+                              "from trainkit.config import TrainConfig\nfrom trainkit.errors import Problem\n"
+                              "from trainkit.rows import TextBlocks\nfrom trainkit.stream import Streamed\n")
+    old = old.replace("from trainkit.strategies import pipeline_decoder\n", "").replace("pipeline_decoder.",
+                                                                                        "decoder_stages.")
+    recipe = tmp_path / "old_layout.py"
+    recipe.write_text(old)
+    for name in moved.MOVED:  # as in a new process: nothing imported by its old name yet
+        sys.modules.pop(f"trainkit.{name}", None)
+        if name not in moved.FOLDERS:
+            vars(trainkit).pop(name, None)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        run = check_only(tmp_path / "out", "--recipe", str(recipe), "--dry_run")
+    assert run.returncode == 0, run.stderr
+    assert sorted(str(w.message).split(" moved")[0] for w in said if w.category is FutureWarning) == \
+        ["trainkit.chunked_loss", "trainkit.decoder_stages", "trainkit.rows", "trainkit.sft", "trainkit.stream",
+         "trainkit.text", "trainkit.tiled_mlp"]
+    assert "trainkit.rows moved to trainkit.data.stream_rows: import it from there" in \
+        " ".join(str(w.message) for w in said)
+
+
 def test_fine_tuning_is_safe_by_default(check_only, tmp_path):
     """Pickled weights and code shipped with a model are used only when a flag says so; before anything is built."""
     from transformers import LlamaConfig

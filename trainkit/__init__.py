@@ -16,5 +16,17 @@
     launch/      what the launcher asked for, the machine, the hostfile launcher, how a rank ends
     tools/       the commands users type beside training (python -m trainkit.tools.ask | catalog | compare | plot)
 
-Nothing in the package imports tools/, and no recipe does: a tool is a user's command, not a library.
+Nothing in the package imports tools/, and no recipe does: a tool is a user's command, not a library. The names
+of the release before this layout still import, with a warning (moved.py).
 """
+
+from trainkit import moved as _moved
+
+_moved.install()
+
+
+def __getattr__(name: str):  # `from trainkit import text`: a module of the earlier layout, from its new home
+    if name in _moved.MOVED and name not in _moved.FOLDERS:
+        globals()[name] = _moved.moved(name)  # said once: the import's second look finds it here
+        return globals()[name]
+    raise AttributeError(f"module 'trainkit' has no attribute {name!r}")
