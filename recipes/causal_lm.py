@@ -29,6 +29,9 @@ example `--trainable lm_head,model.layers.3` or `--trainable model.layers.` to f
 from __future__ import annotations
 
 import functools
+import os
+import sys
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -208,24 +211,38 @@ def _records(cfg: Config, layout: str, data: str, cache_dir: Path, split: str = 
 
 
 def _encoded(cfg: Config, layout: str, records, data: str):
-    """Instruction or chat records, one example each (cut to seq_len), with labels only on what is learned; examples
-    left with nothing to learn (their answers cut away) are dropped, and all of them dropped is refused."""
+    """Instruction or chat records, one example each (cut to seq_len), with labels only on what is learned. Examples
+    that teach less than they seem to (sft.ANSWER_GAPS: no answer, none left within seq_len, empty answers, a turn
+    after the last answer) are counted and said, those with nothing to learn left out, and all of them left out
+    refused naming why."""
     maker = _maker(cfg, layout)
+    roles = dict(maker.role_map)
+    columns = ("input_ids", "labels", *(["weight"] if maker.weights else []))
 
-    def encode(batch):  # the examples with something to learn (the rest give None)
+    def encode(batch, indices):
         listed = [dict(zip(batch, values, strict=True)) for values in zip(*batch.values(), strict=True)]
-        made = [e for e in maker.examples(listed) if e is not None]
+        made = maker.examples(listed)
         if bad := next((e for e in made if isinstance(e, BadRecord)), None):  # a Hub dataset's: no file to check
             raise ConfigError([Problem(f"a record of {data} {bad.why}", f"{cfg.flag_of(data)} {data}",
                                        "pass --role_map name=role for a role named otherwise, or mend the data")])
-        return {key: [e[key] for e in made] for key in ("input_ids", "labels", *(["weight"] if maker.weights else []))}
+        gaps = [("" if maker.train_on_all else sft.answer_gap(record, layout, roles)) for record in listed]
+        why = [gap if gap == "no_answer" or example else "cut" for gap, example in zip(gaps, made, strict=True)]
+        return {**{key: [e[key] if e else [] for e in made] for key in columns}, "why": why, "record": indices}
 
-    kept = records.map(encode, batched=True, remove_columns=records.column_names)
-    if len(kept) == 0:
-        raise ConfigError([Problem(f"none of the {len(records)} examples of {data} has a token left to learn "
-                                   f"from within --seq_len {cfg.seq_len} (the answers come after it)", "--seq_len",
-                                   "pass a larger --seq_len, or --train_on all")])
-    return kept
+    encoded = records.map(encode, batched=True, with_indices=True, remove_columns=records.column_names)
+    counts = Counter(encoded["why"])
+    left_out = counts["no_answer"] + counts["cut"]
+    said = [f"{n} {sft.ANSWER_GAPS[why].replace('--seq_len', f'--seq_len {cfg.seq_len}')} (the first: record "
+            f"{encoded['record'][encoded['why'].index(why)] + 1})" for why, n in counts.items() if why]
+    if left_out == len(records):
+        fix = "pass a larger --seq_len, or --train_on all" if counts["cut"] else \
+            "give each conversation the assistant's answer to learn (or --train_on all to learn every token)"
+        raise ConfigError([Problem(f"none of the {len(records)} examples of {data} has a token to learn: "
+                                   f"{'; '.join(said)}", f"{cfg.flag_of(data)} {data}", fix)])
+    if said and int(os.environ.get("RANK", "0")) == 0:
+        print(f"note: of the {len(records)} examples of {data}, {'; '.join(said)}", file=sys.stderr, flush=True)
+    kept = encoded.filter(lambda why: why not in ("no_answer", "cut"), input_columns="why") if left_out else encoded
+    return kept.remove_columns(["why", "record"])
 
 
 def _rows(cfg: Config, examples):
@@ -252,6 +269,7 @@ def preview(cfg: Config, cache_dir: Path) -> str | None:
         if cfg.preview >= len(loaded):
             raise ConfigError([Problem(f"--preview {cfg.preview}: {cfg.data} holds {len(loaded)} examples",
                                        "--preview", f"pass a number from 0 to {len(loaded) - 1}")])
+        _encoded(cfg, layout, loaded, cfg.data)  # what the run refuses or counts, said here too
         number, records = cfg.preview, loaded.select(range(cfg.preview, min(len(loaded), cfg.preview + PACK_WINDOW)))
     tokenizer = tokenizer_of(cfg)
     made = _maker(cfg, layout).examples([dict(r) for r in records])

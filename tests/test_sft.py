@@ -185,13 +185,53 @@ def test_data_with_nothing_left_to_learn_is_refused(chat, test_env, tmp_path):
     recipe = load_recipe("causal_lm")
     cfg = recipe.Config(model_name_or_path=str(folder), tokenizer="saved", data=str(data), chat_template="chatml",
                         seq_len=16)
-    with pytest.raises(ConfigError, match=rf"none of the {EXAMPLES} examples of {data} has a token left to learn "
-                                          r"from within --seq_len 16 .*: pass a larger --seq_len, or --train_on all"):
+    with pytest.raises(ConfigError, match=rf"none of the {EXAMPLES} examples of {data} has a token to learn: "
+                                          rf"{EXAMPLES} have no answer token within --seq_len 16: left out \(the "
+                                          r"first: record 1\) .*: pass a larger --seq_len, or --train_on all"):
         recipe.make_datasets(cfg, tmp_path)
     cfg = recipe.Config(model_name_or_path=str(folder), tokenizer="saved", data=str(data), chat_template="chatml",
                         seq_len=60)  # the first answer fits, the second is cut: every example kept
     train, held_out = recipe.make_datasets(cfg, tmp_path)
     assert len(train) + len(held_out) == EXAMPLES and set(train[0]) == {"input_ids", "attention_mask", "labels"}
+
+
+def test_answers_that_teach_nothing_are_counted_and_rows_without_one_refused_by_the_dry_run_and_the_run(
+        check_only, chat, tmp_path):
+    """Conversations without an assistant turn (a user's question alone) are left out, empty answers teach only the
+    end of the turn, a turn after the last answer is never learned: each kind counted before the run trains, the
+    same by the dry run; a file with no answer at all is refused naming that, not --seq_len. With the gaps left out,
+    the kept examples encode as before (the same rows as a file without them)."""
+    folder, data = chat
+    good = [json.loads(line) for line in data.read_text().splitlines()][:6]
+    question = {"messages": [{"role": "user", "content": "What is 2 plus 2?"}]}
+    empty = {"messages": [{"role": "user", "content": "Say nothing."}, {"role": "assistant", "content": ""}]}
+    after = {"messages": [*good[0]["messages"], {"role": "user", "content": "Thanks!"}]}
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text("".join(json.dumps(r) + "\n" for r in [good[0], question, empty, *good[1:], after, question]))
+    base = ["--recipe", "causal_lm", "--model_name_or_path", str(folder), "--tokenizer", "saved", "--chat_template",
+            "chatml", "--seq_len", "255"]
+    run = check_only(tmp_path / "a", *base, "--data", str(mixed), "--dry_run")
+    assert run.returncode == 0, run.stderr
+    assert (f"note: of the 10 examples of {mixed}, 2 have no assistant answer to learn (no assistant turn): left out "
+            "(the first: record 2); 1 have only empty answers: the end of the turn is all they teach (the first: "
+            "record 3); 1 end with a turn after the last answer: that turn is read, never learned (the first: record "
+            "9)") in run.stderr
+    questions = tmp_path / "questions.jsonl"
+    questions.write_text(json.dumps(question) + "\n" + json.dumps(question) + "\n")
+    said = (f"none of the 2 examples of {questions} has a token to learn: 2 have no assistant answer to learn (no "
+            f"assistant turn): left out (the first: record 1) (--data {questions}): give each conversation the "
+            "assistant's answer to learn")
+    assert_refused(check_only(tmp_path / "b", *base, "--data", str(questions), "--dry_run"), said)
+    recipe = load_recipe("causal_lm")
+    settings = {"model_name_or_path": str(folder), "tokenizer": "saved", "chat_template": "chatml", "seq_len": 255}
+    with pytest.raises(ConfigError) as refused:  # the run's own data path (build_datasets)
+        recipe.make_datasets(recipe.Config(data=str(questions), **settings), tmp_path)
+    assert said.split(" (--data")[0] == refused.value.problems[0].what
+    plain = tmp_path / "plain.jsonl"
+    plain.write_text("".join(json.dumps(r) + "\n" for r in [good[0], empty, *good[1:], after]))
+    kept, alone = recipe.make_datasets(recipe.Config(data=str(mixed), eval_data=str(plain), **settings), tmp_path)
+    assert len(kept) == 8 and [r["input_ids"].tolist() for r in kept] == [r["input_ids"].tolist() for r in alone]
+    assert [r["labels"].tolist() for r in kept] == [r["labels"].tolist() for r in alone]
 
 
 @pytest.mark.slow

@@ -135,6 +135,28 @@ def to_messages(record: Mapping[str, Any], layout: str,
     return [{"role": known[t[role]], "content": content_text(t[content])} for t in turns]
 
 
+# Examples that teach less than they seem to (answer_gap), in words: counted and said before a run trains, the
+# first two left out (nothing of them is learned), the others kept.
+ANSWER_GAPS = {"no_answer": "have no assistant answer to learn (no assistant turn): left out",
+               "cut": "have no answer token within --seq_len: left out",
+               "empty": "have only empty answers: the end of the turn is all they teach",
+               "unanswered": "end with a turn after the last answer: that turn is read, never learned"}
+
+
+def answer_gap(record: Mapping[str, Any], layout: str, role_map: Mapping[str, str] | None = None) -> str:
+    """Which of ANSWER_GAPS a renderable record of an instruction or chat layout falls in, or "" (its answers are
+    there; "cut" is for the caller, who knows what --seq_len left)."""
+    if layout == "prompt_completion":
+        return "" if record["completion"] else "empty"
+    messages = to_messages(record, layout, role_map)
+    answers = [m["content"] for m in messages if m["role"] == "assistant"]
+    if not answers:
+        return "no_answer"
+    if not any(answers):
+        return "empty"
+    return "" if messages[-1]["role"] == "assistant" else "unanswered"
+
+
 CHAT_DEFAULTS = "chat_defaults.json"  # in final/: the system turn the training conversations opened with
 
 
