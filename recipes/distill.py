@@ -97,7 +97,11 @@ class Config(causal_lm.Config):  # the student's and the data's settings: recipe
             problems.append(Problem(f"max_completion_length must be between 1 and seq_len - 1, got "
                                     f"{self.max_completion_length} with seq_len {self.seq_len}",
                                     "--max_completion_length", f"pass --max_completion_length below {self.seq_len}"))
-        if self.precompute_teacher_topk < 0 or self.precompute_teacher_topk and self.lmbda:
+        if self.precompute_teacher_topk < 0:
+            problems.append(Problem(f"precompute_teacher_topk must be >= 0, got {self.precompute_teacher_topk}",
+                                    "--precompute_teacher_topk", "pass a K > 0 (the teacher's K likeliest tokens per "
+                                    "position, computed once), or 0 to hold the teacher and run it at every step"))
+        elif self.precompute_teacher_topk and self.lmbda:
             problems.append(Problem(f"--precompute_teacher_topk {self.precompute_teacher_topk} with --lmbda "
                                     f"{self.lmbda}: the teacher's tables cover the data's tokens, not the completions "
                                     "the student will sample", "--precompute_teacher_topk",
@@ -108,6 +112,10 @@ class Config(causal_lm.Config):  # the student's and the data's settings: recipe
         if not problems:
             problems += vocabulary_problems(self.model_name_or_path, self.teacher_model_name_or_path, self.tokenizer,
                                             self.trust_remote_code, self.data)
+        if not problems and self.precompute_teacher_topk > (vocab := vocab_of(self)):
+            problems.append(Problem(f"--precompute_teacher_topk {self.precompute_teacher_topk} is more than the "
+                                    f"{vocab} tokens the models share", "--precompute_teacher_topk",
+                                    f"pass --precompute_teacher_topk {vocab} for the whole distribution, or fewer"))
         return problems
 
 
@@ -155,11 +163,11 @@ def vocabulary_problems(student_folder: str, teacher_folder: str, tokenizer: str
 
 
 def _first_texts(data: str) -> list[str]:
-    """The text of --data's first CHECKED_RECORDS records (local files): every string in a JSON record (prompts,
-    answers, chat turns), a plain-text file's lines."""
-    import json
+    """The text of --data's first CHECKED_RECORDS records (local files of any format the data is read from): every
+    string in a JSON record or a CSV row (prompts, answers, chat turns), a plain-text file's lines."""
+    import csv
 
-    from trainkit.data import text
+    from trainkit.data import sft, text
 
     found: list[str] = []
 
@@ -170,11 +178,14 @@ def _first_texts(data: str) -> list[str]:
         return [s for item in items for s in strings(item)]
 
     for path in text.local_files(data) or []:
-        if not path.is_file() or path.suffix not in (".jsonl", ".txt"):
+        kind = text.LOCAL_FORMATS.get(path.suffix)
+        if not path.is_file() or kind is None:
             continue
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                found.append(" ".join(strings(json.loads(line))) if path.suffix == ".jsonl" else line)
+        with open(path, encoding="utf-8", errors="replace", newline="" if kind == "csv" else None) as f:
+            records = (record for _, record in sft.json_records(path)) if kind == "json" else \
+                csv.DictReader(f) if kind == "csv" else f
+            for record in records:
+                found.append(" ".join(strings(record)))
                 if len(found) >= CHECKED_RECORDS:
                     return found
     return found

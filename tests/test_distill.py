@@ -11,6 +11,7 @@ import dataclasses
 import json
 import math
 import re
+import shutil
 import sys
 
 import pytest
@@ -205,6 +206,60 @@ def test_what_cannot_be_distilled_is_refused_before_training(chat, teacher, chec
     if flags == []:  # the first id that differs, named with both tokenizers' sizes
         assert re.search(r"is id (\d+|None) to the student and (\d+|None) to the teacher \(\d+ and \d+ tokens\)",
                          run.stderr), run.stderr
+
+
+@pytest.mark.parametrize("data", ["csv", "json-array", "jsonl"])
+def test_a_teacher_whose_tokenizer_lowercases_is_refused_whatever_the_datas_format(chat, teacher, check_only,
+                                                                                    tmp_path, data):
+    """The same vocabulary, a Lowercase normaliser: the check encodes the data's first records with both tokenizers,
+    read from every format --data takes (it read .jsonl and .txt only: .csv and .json passed)."""
+    import csv
+
+    from tokenizers import Tokenizer, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    folder = tmp_path / "lower"
+    shutil.copytree(teacher, folder)
+    bpe = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    bpe.normalizer = normalizers.Lowercase()
+    PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>").save_pretrained(folder)
+    records = [json.loads(line) for line in chat[1].read_text().splitlines()][:4]
+    path = tmp_path / {"csv": "chat.csv", "json-array": "chat.json", "jsonl": "chat.jsonl"}[data]
+    if data == "csv":
+        with open(path, "w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(["prompt", "completion"])
+            writer.writerows([r["messages"][0]["content"], " " + r["messages"][1]["content"]] for r in records)
+    else:
+        path.write_text(json.dumps(records) if data == "json-array" else
+                        "".join(json.dumps(r) + "\n" for r in records))
+    run = check_only(tmp_path / "out", "--recipe", "distill", *sum(([f"--{k}", str(v)] for k, v in settings(
+        chat, folder, data=str(path)).items()), []), "--dry_run")
+    assert_refused(run, f"the two tokenizers encode record 0 of {path} differently from token ")
+    assert "their normalisers or pre-tokenisers differ" in run.stderr
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--precompute_teacher_topk", "-1"], "precompute_teacher_topk must be >= 0, got -1 (--precompute_teacher_topk): "
+                                          "pass a K > 0"),
+    (["--precompute_teacher_topk", "401"], "--precompute_teacher_topk 401 is more than the 400 tokens the models share "
+                                           "(--precompute_teacher_topk): pass --precompute_teacher_topk 400 for the "
+                                           "whole distribution, or fewer"),
+    (["no-tokenizer"], "holds no tokenizer (none of tokenizer.json, tokenizer_config.json"),
+], ids=["negative-k", "k-above-the-vocabulary", "teacher-without-tokenizer"])
+def test_the_teachers_settings_are_checked_with_their_own_message(chat, teacher, check_only, tmp_path, flags,
+                                                                  message):
+    folder = teacher
+    if flags == ["no-tokenizer"]:  # the model's files alone: transformers asked for sentencepiece
+        folder, flags = tmp_path / "bare", []
+        folder.mkdir()
+        for name in ("config.json", "model.safetensors", "generation_config.json"):
+            if (teacher / name).exists():
+                shutil.copy(teacher / name, folder / name)
+    run = check_only(tmp_path / "out", "--recipe", "distill", *sum(([f"--{k}", str(v)] for k, v in settings(
+        chat, folder).items()), []), "--dry_run", *flags)
+    assert_refused(run, message)
+    assert "sentencepiece" not in run.stderr and "--lmbda" not in run.stderr
 
 
 def test_tensor_parallelism_is_refused_with_the_configs_that_work(chat, teacher, check_only, tmp_path):

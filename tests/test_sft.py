@@ -195,6 +195,24 @@ def test_data_with_nothing_left_to_learn_is_refused(chat, test_env, tmp_path):
     assert len(train) + len(held_out) == EXAMPLES and set(train[0]) == {"input_ids", "attention_mask", "labels"}
 
 
+def test_a_json_file_holding_one_array_is_read_as_its_records(check_only, chat, tmp_path):
+    """A .json file of one JSON array (as datasets reads it): its layout detected from the first element, checked
+    record by record (element 3 named), the same examples as the JSON-lines file."""
+    folder, data = chat
+    records = [json.loads(line) for line in data.read_text().splitlines()]
+    array = tmp_path / "chat.json"
+    array.write_text(json.dumps(records, indent=1))
+    base = ["--recipe", "causal_lm", "--model_name_or_path", str(folder), "--tokenizer", "saved", "--chat_template",
+            "chatml", "--dry_run"]
+    lines, whole = (check_only(tmp_path / name, *base, "--data", str(path)) for name, path in (("a", data),
+                                                                                            ("b", array)))
+    assert whole.returncode == 0 and "example 0 (messages, " in whole.stderr, whole.stderr
+    assert whole.stderr.split("example 0")[1] == lines.stderr.split("example 0")[1]
+    records[2] = {"messages": [{"role": "robot", "content": "beep"}]}
+    array.write_text(json.dumps(records))
+    assert_refused(check_only(tmp_path / "c", *base, "--data", str(array)), f"{array}:3 has a turn from robot")
+
+
 def test_answers_that_teach_nothing_are_counted_and_rows_without_one_refused_by_the_dry_run_and_the_run(
         check_only, chat, tmp_path):
     """Conversations without an assistant turn (a user's question alone) are left out, empty answers teach only the

@@ -178,11 +178,19 @@ def shared_system_turn(records: Sequence[Mapping[str, Any]], layout: str,
 
 def json_records(path: Path, limit: int | None = None) -> Iterator[tuple[int, Any]]:
     """(line number, record) of each JSON line of a local file's first `limit` bytes (None: all of it); a line cut
-    by the limit, an empty one or one that is not JSON is left out (trainkit/data/text.py names those)."""
+    by the limit, an empty one or one that is not JSON is left out (trainkit/data/text.py names those). A .json file
+    that holds one JSON array (as datasets reads it too) gives its elements, numbered from 1, the whole file read."""
     import json
 
     with open(path, "rb") as f:
         raw = f.read(limit) if limit else f.read()
+    if path.suffix == ".json" and raw.lstrip().startswith(b"["):
+        try:
+            listed = json.loads(path.read_bytes() if limit and len(raw) == limit else raw)
+        except json.JSONDecodeError:
+            return
+        yield from ((number, record) for number, record in enumerate(listed, start=1) if record is not None)
+        return
     lines = raw.decode("utf-8", errors="replace").splitlines()
     for number, line in enumerate(lines[:-1] if limit and len(raw) == limit else lines, start=1):
         try:

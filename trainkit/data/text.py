@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from trainkit.data import stream_sources
+from trainkit.data import sft, stream_sources
 from trainkit.errors import ConfigError, Problem, disk_full, said, write_error, writing
 from trainkit.launch.hardware import cpu_cores
 
@@ -244,6 +244,10 @@ def first_fields(data: str) -> list[str] | None:
     with open(files[0], encoding="utf-8", errors="replace") as f:
         if files[0].suffix == ".csv":
             return next(csv.reader(f), [])
+        if files[0].suffix == ".json" and f.read(4096).lstrip().startswith("["):  # one array of records
+            record = next((record for _, record in sft.json_records(files[0])), None)
+            return list(record) if isinstance(record, dict) else None
+        f.seek(0)
         for line in f:
             if line.strip():
                 try:

@@ -141,10 +141,21 @@ def text_config(config: Any) -> Any:
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
+# What a folder holds where save_pretrained wrote a tokenizer (a fast one's file, or a slow one's vocabulary)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model")
+
+
 def load(what: str, cfg: Any, from_pretrained: Callable[..., Any]) -> Any:
     """from_pretrained(cfg.model_name_or_path) with the recipe's safety settings (trust_remote_code; allow_pickle
     where the caller passes it on); a failure is a config problem naming the model and the fix."""
     where = f"--model_name_or_path {cfg.model_name_or_path}"
+    folder = Path(cfg.model_name_or_path).expanduser()
+    if what == "tokenizer" and folder.is_dir() and not any((folder / f).is_file() for f in TOKENIZER_FILES):
+        # transformers would guess a slow tokenizer class from the config and ask for sentencepiece
+        raise ConfigError([Problem(f"{folder} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)})", where,
+                                   "save the model's tokenizer beside it (tokenizer.save_pretrained(folder)), as a "
+                                   "run's final/ holds it")])
     try:
         return from_pretrained(source(cfg.model_name_or_path), trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError) as e:
