@@ -119,18 +119,17 @@ class Preference(nn.Module):
         """A micro-batch of pairs (_pairs), or of unpaired answers (_answers: --loss_type kto)."""
         return self._answers(**batch) if "completion_ids" in batch else self._pairs(**batch)
 
-    def _answers(self, completion_ids: torch.Tensor, kl_ids: torch.Tensor, completion_attention: torch.Tensor,
-                 kl_attention: torch.Tensor, completion_mask: torch.Tensor, kl_mask: torch.Tensor,
-                 label: torch.Tensor, kto_kl: torch.Tensor | None = None,
-                 kl_only: bool = False) -> Any:
+    def _answers(self, completion_ids: torch.Tensor, completion_attention: torch.Tensor,
+                 completion_mask: torch.Tensor, label: torch.Tensor, kto_kl: torch.Tensor | None = None,
+                 kl_rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> Any:
         """KTO: the loss and the metrics' sums of a micro-batch of answers, against kto_kl (the global batch's
-        reference point, given by the rollout hook before a training step; a held-out micro-batch's own otherwise);
-        with kl_only, the log-ratio of each KL row (for that hook)."""
-        if kl_only or kto_kl is None:
+        reference point, given by the rollout hook before a training step; a held-out micro-batch's own, from its
+        rows rotated, otherwise); with kl_rows (for that hook), only the log-ratio of each of those rows."""
+        if kl_rows is not None or kto_kl is None:
+            rows = kl_rows or dpo_loss.kl_rows(completion_ids, completion_attention, completion_mask)
             with torch.no_grad():
-                ratio = self._logps(self.policy, kl_ids, kl_attention, kl_mask)[0] - \
-                    self._reference_logps(kl_ids, kl_attention, kl_mask)
-            if kl_only:
+                ratio = self._logps(self.policy, *rows)[0] - self._reference_logps(*rows)
+            if kl_rows is not None:
                 return ratio
             kl = ratio.mean().clamp(min=0)
         else:
@@ -234,18 +233,33 @@ def loss(model: nn.Module, batch: dict) -> tuple[torch.Tensor, dict[str, torch.T
 
 
 def rollout(model: Preference, cfg: Config, step: int, micro_batches: list[dict]) -> Rollout | None:
-    """KTO's reference point before each step: the mean log-ratio of every KL row of the global batch (this rank's
-    micro-batches, summed with every other rank's), clamped at 0, given to each micro-batch as kto_kl; None for the
-    paired losses, which need none."""
+    """KTO's reference point before each step: the global batch's answers gathered from every rank (each rank holds a
+    contiguous part of it, in order: trainkit/data/batches.py), their KL rows made by rotating the completions over
+    the whole global batch (dpo_loss.kl_rows), this rank's rows' log-ratios summed with every other rank's; the mean,
+    clamped at 0, is given to each micro-batch as kto_kl. None for the paired losses, which need none."""
     if not cfg.unpaired():
         return None
     import torch.distributed as dist
 
     device = next(model.parameters()).device
-    total = torch.zeros(2, device=device)
+    names = ("completion_ids", "completion_attention", "completion_mask")
+    mine = [torch.cat([batch[name] for batch in micro_batches]).to(device) for name in names]
+    world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
+    if world > 1:
+        gathered = [[torch.empty_like(t) for _ in range(world)] for t in mine]
+        for parts, tensor in zip(gathered, mine, strict=True):
+            dist.all_gather(parts, tensor)
+        whole = [torch.cat(parts) for parts in gathered]
+    else:
+        whole = mine
+    rows = dpo_loss.kl_rows(*whole)
+    start, total = rank * len(mine[0]), torch.zeros(2, device=device)
     for batch in micro_batches:
-        ratio = model(**{key: value.to(device) for key, value in batch.items()}, kl_only=True)
-        total += torch.stack([ratio.sum().float(), torch.tensor(float(len(ratio)), device=device)])
+        size = len(batch["label"])
+        ratio = model(**{key: value.to(device) for key, value in batch.items()},
+                      kl_rows=tuple(t[start:start + size] for t in rows))
+        total += torch.stack([ratio.sum().float(), torch.tensor(float(size), device=device)])
+        start += size
     if dist.is_initialized():
         dist.all_reduce(total)
     kl = (total[0] / total[1]).clamp(min=0)

@@ -211,6 +211,18 @@ COMMANDS = documented_commands()
 BY_PAGE = {page: [c for p, c in COMMANDS if p == page] for page, _ in COMMANDS}
 
 
+def test_autoeps_presets_are_the_ones_deepspeed_has():
+    """docs/recipes.md lists AutoEP's presets as the installed DeepSpeed registers them (it listed Qwen2-MoE, which
+    DeepSpeed 0.19.8 has no preset for)."""
+    import re
+
+    from deepspeed.module_inject.auto_ep_presets.registry import PRESET_MODELS
+
+    page = (ROOT / "docs" / "recipes.md").read_text()
+    listed = page[page.index("DeepSpeed 0.19.8 has "):].split(": no ")[0]
+    assert sorted(re.findall(r"`(\w+)`", listed)) == sorted(PRESET_MODELS)
+
+
 def test_the_pages_print_commands_to_run():
     assert len(COMMANDS) >= 30 and {p for p, _ in COMMANDS} >= {"README.md", "docs/strategies.md",
                                                                 "docs/model-parallelism.md"}

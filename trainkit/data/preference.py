@@ -16,9 +16,9 @@ Unpaired feedback (a thumbs-up or down per answer, for --loss_type kto), TRL's u
     unpaired         {"prompt": ..., "completion": ..., "label": true}: prompt and completion strings, or lists of
                      chat messages; label true for a desirable answer, false for an undesirable one
 
-Each answer also carries its KL row: its prompt with the completion of the record before it in the file (the first
-with the last's), the mismatched pair whose log-ratio estimates KTO's reference point (TRL pairs each prompt with
-another record's completion the same way, within the batches of its data preparation).
+An answer's KL row (its prompt with another answer's completion, whose log-ratio estimates KTO's reference point) is
+made where the global batch is known, as TRL makes it within its batch: trainkit/losses/dpo.py's kl_rows. Data whose
+answers are all desirable, or all undesirable, is said when it is read.
 
 A completion starts where the tokenised prompt and prompt + completion part (TRL's rule: a template or a merge
 across the boundary can make the two differ at the prompt's end). A pair is two rows of seq_len tokens, chosen and
@@ -48,10 +48,9 @@ LEFT_OUT = {"prompt": "whose prompt fills --seq_len (pass a larger --seq_len)",
             "same": "whose chosen answer equals its rejected one (nothing to prefer)"}
 # A pair as the model reads it (encode_pair)
 PAIR_COLUMNS = ("chosen_ids", "rejected_ids", "chosen_attention", "rejected_attention", "chosen_mask", "rejected_mask")
-# One line of an unpaired file, and an answer as the model reads it (encode_unpaired): its row, its KL row, its label
+# One line of an unpaired file, and an answer as the model reads it (encode_unpaired): its row and its label
 UNPAIRED_RECORD = '{"prompt": "...", "completion": "...", "label": true}'
-UNPAIRED_COLUMNS = ("completion_ids", "kl_ids", "completion_attention", "kl_attention", "completion_mask", "kl_mask",
-                    "label")
+UNPAIRED_COLUMNS = ("completion_ids", "completion_attention", "completion_mask", "label")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -124,8 +123,6 @@ def _pairs(cfg: PairsConfig, data: str, cache_dir: Path, split: str = "train"):
     tokenizer = tokenizer_of(cfg)
     template, pad = sft.chat_template(tokenizer, cfg.chat_template), sft.pad_id(tokenizer)
     first = layout(records[0]) if len(records) else None
-    if unpaired and len(records):  # each answer's KL row: its prompt, the completion of the record before it
-        records = records.add_column("kl_completion", [records[i - 1]["completion"] for i in range(len(records))])
     columns = UNPAIRED_COLUMNS if unpaired else PAIR_COLUMNS
 
     def encode(batch, indices):
@@ -152,6 +149,10 @@ def _pairs(cfg: PairsConfig, data: str, cache_dir: Path, split: str = "train"):
         print(f"note: {len(records) - kept} of the {len(records)} pairs of {data} are left out: {'; '.join(said)}",
               file=sys.stderr, flush=True)
     pairs = encoded.filter(lambda why: not why, input_columns="left_out") if kept < len(records) else encoded
+    if unpaired and int(os.environ.get("RANK", "0")) == 0 and len(set(pairs["label"])) == 1:
+        kind = ("desirable", "undesirable") if pairs["label"][0] else ("undesirable", "desirable")
+        print(f"note: every answer of {data} is {kind[0]} (no {kind[1]} one): KTO learns from them alone, and the "
+              f"metrics of {kind[1]} answers are left out", file=sys.stderr, flush=True)
     return pairs.remove_columns(["left_out", "record"]).with_format("torch")
 
 
@@ -274,11 +275,9 @@ def encode_pair(record: Mapping[str, Any], tokenizer: Any, template: str | None,
 
 def encode_unpaired(record: Mapping[str, Any], tokenizer: Any, template: str | None, seq_len: int,
                     pad: int) -> dict[str, Any] | str:
-    """An unpaired answer as the model reads it: completion_ids and kl_ids (its KL row: the prompt with the record
-    before's completion, kl_completion), their attention and completion masks, and its label (1 desirable, 0 not);
-    or, for an answer whose prompt fills seq_len, why (a key of LEFT_OUT)."""
-    encoded = _completions(record["prompt"], {"completion": record["completion"], "kl": record["kl_completion"]},
-                           tokenizer, template, seq_len, pad)
+    """An unpaired answer as the model reads it: completion_ids, its attention and completion masks, and its label
+    (1 desirable, 0 not); or, for an answer whose prompt fills seq_len, why (a key of LEFT_OUT)."""
+    encoded = _completions(record["prompt"], {"completion": record["completion"]}, tokenizer, template, seq_len, pad)
     return encoded if isinstance(encoded, str) else {**encoded, "label": int(record["label"])}
 
 

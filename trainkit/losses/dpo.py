@@ -20,11 +20,12 @@ not: with r = logps - ref_logps of the answer and z0 the reference point (kto_lo
 
     kto      desirable:   w_d (1 - s(beta (r - z0)))      undesirable:   w_u (1 - s(beta (z0 - r)))
 
-z0 estimates KL(policy || reference) by the mean log-ratio of the KL rows (each prompt with another record's
-completion: trainkit/data/preference.py), clamped at 0 and without gradient. TRL takes that mean over each
-micro-batch on every process; here it is the whole global batch's, computed before the step (recipes/dpo.py's
-rollout), so that a step's loss does not depend on how the global batch is split. At the first step the policy is its
-reference: r = z0 = 0 and every answer's loss is its weight x 0.5.
+z0 estimates KL(policy || reference) by the mean log-ratio of the KL rows, clamped at 0 and without gradient: each
+answer's prompt followed by the completion of the answer before it in the batch (the first by the last's: kl_rows),
+as TRL's KTOTrainer rotates the completions of its batch. TRL does it within each process's micro-batch and averages
+the means; here the batch is the whole global batch, the rows made and their mean taken before the step
+(recipes/dpo.py's rollout), so that the reference point is TRL's one-process value for that batch on any split of it.
+At the first step the policy is its reference: r = z0 = 0 and every answer's loss is its weight x 0.5.
 """
 
 from __future__ import annotations
@@ -93,6 +94,23 @@ def pair_losses(loss_type: str, beta: float, policy: Sequences, reference: Seque
         rewards_c, rewards_r = beta * ratio_c.detach(), beta * ratio_r.detach()
     return losses, dict(zip(METRICS, (rewards_c, rewards_r, (rewards_c > rewards_r).float(), rewards_c - rewards_r,
                                       policy.chosen.detach(), policy.rejected.detach()), strict=True))
+
+
+def kl_rows(ids: torch.Tensor, attention: torch.Tensor, mask: torch.Tensor,
+            pad: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """KTO's mismatched rows of a batch of answers (rows of the same width; mask: each completion's tokens): row i's
+    prompt (its tokens before its completion) followed by the completion tokens of row i - 1 (row 0 takes the last
+    row's), cut to the width; the same three tensors for them."""
+    width = ids.shape[1]
+    out_ids, out_attention, out_mask = (torch.zeros_like(t) for t in (ids, attention, mask))
+    out_ids.fill_(pad)
+    for i in range(len(ids)):
+        prompt = ids[i, :int(mask[i].nonzero()[0]) if mask[i].any() else int(attention[i].sum())]
+        completion = ids[i - 1][mask[i - 1].bool()]
+        row = torch.cat([prompt, completion])[:width]
+        out_ids[i, :len(row)], out_attention[i, :len(row)] = row, 1
+        out_mask[i, len(prompt):len(row)] = 1
+    return out_ids, out_attention, out_mask
 
 
 def kto_losses(beta: float, logps: torch.Tensor, ref_logps: torch.Tensor, kl: torch.Tensor, desirable: torch.Tensor,

@@ -187,13 +187,14 @@ def reported_means(accelerator, reported: dict[str, torch.Tensor], every_rank_re
 
 def means_of(totals: dict[str, float], samples: float) -> dict[str, float]:
     """Each reported total over the samples, or a name "<name> per <other>" over the other's total (a token-weighted
-    mean); a name that starts with HIDDEN is only a total others are over."""
+    mean), left out where the other's total is 0 (KTO's rewards of undesirable answers in a batch of desirable ones
+    alone: a mean of nothing is no 0.0); a name that starts with HIDDEN is only a total others are over."""
     means = {}
     for name, total in totals.items():
         numerator, _, over = name.partition(PER)
         count = totals[over] if over else samples
-        if not numerator.startswith(HIDDEN):
-            means[numerator] = total / count if count else 0.0
+        if not numerator.startswith(HIDDEN) and count:
+            means[numerator] = total / count
     return means
 
 

@@ -1,7 +1,7 @@
 """DeepSpeed's AutoEP: expert parallelism selected by the JSON's `expert_parallel` section (ds_configs/zero2_ep.json).
 
 When DeepSpeed builds its engine, AutoEP finds each mixture-of-experts block of a transformers model by its family's
-preset (deepspeed/module_inject/auto_ep_presets/: Mixtral, Qwen2/3-MoE, DeepSeek-V2/V3...) and replaces it with an
+preset (deepspeed/module_inject/auto_ep_presets/: Mixtral, Qwen3-MoE, DeepSeek-V2/V3...) and replaces it with an
 AutoEPMoELayer: the router copied, this rank's experts / ep experts repacked as grouped gate, up and down weights, the
 tokens sent to their experts' rank and back by all-to-all. Dropless: every token reaches its top-k experts, so
 routing and losses are one process's. ZeRO partitions the experts' optimizer state over the ranks that hold the same
