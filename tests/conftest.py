@@ -242,7 +242,7 @@ def architecture(name: str, attention: str = "sdpa", layers: int = 2):
 
 
 
-MIXTURES_OF_EXPERTS = ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "gpt_oss", "deepseek_v3")
+MIXTURES_OF_EXPERTS = ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "gpt_oss", "deepseek_v3", "ernie4_5_moe", "phimoe")
 
 
 def mixture_of_experts(name: str, **config):
@@ -250,8 +250,9 @@ def mixture_of_experts(name: str, **config):
     vocabulary, its router logits on (the balancing loss computed), 4 experts, top 2, none of them written for this
     project: fused experts (Qwen3-MoE, Mixtral, OLMoE, gpt-oss with its sliding-window layers and attention sinks),
     a shared expert beside the routed ones (Qwen2-MoE), and DeepSeek-V3 (multi-head latent attention, a dense first
-    layer, a shared expert, a router balanced by a bias instead of a loss: it computes no aux_loss). `config`: more
-    config fields (router_aux_loss_coef)."""
+    layer, a shared expert, a router balanced by a bias instead of a loss: it computes no aux_loss); families with
+    rules of their own: Ernie4.5-MoE (a routing bias that is a parameter and takes no gradient) and PhiMoE (a router
+    that samples in training). `config`: more config fields (router_aux_loss_coef)."""
     import transformers
 
     torch_seed = config.pop("seed", 0)
@@ -273,6 +274,13 @@ def mixture_of_experts(name: str, **config):
             **sizes, num_experts_per_tok=2, num_key_value_heads=4, n_routed_experts=4, moe_intermediate_size=16,
             first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=4, v_head_dim=8,
             qk_nope_head_dim=4, n_group=1, topk_group=1)),
+        # a routing bias that takes no gradient (moe_statics.e_score_correction_bias), shared experts
+        "ernie4_5_moe": lambda: transformers.Ernie4_5_MoeForCausalLM(transformers.Ernie4_5_MoeConfig(
+            **sizes, num_key_value_heads=2, moe_k=2, moe_num_experts=4, moe_intermediate_size=16,
+            moe_num_shared_experts=1, moe_layer_start_index=0, use_bias=False)),
+        # a router that samples its experts in training (sparsemixer) and jitters its input
+        "phimoe": lambda: transformers.PhimoeForCausalLM(transformers.PhimoeConfig(
+            **sizes, **routed, num_local_experts=4)),
     }
     import torch
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from conftest import (
     PARITY_BOUND,
@@ -32,7 +33,8 @@ from conftest import (
 CONFIGS = ["ddp", "deepspeed_zero1", "deepspeed_zero2", "deepspeed_zero2_offload", "deepspeed_zero3",
            "deepspeed_zero3_offload", "fsdp", "fsdp_offload", "hsdp"]
 OTHERS = ["mixtral", "gpt_oss", "deepseek_v3"]
-BALANCED = {"qwen3_moe", "mixtral", "gpt_oss", "olmoe"}  # their config has router_aux_loss_coef; DeepSeek-V3's has none
+# their config has router_aux_loss_coef; DeepSeek-V3's has none
+BALANCED = {"qwen3_moe", "mixtral", "gpt_oss", "olmoe", "ernie4_5_moe"}
 
 
 @pytest.fixture(scope="module")
@@ -98,6 +100,51 @@ def test_qwen3_moe_trains_the_one_process_curve_under_every_config(moe_args, ref
     assert_one_process_curve(run, references("qwen3_moe"), balanced=True)
     if config in ("deepspeed_zero3", "fsdp"):
         assert_export_loads(run, references("qwen3_moe"), "qwen3_moe")
+
+
+@pytest.mark.slow
+def test_a_routing_bias_stays_frozen_and_a_sampling_router_is_said(moe_args, moe_folder, references, run_dir):
+    """Ernie4.5-MoE's moe_statics.e_score_correction_bias takes no gradient by design: frozen, DDP trains the family
+    at one process's curve (it refused the step, "a parameter took no part") and final/ holds the bias as loaded.
+    PhiMoE's router samples in training: the run says so before training under DDP (its curve cannot be one
+    process's), where Ernie's says nothing of the kind."""
+    from safetensors.torch import load_file
+
+    yaml, flags = entry("ddp", 8)
+    run = launch(run_dir("ernie"), *moe_args("ernie4_5_moe"), *flags, config=yaml).check()
+    assert_one_process_curve(run, references("ernie4_5_moe"), balanced=True)
+    biases = {key: value for key, value in load_file(moe_folder("ernie4_5_moe") / "model.safetensors").items()
+              if key.endswith("e_score_correction_bias")}
+    saved = load_file(run.output_dir / "final" / "model.safetensors")
+    assert len(biases) == 2 and all(torch.equal(saved[key], value) for key, value in biases.items())
+    assert "draws random numbers" not in run.stderr
+    sampled = launch(run_dir("phimoe"), *moe_args("phimoe"), *flags, "--max_steps", "1", config=yaml).check()
+    assert "note: the model draws random numbers in training (PhiMoE's sparsemixer router; router_jitter_noise " \
+           "0.01): each of the 2 data-parallel ranks draws its own" in sampled.stderr
+
+
+def test_what_draws_random_numbers_in_training_is_found_and_a_ddp_refusal_names_the_parameter():
+    """random_draws: PhiMoE's router, Mixtral's jitter, dropout modules and rates; nothing for a model without any.
+    DDP's "did not receive grad" error names parameters by index: the refusal names them."""
+    from conftest import architecture
+    from trainkit.strategies.ddp import DDPEngine
+    from trainkit.strategies.engine import random_draws
+
+    assert random_draws(mixture_of_experts("phimoe")) == ["PhiMoE's sparsemixer router", "router_jitter_noise 0.01"]
+    assert random_draws(mixture_of_experts("mixtral", router_jitter_noise=0.1)) == ["router_jitter_noise 0.1"]
+    assert random_draws(mixture_of_experts("qwen3_moe")) == [] == random_draws(torch.nn.Linear(2, 2))
+    assert random_draws(torch.nn.Sequential(torch.nn.Dropout(0.2), torch.nn.Dropout(0.0))) == \
+        ["1 dropout module of p up to 0.2"]
+    model = architecture("llama")
+
+    class Wrapped(DDPEngine):
+        unwrapped_model = model
+
+    engine = Wrapped.__new__(Wrapped)
+    trained = [name for name, p in model.named_parameters() if p.requires_grad]
+    said = "... Parameter indices which did not receive grad for rank 1: 3 7\n In addition, ..."
+    assert engine.unused(said) == f"parameters {trained[3]}, {trained[7]}"
+    assert engine.unused("find_unused_parameters=True ...") == "a parameter of the model"
 
 
 @pytest.mark.slow

@@ -118,6 +118,12 @@ class FineTuneConfig(TrainConfig):
 MODEL_DTYPES = {"auto": "auto", "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
+# A router's expert bias, added to the scores only to choose the experts (Ernie4.5-MoE's moe_statics, DeepSeek-V3's and
+# GLM-4-MoE's gate): no loss reaches it, by design (DeepSeek-V3 keeps its own as a buffer); trained, DDP would refuse
+# the step ("took no part"). It stays frozen; its family balances the experts by moving it by a rule instead.
+ROUTING_BIASES = ("e_score_correction_bias",)
+
+
 def build(cfg: FineTuneConfig, auto_class: Any, lora_task: str = "CAUSAL_LM", **kwargs: Any) -> nn.Module:
     """The pretrained model as `auto_class` (AutoModelForCausalLM, AutoModelForSequenceClassification) loads it with
     `kwargs` (num_labels), as the settings ask: its dtype, what trains, LoRA (peft's task type `lora_task`). On the
@@ -156,6 +162,9 @@ def build(cfg: FineTuneConfig, auto_class: Any, lora_task: str = "CAUSAL_LM", **
                                        f"names look like {next(iter(dict(model.named_parameters())))}")])
         for name, param in model.named_parameters():
             param.requires_grad_(name in chosen)
+    for name, param in model.named_parameters():
+        if name.endswith(ROUTING_BIASES):  # from_pretrained made it trainable; no loss reaches it
+            param.requires_grad_(False)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model = _router_weighed(model, cfg)

@@ -7,6 +7,8 @@ Accelerate for the CPU, which turns the YAML's MULTI_GPU into MULTI_CPU over glo
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from trainkit.config import TrainConfig
@@ -32,10 +34,22 @@ class DDPEngine(Engine):
         except RuntimeError as e:  # DDP's reducer: a parameter took no part in the previous step
             if "find_unused_parameters" not in str(e):
                 raise
-            raise TrainingError(f"a parameter of the model took no part in step {step - 1} on rank "
+            raise TrainingError(f"{self.unused(str(e))} took no part in step {step - 1} on rank "
                                 f"{self.accelerator.process_index}, which DDP cannot reduce",
                                 "pass --find_unused_parameters true (DDP then looks for such parameters every "
                                 "step), or make every parameter take part in every step") from None
+
+    def unused(self, said: str) -> str:
+        """The parameters DDP's error names by index (its reducer's order: the trained parameters in module order),
+        by name: "parameter model.layers.0.mlp.gate...", or "a parameter of the model" where it names none."""
+        found = re.search(r"did not receive grad for rank \d+: ([\d ]+)", said)
+        if not found:
+            return "a parameter of the model"
+        trained = [name for name, p in self.unwrapped_model.named_parameters() if p.requires_grad]
+        names = [trained[int(i)] for i in found.group(1).split() if int(i) < len(trained)]
+        more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+        return f"parameter{'s' if len(names) > 1 else ''} {', '.join(names[:3])}{more}" if names else \
+            "a parameter of the model"
 
 
 class SingleEngine(DDPEngine):

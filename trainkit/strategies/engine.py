@@ -47,6 +47,33 @@ class Planned(Protocol):
     def sequence_parallel_size(self) -> int: ...
 
 
+# Config fields of transformers models whose value > 0 makes training draw random numbers (jitter on the router's
+# input or logits), beside dropout; and the families whose router draws whatever its config says (PhiMoE's
+# sparsemixer samples its experts with rand_like and exponential_ in training).
+DRAWING_FIELDS = ("router_jitter_noise", "input_jitter_noise")
+DRAWING_ROUTERS = {"phimoe": "PhiMoE's sparsemixer router"}
+
+
+def random_draws(model: torch.nn.Module) -> list[str]:
+    """What in `model` draws random numbers in a training forward, in words: dropout modules and config fields with a
+    rate above 0, jittered routers, routers that sample. Each data-parallel rank draws from its own generator, so such
+    a model's curve under them is not one process's (the BatchNorm of the model is the other such case)."""
+    found = []
+    configs = [c for c in (getattr(model, "config", None),) if c is not None]
+    configs += [sub for c in configs for sub in (getattr(c, "text_config", None),) if sub is not None]
+    for config in configs:
+        if config.model_type in DRAWING_ROUTERS:
+            found.append(DRAWING_ROUTERS[config.model_type])
+        found += [f"{name} {value:g}" for name, value in sorted(vars(config).items())
+                  if isinstance(value, float) and value > 0 and not name.startswith(("lora", "summary"))
+                  and (name in DRAWING_FIELDS or "dropout" in name or "pdrop" in name)]
+    dropping = [m for m in model.modules() if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0]
+    if dropping:
+        found.append(f"{len(dropping)} dropout module{'s' if len(dropping) > 1 else ''} of p up to "
+                     f"{max(m.p for m in dropping):g}")
+    return list(dict.fromkeys(found))
+
+
 class Engine:
     """Builds and runs one strategy's plan: the Accelerator, the prepared model, optimizer and schedule."""
 
@@ -124,6 +151,11 @@ class Engine:
         # from_pretrained returns a model in eval mode: its dropout would stay off until the first evaluation's
         # model.train() turned it on, so a run's curve changed with --eval_every
         model.train()
+        if self.data_parallel_size > 1 and (drawn := random_draws(model)):
+            self.notes.append(f"the model draws random numbers in training ({'; '.join(drawn)}): each of the "
+                              f"{self.data_parallel_size} data-parallel ranks draws its own, so the curve follows one "
+                              "process's in distribution, not to the digit; set them to 0 in the model's config for "
+                              "an exact one (docs/strategies.md)")
         model = self.sync_batch_norm(model)
         trained = self.apply(model)
         optimizer = self.make_optimizer(trained, build_optimizer)
