@@ -685,7 +685,7 @@ def test_the_dcp_format_moves_optimizer_state_between_a_whole_model_and_its_pipe
 def test_each_format_has_one_name_and_the_deepspeed_one_says_which_moves_it_restores():
     from types import SimpleNamespace
 
-    from trainkit.strategies.deepspeed import DeepSpeedFormat
+    from trainkit.strategies.deepspeed_format import DeepSpeedFormat
     from trainkit.strategies.registry import REGISTRY, for_format
 
     formats = {cls.engine.format for cls in REGISTRY}

@@ -7,6 +7,7 @@
     dcp_format.py         the checkpoint format's interface, and torch.distributed.checkpoint's format
     ddp.py                one process, and DDP
     deepspeed.py          DeepSpeed ZeRO-1/2/3, with or without CPU offload (its own engine and step)
+    deepspeed_format.py   DeepSpeed's own checkpoints, and its universal format across world sizes
     deepspeed_config.py   DeepSpeed's config: JSON or inline YAML keys, "auto" values, bucket sizes
     fsdp.py               an FSDP launch: FSDP2, HSDP, tensor and context parallelism as sizes of one mesh
     parallel_dims.py      the one device mesh: the sizes of (pp, dp_replicate, dp_shard, cp, tp)
