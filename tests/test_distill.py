@@ -127,7 +127,8 @@ def test_the_chunked_divergence_is_the_whole_logits_one(chat, teacher, tmp_path,
                       {n: p.grad.clone() for n, p in model.student.named_parameters()}))
         assert all(p.grad is None for p in model.teacher.parameters()) if model.teacher else True
     (whole, whole_sum, whole_grads), (cut, cut_sum, cut_grads) = found
-    assert cut == pytest.approx(whole, rel=1e-6) and cut_sum == pytest.approx(whole_sum, rel=1e-6)
+    # the sums are float32 over every learned position, in another order: 2.1e-6 apart measured on an AVX2-only CPU
+    assert cut == pytest.approx(whole, rel=1e-5) and cut_sum == pytest.approx(whole_sum, rel=1e-5)
     assert all(torch.allclose(cut_grads[n], whole_grads[n], rtol=1e-4, atol=1e-7) for n in whole_grads)
 
 

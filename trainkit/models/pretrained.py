@@ -6,6 +6,7 @@ encodes text otherwise than the one saved beside the model refused.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from pathlib import Path
@@ -58,13 +59,20 @@ def scorer_problems(folder: str, flag: str) -> list[Problem]:
     folder as a sequence classifier with a freshly drawn head, and say so only in its load report. The head is what
     AutoModelForSequenceClassification (built on the meta device: no memory) holds beside its base model; its shape
     is read from the safetensors headers. Pickled weights are not read here."""
+    return [] if sizes_only.get() else _scorer_problems(folder, flag)
+
+
+# Checked when the run is planned; the recipe's settings made again while the model is built (inside ZeRO-3's
+# partitioned init, where no model can be made on the meta device) take that answer.
+@functools.cache
+def _scorer_problems(folder: str, flag: str) -> list[Problem]:
     import torch
     from safetensors import safe_open
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
     path = Path(folder).expanduser()
     files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
-    if sizes_only.get() or not files:
+    if not files:
         return []
     shapes = {}
     for file in files:
