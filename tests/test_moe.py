@@ -123,6 +123,70 @@ def test_a_routing_bias_stays_frozen_and_a_sampling_router_is_said(moe_args, moe
            "0.01): each of the 2 data-parallel ranks draws its own" in sampled.stderr
 
 
+@pytest.mark.slow
+def test_the_routing_bias_moves_by_its_rule_at_one_process_curve_and_resumes_exactly(moe_args, moe_folder, run_dir):
+    """--router_bias_update_rate (auxiliary-loss-free balancing) on Ernie4.5-MoE: under DDP with accumulation the
+    loss and the gradient norm are one process's and final/'s biases one process's, moved from where they were
+    loaded; a run stopped at step 3 and resumed ends with the uninterrupted run's biases and curve. FSDP2, which
+    shards the bias, is refused."""
+    from safetensors.torch import load_file
+
+    args = [*moe_args("ernie4_5_moe"), "--router_bias_update_rate", "0.01"]
+    one = launch(run_dir("one"), *args, "--batch_size", "8").check()
+    split = ["--batch_size", "2", "--grad_accum", "2"]
+    whole = launch(run_dir("ddp"), *args, *split, config="ddp").check()
+    out = run_dir("resumed")
+    launch(out, *args, *split, "--save_every", "3", "--stop_at", "3", config="ddp").check()
+    resumed = launch(out, *args, *split, "--resume", "latest", config="ddp").check()
+    for key in ("loss", "grad_norm"):
+        ours, theirs = [m[key] for m in whole.metrics], [m[key] for m in one.metrics]
+        assert max_rel_diff(ours, theirs) < PARITY_BOUND, (key, ours, theirs)
+        assert [m[key] for m in resumed.metrics] == ours, key
+    loaded = {k: v for k, v in load_file(moe_folder("ernie4_5_moe") / "model.safetensors").items()
+              if k.endswith("e_score_correction_bias")}
+    finals = [load_file(r.output_dir / "final" / "model.safetensors") for r in (one, whole, resumed)]
+    for key, start in loaded.items():
+        moved = finals[0][key] - start
+        assert 0 < moved.abs().max() <= 6 * 0.02 and abs(float(moved.sum())) < 1e-5  # steps of +-0.01, centred
+        assert torch.allclose(finals[1][key], finals[0][key], atol=1e-7) and torch.equal(finals[2][key], finals[1][key])
+    sharded = launch(run_dir("fsdp"), *args, "--batch_size", "4", "--max_steps", "1", config="fsdp")
+    assert_refused(sharded, "--router_bias_update_rate: model.layers.0.mlp.gate.moe_statics.e_score_correction_bias "
+                            "is sharded or cut by this strategy")
+
+
+def test_the_routing_bias_update_is_torchtitans_rule_on_the_counted_choices():
+    """DeepSeek-V3 (its bias a buffer): two training forwards counted, none in evaluation or under no_grad; the
+    update before the optimizer step is rate x sign(mean - load), centred, per router; a model whose routers are
+    all frozen is refused."""
+    from trainkit.models import expert_bias
+
+    model = mixture_of_experts("deepseek_v3").train()
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
+    expert_bias.install(model, optimizer, 0.01)
+    routers = {name.rpartition(".")[0]: module for name, module in model.named_modules()
+               if hasattr(module, "e_score_correction_bias")}
+    chosen = {name: [] for name in routers}
+    for name, router in routers.items():
+        router.register_forward_hook(lambda m, a, out, name=name: chosen[name].append(out[-1].reshape(-1)))
+    ids = torch.randint(0, 400, (2, 16))
+    for _ in range(2):
+        model(ids).logits.sum().backward()
+    model.eval()
+    model(ids)
+    model.train()
+    with torch.no_grad():
+        model(ids)
+    loads = {name: torch.bincount(torch.cat(found[:2]), minlength=4).double() for name, found in chosen.items()}
+    before = {name: router.e_score_correction_bias.clone() for name, router in routers.items()}
+    optimizer.step()
+    for name, router in routers.items():
+        delta = 0.01 * torch.sign(loads[name].mean() - loads[name])
+        assert torch.allclose(router.e_score_correction_bias - before[name], (delta - delta.mean()).float())
+    model.requires_grad_(False)
+    with pytest.raises(Exception, match="has no trained router with a routing bias"):
+        expert_bias.install(model, optimizer, 0.01)
+
+
 def test_what_draws_random_numbers_in_training_is_found_and_a_ddp_refusal_names_the_parameter():
     """random_draws: PhiMoE's router, Mixtral's jitter, dropout modules and rates; nothing for a model without any.
     DDP's "did not receive grad" error names parameters by index: the refusal names them."""

@@ -4,6 +4,7 @@
     finetune.py            what the fine-tuning recipes share: the model's settings, loading, tokenizer, export
     lora.py                LoRA through peft: the adapters, QLoRA's 4-bit base, the merged model final/ holds
     optimizer.py           AdamW / SGD with weight decay on matrices, the warm-up + cosine schedule
+    expert_bias.py         --router_bias_update_rate: a mixture of experts' routing biases moved toward an even load
     tiled_mlp.py           --tiled_mlp: each decoder layer's MLP a chunk of positions at a time
     activation_offload.py  --activation_offload: what the forward saves for backward kept in host memory
 

@@ -17,7 +17,7 @@ from torch import nn
 from trainkit.config import TrainConfig
 from trainkit.data import sft
 from trainkit.errors import ConfigError, Problem
-from trainkit.models import lora, pretrained
+from trainkit.models import expert_bias, lora, pretrained
 
 # The attention kernels transformers' from_pretrained takes (what a model supports is its own: Gemma-2 no sdpa)
 ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
@@ -52,6 +52,10 @@ class FineTuneConfig(TrainConfig):
     # model config's (router_aux_loss_coef, counted where its output_router_logits is on); 0 or more sets it and turns
     # the router's logits on. A model without a router refuses it.
     router_aux_loss_coef: float = -1.0
+    # Auxiliary-loss-free balancing (trainkit/models/expert_bias.py): how far each step moves a router's expert bias
+    # toward an even load (DeepSeek-V3 trained with 0.001); 0 leaves the bias as loaded. DeepSeek-V3, GLM-4-MoE and
+    # Ernie4.5-MoE have one.
+    router_bias_update_rate: float = 0.0
     # LoRA (peft): the base model frozen, low-rank adapters trained beside its linear layers; lora_r 0 trains the
     # model itself. The adapters add lora_alpha / lora_r times their product to each layer's output.
     lora_r: int = 0
@@ -104,6 +108,11 @@ class FineTuneConfig(TrainConfig):
         if self.seq_len < 2:
             problems.append(Problem(f"seq_len must be >= 2, got {self.seq_len}", "config field seq_len",
                                     "use --seq_len 128"))
+        if self.router_bias_update_rate < 0 or self.router_bias_update_rate and self.lora_r:
+            problems.append(Problem(f"router_bias_update_rate must be >= 0 and needs the routers trained (not LoRA's "
+                                    f"adapters alone), got {self.router_bias_update_rate:g} with lora_r {self.lora_r}",
+                                    "--router_bias_update_rate", "pass --router_bias_update_rate 0.001 without "
+                                    "--lora_r, or drop it"))
         if not 0 < self.eval_fraction < 1:
             problems.append(Problem(f"eval_fraction must be in (0, 1), got {self.eval_fraction}",
                                     "config field eval_fraction", "use --eval_fraction 0.05"))
@@ -116,12 +125,6 @@ class FineTuneConfig(TrainConfig):
 
 # --model_dtype's names -> from_pretrained's dtype
 MODEL_DTYPES = {"auto": "auto", "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-# A router's expert bias, added to the scores only to choose the experts (Ernie4.5-MoE's moe_statics, DeepSeek-V3's and
-# GLM-4-MoE's gate): no loss reaches it, by design (DeepSeek-V3 keeps its own as a buffer); trained, DDP would refuse
-# the step ("took no part"). It stays frozen; its family balances the experts by moving it by a rule instead.
-ROUTING_BIASES = ("e_score_correction_bias",)
 
 
 def build(cfg: FineTuneConfig, auto_class: Any, lora_task: str = "CAUSAL_LM", **kwargs: Any) -> nn.Module:
@@ -163,7 +166,9 @@ def build(cfg: FineTuneConfig, auto_class: Any, lora_task: str = "CAUSAL_LM", **
         for name, param in model.named_parameters():
             param.requires_grad_(name in chosen)
     for name, param in model.named_parameters():
-        if name.endswith(ROUTING_BIASES):  # from_pretrained made it trainable; no loss reaches it
+        # from_pretrained made a routing bias trainable: no loss reaches it (by design: DeepSeek-V3 keeps its own as a
+        # buffer), and DDP refused the step ("took no part"); --router_bias_update_rate moves it (expert_bias.py)
+        if name.endswith(expert_bias.ROUTING_BIASES):
             param.requires_grad_(False)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

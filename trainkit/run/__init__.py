@@ -6,6 +6,7 @@
     stopping.py       what stops a run between two steps: SIGTERM / SIGINT, a loss or gradient norm not finite
     restarts.py       a launch's attempts under --max_restarts: torchrun's report, refusals not restarted
 
-May import the spine, data/ (the data position a checkpoint keeps), launch/ (a lost peer) and strategies/ (the
-checkpoint formats). restarts.py is imported before torch (train.py's first line) and imports nothing heavy.
+May import the spine, data/ (the data position a checkpoint keeps), launch/ (a lost peer), strategies/ (the
+checkpoint formats) and models/expert_bias.py (the routing biases a checkpoint keeps). restarts.py is imported before
+torch (train.py's first line) and imports nothing heavy.
 """

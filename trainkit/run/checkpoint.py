@@ -9,6 +9,8 @@ A checkpoint is `checkpoints/step_<N>/`:
     precomputed.safetensors  the recipe's values per sample from the model as it started (trainkit/data/precompute.py)
     rollout/rank_<r>.pt  an online-RL recipe's completions that the next steps train on again (recipes/grpo.py's
                          --num_iterations: Recipe.rollout_state)
+    routing_biases.safetensors  a mixture of experts' routing biases under --router_bias_update_rate (rank 0;
+                         trainkit/models/expert_bias.py): moved by their rule, not by the optimizer
     state/ or deepspeed/ model + optimizer, in the strategy's format (its CheckpointFormat, strategies/dcp_format.py):
                          torch.distributed.checkpoint (single, DDP, FSDP2: reshardable) or DeepSpeed's (ZeRO-1/2/3)
 
@@ -42,6 +44,7 @@ from trainkit.config import TrainConfig, config_dict
 from trainkit.data import precompute
 from trainkit.errors import ConfigError, Problem, TrainingError, said, write_failure, writing
 from trainkit.launch.rank_exit import lost_peer
+from trainkit.models import expert_bias
 from trainkit.recipes import Recipe
 from trainkit.strategies.deepspeed_ep import run_ep_size
 from trainkit.strategies.registry import Engine, for_format
@@ -133,6 +136,8 @@ class Checkpointer:
                     precompute.save(tmp, self.precomputed)
             acc.wait_for_everyone()
             torch.save(_rng_state(), tmp / "rng" / f"rank_{acc.process_index}.pt")
+            if acc.is_main_process and getattr(self.engine.cfg, "router_bias_update_rate", 0.0):
+                expert_bias.save(self.engine.unwrapped_model, tmp)  # moved by their rule, not trained: kept here
             if data_state is not None:
                 (tmp / "data").mkdir(exist_ok=True)
                 (tmp / "data" / f"rank_{acc.process_index}.json").write_text(json.dumps(data_state) + "\n")
@@ -249,6 +254,7 @@ class Checkpointer:
                 raise TrainingError(f"could not load checkpoint {found.path}: {said(e)}",
                                     f"resume from an older one (--resume {older})" if older else
                                     "start again (--overwrite)") from None
+        expert_bias.load(engine.unwrapped_model, found.path)
         engine.scheduler.load_state_dict(found.state["scheduler"])
         if acc.scaler is not None and found.state["scaler"]:
             acc.scaler.load_state_dict(found.state["scaler"])
