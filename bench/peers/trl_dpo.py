@@ -6,20 +6,13 @@ with LoRA and the same optimizer and schedule: the loss of every step and the en
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
-from pathlib import Path
 
 import torch
-from datasets import Dataset
-from peft import LoraConfig, get_peft_model
 from torch.utils.data import SequentialSampler
-from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
 from trl import DPOConfig, DPOTrainer
-from trl_record import Record
-
-from trainkit.data.sft import CHATML
+from trl_record import Record, lora_peer
 
 
 class InOrder(DPOTrainer):
@@ -30,23 +23,7 @@ class InOrder(DPOTrainer):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--data", type=Path, required=True)
-    parser.add_argument("--report", type=Path, required=True)
-    parser.add_argument("--max_steps", type=int, default=16)
-    parser.add_argument("--batch_size", type=int, default=8)
-    parser.add_argument("--seq_len", type=int, default=128)
-    parser.add_argument("--lr", type=float, default=5e-4)
-    parser.add_argument("--lora_r", type=int, default=8)
-    args = parser.parse_args()
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
-    tokenizer.chat_template = CHATML
-    data = Dataset.from_list([json.loads(line) for line in args.data.read_text().splitlines()])
-    set_seed(0)  # then the model and its adapters, as train.py makes them: the same adapters' initial weights
-    lora = LoraConfig(r=args.lora_r, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear",
-                      task_type="CAUSAL_LM")
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32), lora)
+    args, tokenizer, data, model = lora_peer(__doc__)
     config = DPOConfig(
         output_dir=str(args.report.parent / "trl-dpo"), max_length=args.seq_len, beta=0.1, loss_type=["sigmoid"],
         per_device_train_batch_size=args.batch_size, max_steps=args.max_steps, learning_rate=args.lr,
