@@ -272,9 +272,10 @@ def test_zero2_checkpoint_reshards_through_a_universal_checkpoint(run_dir):
 def test_zero3_checkpoint_reshards_with_its_optimizer_state(lm_runs, run_dir):
     """ZeRO-3 on 2 processes continued as ZeRO-3 (with offload) on 1: DeepSpeed's universal checkpoint, with its ZeRO-3
     load mended (one step counter shared by the parameter groups, the first group's weight decay given to all:
-    trainkit/strategies/deepspeed_format.py), carries the optimizer state, so the curve goes on as if nothing had changed (it
-    was 1e-3 off within 6 steps before the mend). The transformer: weight decay on its matrices only; its ZeRO-3 run
-    is the strategy matrix's (tests/conftest.py's lm_runs: 2 x 4 samples a step, a checkpoint at step 5)."""
+    trainkit/strategies/deepspeed_format.py), carries the optimizer state, so the curve goes on as if nothing had
+    changed (it was 1e-3 off within 6 steps before the mend). The transformer: weight decay on its matrices only; its
+    ZeRO-3 run is the strategy matrix's (tests/conftest.py's lm_runs: 2 x 4 samples a step, a checkpoint at step
+    5)."""
     full = lm_runs("deepspeed_zero3")
     one = launch(run_dir("one"), *MATRIX_LM, "--batch_size", "8", "--resume", str(full.output_dir / "checkpoints" /
                  "step_5"), config="deepspeed_zero3_offload", extra_launch=("--num_processes", "1")).check()
