@@ -243,17 +243,13 @@ def rollout(model: Preference, cfg: Config, step: int, micro_batches: list[dict]
 
     device = next(model.parameters()).device
     names = ("completion_ids", "completion_attention", "completion_mask")
-    mine = [torch.cat([batch[name] for batch in micro_batches]).to(device) for name in names]
+    mine = torch.stack([torch.cat([batch[name] for batch in micro_batches]) for name in names]).to(device)
     world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
-    if world > 1:
-        gathered = [[torch.empty_like(t) for _ in range(world)] for t in mine]
-        for parts, tensor in zip(gathered, mine, strict=True):
-            dist.all_gather(parts, tensor)
-        whole = [torch.cat(parts) for parts in gathered]
-    else:
-        whole = mine
-    rows = dpo_loss.kl_rows(*whole)
-    start, total = rank * len(mine[0]), torch.zeros(2, device=device)
+    parts = [torch.empty_like(mine) for _ in range(world)] if world > 1 else [mine]
+    if world > 1:  # [3, rows, width] of each rank, in rank order: the global batch's order
+        dist.all_gather(parts, mine)
+    rows = dpo_loss.kl_rows(*torch.cat(parts, dim=1))
+    start, total = rank * mine.shape[1], torch.zeros(2, device=device)
     for batch in micro_batches:
         size = len(batch["label"])
         ratio = model(**{key: value.to(device) for key, value in batch.items()},
