@@ -46,7 +46,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainkit.data import prompts, sft
+from trainkit.data import prompts, sft, text
 from trainkit.data.prompts import PromptsConfig
 from trainkit.data.stream import Streamed
 from trainkit.errors import ConfigError, Problem, TrainingError
@@ -112,8 +112,8 @@ class Config(PromptsConfig):  # settings: trainkit/models/finetune.py (model), t
         if not problems:  # every function importable and callable with the columns, and as many weights
             found = rewards.load(self.reward_funcs, REWARD_FOLDERS)
             rewards.weights(self.reward_weights, reward_names(self, found))
-            if (columns := prompts.first_columns(self.data)) is not None:
-                problems += rewards.signature_problems(found, columns)
+            if (fields := text.first_fields(self.data)) is not None:  # the reward functions get the rest by name
+                problems += rewards.signature_problems(found, [f for f in fields if f != "prompt"])
             if self.reward_model:
                 problems += pretrained.weights_problems(self.reward_model, self.allow_pickle, "--reward_model") or \
                     pretrained.scorer_problems(self.reward_model, "--reward_model")

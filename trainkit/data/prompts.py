@@ -111,16 +111,6 @@ def check_records(path: Path, flag: str, limit: int | None = None) -> Problem | 
     return None
 
 
-def first_columns(data: str) -> list[str] | None:
-    """The columns beside the prompt that the reward functions are called with (the first record of the first local
-    JSON-lines file), or None where --data is no such file (a dataset, a mixture): they are known when read."""
-    files = text.local_files(data) or []
-    if not files or files[0].suffix not in (".jsonl", ".json") or not files[0].is_file():
-        return None
-    record = next((record for _, record in sft.json_records(files[0], text.CHECKED_BYTES)), None)
-    return [key for key in record if key != "prompt"] if isinstance(record, Mapping) else None
-
-
 def encode_prompt(prompt: Any, tokenizer: Any, template: str | None) -> list[int]:
     """A prompt's tokens as the model reads them (TRL's: no special tokens added beside the template's own)."""
     if isinstance(prompt, str):
