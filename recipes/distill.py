@@ -182,7 +182,7 @@ def _first_texts(data: str) -> list[str]:
         if not path.is_file() or kind is None:
             continue
         with open(path, encoding="utf-8", errors="replace", newline="" if kind == "csv" else None) as f:
-            records = (record for _, record in sft.json_records(path)) if kind == "json" else \
+            records = (record for _, record in sft.json_records(path, text.CHECKED_BYTES)) if kind == "json" else \
                 csv.DictReader(f) if kind == "csv" else f
             for record in records:
                 found.append(" ".join(strings(record)))

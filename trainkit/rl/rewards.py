@@ -32,6 +32,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy
+import torch
+
 from trainkit.errors import ConfigError, Problem
 
 SIGNATURE = "def f(prompts, completions, completion_ids, **kwargs) -> list[float]"
@@ -195,9 +198,6 @@ def _numbers(got: Any, count: int) -> tuple[list[float] | None, str]:
 def _real(value: Any) -> float | None:
     """A real number's value (Python's, numpy's, a one-element tensor's), or None: a string that reads as a number
     is not one (float("0.5") would take it)."""
-    import numpy
-    import torch
-
     if isinstance(value, torch.Tensor):
         return float(value.item()) if value.numel() == 1 and not value.is_complex() else None
     if isinstance(value, (numbers.Real, numpy.bool_)):  # numpy's bool is no numbers.Real
