@@ -127,8 +127,7 @@ def test_a_routing_bias_stays_frozen_and_a_sampling_router_is_said(moe_args, moe
 def test_the_routing_bias_moves_by_its_rule_at_one_process_curve_and_resumes_exactly(moe_args, moe_folder, run_dir):
     """--router_bias_update_rate (auxiliary-loss-free balancing) on Ernie4.5-MoE: under DDP with accumulation the
     loss and the gradient norm are one process's and final/'s biases one process's, moved from where they were
-    loaded; a run stopped at step 3 and resumed ends with the uninterrupted run's biases and curve. FSDP2, which
-    shards the bias, is refused."""
+    loaded; a run stopped at step 3 and resumed ends with the uninterrupted run's biases and curve."""
     from safetensors.torch import load_file
 
     args = [*moe_args("ernie4_5_moe"), "--router_bias_update_rate", "0.01"]
@@ -149,9 +148,19 @@ def test_the_routing_bias_moves_by_its_rule_at_one_process_curve_and_resumes_exa
         moved = finals[0][key] - start
         assert 0 < moved.abs().max() <= 6 * 0.02 and abs(float(moved.sum())) < 1e-5  # steps of +-0.01, centred
         assert torch.allclose(finals[1][key], finals[0][key], atol=1e-7) and torch.equal(finals[2][key], finals[1][key])
-    sharded = launch(run_dir("fsdp"), *args, "--batch_size", "4", "--max_steps", "1", config="fsdp")
-    assert_refused(sharded, "--router_bias_update_rate: model.layers.0.mlp.gate.moe_statics.e_score_correction_bias "
-                            "is sharded or cut by this strategy")
+
+
+@pytest.mark.parametrize("config, refused", [("ddp", False), ("deepspeed_zero2_offload", False), ("fsdp", True),
+                                             ("deepspeed_zero3", True), ("tp", True)])
+def test_the_routing_bias_update_is_refused_by_the_dry_run_where_a_strategy_shards_it(check_only, moe_args, tmp_path,
+                                                                                       config, refused):
+    run = check_only(tmp_path / "out", *moe_args("ernie4_5_moe"), "--router_bias_update_rate", "0.01", "--dry_run",
+                     "--accelerate_config", str(ROOT / "accelerate_configs" / f"{config}.yaml"))
+    if refused:
+        assert_refused(run, "the update moves each rank's whole copy of a router's bias, which this strategy shards "
+                            "or cuts (--router_bias_update_rate): use ddp.yaml")
+    else:
+        assert run.returncode == 0, run.stderr
 
 
 def test_the_routing_bias_update_is_torchtitans_rule_on_the_counted_choices():

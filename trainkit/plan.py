@@ -36,6 +36,7 @@ from trainkit.estimate import (
 )
 from trainkit.launch.hostfile import check_hosts, environment_note, rendezvous_note
 from trainkit.launch.launcher import Launch, check_machine, check_yaml
+from trainkit.models import expert_bias
 from trainkit.models.pretrained import sizing
 from trainkit.recipes import Recipe, load_recipe
 from trainkit.run.checkpoint import Found, auto_resume, find_checkpoint, resume_problems
@@ -92,6 +93,7 @@ def _plan(options: RunOptions, overrides: list[tuple[str, str, str]]) -> Plan:
     # --estimate sizes the launch, for this machine or another: what only this machine refuses is left out
     problems += check_machine(launch) + strategy.check(this_machine=not options.estimate)
     problems += recipe.check_strategy(cfg, strategy)
+    problems += expert_bias.strategy_problems(getattr(cfg, "router_bias_update_rate", 0.0), strategy)
     if options.dry_run:  # a hostfile launch: every host answers over ssh, the slots add up, no secret travels
         problems += check_hosts(launch)
         for note in filter(None, (environment_note(launch), rendezvous_note(launch))):

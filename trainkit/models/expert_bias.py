@@ -47,11 +47,6 @@ class Balancer:
             weight = getattr(router, "weight", None)
             if router is None or weight is None or not weight.requires_grad:
                 continue  # a frozen model's (a reference, a teacher, a LoRA base): it keeps its bias
-            if type(bias).__name__ == "DTensor" or hasattr(bias, "ds_id") or type(weight).__name__ == "DTensor":
-                raise ConfigError([Problem(f"--router_bias_update_rate: {name} is sharded or cut by this strategy, "
-                                           "and the update moves each rank's whole copy", "--router_bias_update_rate",
-                                           "use ddp.yaml, deepspeed_zero1.yaml or deepspeed_zero2.yaml (+ offload), "
-                                           "or drop --router_bias_update_rate")])
             counts = torch.zeros(bias.numel(), dtype=torch.float64, device=bias.device)
             self.routers.append((name, bias, counts))
             router.register_forward_hook(self._counter(counts))
@@ -85,6 +80,19 @@ class Balancer:
                 bias.add_((delta - delta.mean()).to(bias).view_as(bias))
                 counts.zero_()
                 start += len(counts)
+
+
+def strategy_problems(rate: float, strategy: Any) -> list[Problem]:
+    """--router_bias_update_rate where each rank holds the whole model: one process, DDP, ZeRO-1/2 without expert or
+    sequence parallelism; refused when the run is planned (the dry run too) under a strategy that shards or cuts it."""
+    whole = strategy.name in ("single", "ddp") or (strategy.name == "deepspeed" and strategy.stage in (1, 2)
+                                                   and strategy.ep == 1 and strategy.sp == 1)
+    if rate <= 0 or whole:
+        return []
+    return [Problem(f"--router_bias_update_rate under {strategy.label}: the update moves each rank's whole copy of a "
+                    "router's bias, which this strategy shards or cuts", "--router_bias_update_rate",
+                    "use ddp.yaml, deepspeed_zero1.yaml or deepspeed_zero2.yaml (+ offload), or drop "
+                    "--router_bias_update_rate")]
 
 
 def install(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rate: float) -> None:
