@@ -92,8 +92,7 @@ def _plan(options: RunOptions, overrides: list[tuple[str, str, str]]) -> Plan:
     strategy = for_launch(launch, cfg, sources, recipe)
     # --estimate sizes the launch, for this machine or another: what only this machine refuses is left out
     problems += check_machine(launch) + strategy.check(this_machine=not options.estimate)
-    problems += recipe.check_strategy(cfg, strategy)
-    problems += expert_bias.strategy_problems(getattr(cfg, "router_bias_update_rate", 0.0), strategy)
+    problems += recipe.check_strategy(cfg, strategy) + expert_bias.strategy_problems(cfg, strategy)
     if options.dry_run:  # a hostfile launch: every host answers over ssh, the slots add up, no secret travels
         problems += check_hosts(launch)
         for note in filter(None, (environment_note(launch), rendezvous_note(launch))):

@@ -82,12 +82,13 @@ class Balancer:
                 start += len(counts)
 
 
-def strategy_problems(rate: float, strategy: Any) -> list[Problem]:
+def strategy_problems(cfg: Any, strategy: Any) -> list[Problem]:
     """--router_bias_update_rate where each rank holds the whole model: one process, DDP, ZeRO-1/2 without expert or
     sequence parallelism; refused when the run is planned (the dry run too) under a strategy that shards or cuts it."""
-    whole = strategy.name in ("single", "ddp") or (strategy.name == "deepspeed" and strategy.stage in (1, 2)
-                                                   and strategy.ep == 1 and strategy.sp == 1)
-    if rate <= 0 or whole:
+    if getattr(cfg, "router_bias_update_rate", 0.0) <= 0:  # or a recipe without the field
+        return []
+    if strategy.name in ("single", "ddp") or (strategy.name == "deepspeed" and strategy.stage in (1, 2)
+                                              and strategy.ep == 1 and strategy.sp == 1):
         return []
     return [Problem(f"--router_bias_update_rate under {strategy.label}: the update moves each rank's whole copy of a "
                     "router's bias, which this strategy shards or cuts", "--router_bias_update_rate",
