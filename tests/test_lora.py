@@ -242,9 +242,6 @@ def test_lora_mistakes_are_named_with_the_fix(check_only, chat, tmp_path):
     assert_refused(check_only(tmp_path / "d", *base, "--lora_target_modules", "query,value"),
                    "use all-linear, or names of its linear layers: down_proj, gate_proj, k_proj, lm_head, o_proj")
     assert_refused(check_only(tmp_path / "e", *base, "--lora_alpha", "0"), "LoRA needs lora_r >= 0, lora_alpha > 0")
-    if not torch.cuda.is_available():
-        assert_refused(check_only(tmp_path / "f", *base, "--load_in_4bit", "true"),
-                       "QLoRA (--load_in_4bit) needs a CUDA GPU")
 
 
 def test_the_estimate_counts_no_gradients_or_optimizer_states_for_a_frozen_base(check_only, chat, tmp_path):

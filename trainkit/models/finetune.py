@@ -63,7 +63,7 @@ class FineTuneConfig(TrainConfig):
     lora_dropout: float = 0.0
     # peft's "all-linear" (every linear layer but the output head), or comma-separated module names (q_proj,v_proj)
     lora_target_modules: str = "all-linear"
-    load_in_4bit: bool = False  # QLoRA: the frozen base quantised to 4 bits (NF4) by bitsandbytes; CUDA GPUs only
+    load_in_4bit: bool = False  # QLoRA: the frozen base quantised to 4 bits (NF4) by bitsandbytes, adapters over it
     chat_template: str = ""  # the tokenizer's own; chatml, or a Jinja file, for one that has none
     seq_len: int = 128
     # The training data: local files (comma-separated) or a Hub dataset (data_config: its configuration), in the
@@ -152,11 +152,12 @@ def build(cfg: FineTuneConfig, auto_class: Any, lora_task: str = "CAUSAL_LM", **
         return _trained_in_fp32(lora.with_lora(model, cfg, lora_task) if cfg.lora_r else model)
     model = pretrained.load("model", cfg, lambda path, **kw: auto_class.from_pretrained(
         path, dtype=MODEL_DTYPES[cfg.model_dtype], use_safetensors=None if cfg.allow_pickle else True,
-        **lora.quantised(cfg.load_in_4bit), **kwargs, **kw))
+        **lora.quantised(cfg, base_dtype(cfg, config)), **kwargs, **kw))
     if cfg.load_in_4bit:
         from peft import prepare_model_for_kbit_training
 
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=cfg.gradient_checkpointing)
+        model = prepare_model_for_kbit_training(lora.kept_as_quantised(model),
+                                                use_gradient_checkpointing=cfg.gradient_checkpointing)
     prefixes = [p.strip() for p in cfg.trainable.split(",") if p.strip()]
     if prefixes:
         chosen = {name for name, _ in model.named_parameters() if name.startswith(tuple(prefixes))}
@@ -174,6 +175,18 @@ def build(cfg: FineTuneConfig, auto_class: Any, lora_task: str = "CAUSAL_LM", **
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model = _router_weighed(model, cfg)
     return _trained_in_fp32(lora.with_lora(model, cfg, lora_task) if cfg.lora_r else model)
+
+
+def base_dtype(cfg: FineTuneConfig, config: Any = None) -> torch.dtype:
+    """The dtype the base computes in: --model_dtype's, or under auto the checkpoint's (fp32 where it names none)."""
+    if cfg.model_dtype != "auto":
+        return MODEL_DTYPES[cfg.model_dtype]
+    if config is None:
+        from transformers import AutoConfig
+
+        config = pretrained.load("model's config", cfg, AutoConfig.from_pretrained)
+    dtype = getattr(config, "dtype", None)
+    return dtype if isinstance(dtype, torch.dtype) else torch.float32
 
 
 def _check_experts(config: Any, implementation: str) -> None:
@@ -228,18 +241,16 @@ def export(model: nn.Module, state_dict: dict, cfg: FineTuneConfig, out_dir: Pat
     (PeftModel.from_pretrained(base, "final/adapter") over the base model it was trained on). `system`: the system
     turn every training conversation opened with, kept in sft.CHAT_DEFAULTS beside each tokenizer (the model
     answers poorly without it, and trainkit/tools/ask.py asks with it)."""
-    from peft import PeftModel
-
     tokenizer = tokenizer_of(cfg)
     if cfg.chat_template:  # the template the run rendered its conversations with goes along (trainkit/tools/ask.py)
         tokenizer.chat_template = sft.chat_template(tokenizer, cfg.chat_template)
     if cfg.lora_r:
         model.save_pretrained(str(out_dir / "adapter"), state_dict=state_dict)  # peft keeps only the adapters' keys
         tokenizer.save_pretrained(str(out_dir / "adapter"))
-        # QLoRA's base is 4-bit in training: the adapters merge into the full-precision base it was quantised from
+        # QLoRA's base is 4-bit in training: the adapters merge into it, dequantised (lora.merged_into_dequantised)
         model = lora.merged(model, state_dict, auto_class) if not cfg.load_in_4bit else pretrained.load(
-            "model", cfg, lambda path, **kw: PeftModel.from_pretrained(
-                auto_class.from_pretrained(path, **kw), str(out_dir / "adapter")).merge_and_unload())
+            "model", cfg, lambda path, **kw: lora.merged_into_dequantised(
+                auto_class, path, str(out_dir / "adapter"), cfg, base_dtype(cfg), **kw))
         state_dict = None
     model.save_pretrained(str(out_dir), state_dict=state_dict)
     tokenizer.save_pretrained(str(out_dir))

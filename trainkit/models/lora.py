@@ -8,6 +8,8 @@ gradients and optimizer states.
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from typing import Any
 
 import torch
@@ -24,31 +26,56 @@ def problems(cfg: Any) -> list[Problem]:
         problems.append(Problem(f"LoRA needs lora_r >= 0, lora_alpha > 0 and 0 <= lora_dropout < 1, got "
                                 f"{cfg.lora_r}, {cfg.lora_alpha}, {cfg.lora_dropout}", "config field lora_r",
                                 "use --lora_r 8 --lora_alpha 16 --lora_dropout 0.05"))
-    if cfg.load_in_4bit and not (cfg.lora_r and torch.cuda.is_available()):
-        problems.append(Problem("QLoRA (--load_in_4bit) needs a CUDA GPU and --lora_r: bitsandbytes' 4-bit layers "
-                                "compute on CUDA, and a quantised base only trains through adapters",
-                                "config field load_in_4bit",
-                                "drop --load_in_4bit (LoRA on the full-precision base), or run on a GPU with "
-                                "--lora_r 8"))
+    if cfg.load_in_4bit and not cfg.lora_r:
+        problems.append(Problem("QLoRA (--load_in_4bit) trains adapters over the 4-bit base, and got no --lora_r: a "
+                                "quantised base cannot train itself", "config field load_in_4bit",
+                                "pass --lora_r 8 with --load_in_4bit, or drop --load_in_4bit"))
+    if cfg.load_in_4bit and importlib.util.find_spec("bitsandbytes") is None:
+        problems.append(Problem("QLoRA (--load_in_4bit) quantises the base with bitsandbytes, which is not installed",
+                                "config field load_in_4bit", "pip install -r requirements.txt (it pins bitsandbytes)"))
     if cfg.lora_r and cfg.trainable:
         problems.append(Problem("--trainable and --lora_r each choose what trains", "config field trainable",
                                 "pass one: --lora_r trains adapters with the whole base frozen"))
     return problems
 
 
-def quantised(load_in_4bit: bool) -> dict:
-    """from_pretrained's arguments for QLoRA's 4-bit base (NF4, double quantisation, bf16 compute), on this process's
-    GPU; none otherwise."""
-    if not load_in_4bit:
+def quantised(cfg: Any, dtype: torch.dtype) -> dict:
+    """from_pretrained's arguments for QLoRA's 4-bit base (NF4 with double quantisation, as the QLoRA paper), none
+    without --load_in_4bit. The compute dtype is the base's (--model_dtype; the checkpoint's under auto, fp32 when it
+    has none). The packed 4-bit weights are stored as uint8 where each rank holds them whole (one process, DDP,
+    ZeRO-1/2) and in the compute dtype where ZeRO-3 or FSDP2 shard them: both shard floating-point tensors, and FSDP2
+    over uint8 storage trains silently wrong (accelerate #3983). The base goes to this rank's device, except under
+    ZeRO-3's zero.Init, which places it itself (transformers refuses a device_map there)."""
+    if not cfg.load_in_4bit:
         return {}
-    import os
-
+    from accelerate.state import AcceleratorState
     from transformers import BitsAndBytesConfig
+    from transformers.integrations import is_deepspeed_zero3_enabled
 
-    return {"quantization_config": BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                                      bnb_4bit_use_double_quant=True,
-                                                      bnb_4bit_compute_dtype=torch.bfloat16),
-            "device_map": {"": int(os.environ.get("LOCAL_RANK", "0"))}}
+    compute = dtype
+    state = AcceleratorState() if AcceleratorState._shared_state else None
+    sharded = state is not None and (state.distributed_type.value == "FSDP" or state.distributed_type.value ==
+                                     "DEEPSPEED" and state.deepspeed_plugin.zero_stage == 3)
+    config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                bnb_4bit_compute_dtype=compute,
+                                bnb_4bit_quant_storage=compute if sharded else torch.uint8)
+    if is_deepspeed_zero3_enabled():
+        return {"quantization_config": config}
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() else "cpu"
+    return {"quantization_config": config, "device_map": {"": device}}
+
+
+def kept_as_quantised(model: nn.Module) -> nn.Module:
+    """The 4-bit base held in the layout it was quantised to. bitsandbytes repacks a `Linear4bit` the first time it
+    computes without gradients on a CPU with AVX512-BF16 (an evaluation, a generation): its constants rounded to bf16
+    and the weight re-laid, after which the training forward reads other numbers (3.1e-3 apart in the logits), so an
+    evaluation in the middle of a run would change every later step. The fast path is switched off per layer."""
+    from bitsandbytes.nn import Linear4bit
+
+    for module in model.modules():
+        if isinstance(module, Linear4bit):
+            module.support_avx512bf16_for_cpu = False
+    return model
 
 
 def lora_config(cfg: Any, task_type: str = "CAUSAL_LM"):
@@ -88,3 +115,16 @@ def merged(model: nn.Module, state_dict: dict, auto_class: Any) -> nn.Module:
     plain = copy.merge_and_unload()
     plain.tie_weights()  # the tied output head names the embedding again after assign
     return plain
+
+
+def merged_into_dequantised(auto_class: Any, path: str, adapter: str, cfg: Any, dtype: torch.dtype,
+                            **kwargs: Any) -> nn.Module:
+    """QLoRA's final/: the base quantised again from its folder as the run quantised it (NF4 is a function of the
+    weights alone), dequantised to `dtype` (transformers' dequantize), and the adapters merged into it (peft's
+    merge_and_unload). The model that trained, to the merge's rounding; the full-precision base with the adapters would
+    be another one (its logits 0.06 apart on the tests' Qwen2: the adapters learned to correct the 4-bit base)."""
+    from peft import PeftModel
+
+    base = auto_class.from_pretrained(path, dtype=dtype, **quantised(cfg, dtype), **kwargs)
+    plain = base.dequantize(dtype=dtype)
+    return PeftModel.from_pretrained(plain, adapter).merge_and_unload()
