@@ -61,7 +61,8 @@ def test_qlora_under_every_config_follows_one_process_on_the_same_4bit_base(qlor
     """The curve of one process within 1e-5; on every rank the held part of the base bit-identical at every
     micro-batch to the first, and each 4-bit layer's dequantised weight (as the layer computed with it) the one
     process's at every micro-batch; the sharding configs hold about half of it per rank; final/ (merged) and
-    final/adapter/ the one process's."""
+    final/adapter/ the one process's; the estimate within 3% of what rank 0 held (measured: 1.9% under ZeRO-3, 0.1%
+    elsewhere)."""
     one, run = qlora_runs("single"), qlora_runs(config)
     assert max_rel_diff(run.losses, one.losses) < PARITY_BOUND and run.losses[-1] < run.losses[0]
     reference = probes(one)[0]
@@ -77,6 +78,10 @@ def test_qlora_under_every_config_follows_one_process_on_the_same_4bit_base(qlor
         mine, theirs = (load_file(r.output_dir / "final" / name) for r in (run, one))
         assert mine.keys() == theirs.keys() and all(t.numel() > 0 for t in mine.values())
         assert max((mine[k] - theirs[k]).abs().max().item() for k in mine) < 1e-4, name
+    # the estimate counts the packed base (half a byte a weight, sharded where the config shards) and the constants
+    # that every rank holds whole; state_bytes counts those constants too (trainkit/run/metrics.py)
+    estimated, held = run.resolved["estimated_state_bytes"], run.metrics[-1]["state_bytes"]
+    assert abs(estimated - held) <= 0.03 * held, (estimated, held)
 
 
 @pytest.mark.slow

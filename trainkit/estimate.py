@@ -30,6 +30,7 @@ import torch
 
 from trainkit.config import TrainConfig
 from trainkit.losses.chunked_loss import chunk_tokens
+from trainkit.models import lora
 from trainkit.recipes import Recipe
 from trainkit.strategies.expert_parallel import expert_weights
 from trainkit.strategies.tp_plan import cut_plan
@@ -65,8 +66,11 @@ class ModelShape:
     tp_plan: tuple[tuple[str, str], ...] = ()
     decoder: DecoderShape | None = None  # a transformers decoder's sizes; None for any other model
     frozen: tuple[bool, ...] = ()  # per parameter, in the order of numels: frozen (no gradient, no optimizer state)
-    frozen_bytes: int = 4  # bytes per element of the frozen weights (what a pretrained base loads as: --model_dtype)
+    # bytes per element of the frozen weights, on average: what a pretrained base loads as (--model_dtype), a 4-bit
+    # base's packed weights at half a byte
+    frozen_bytes: float = 4
     experts: tuple[bool, ...] = ()  # per parameter: a mixture of experts' expert weight (expert parallelism splits)
+    constant_bytes: int = 0  # what every rank holds whole beside its weights: a 4-bit base's quantisation constants
 
     @property
     def num_params(self) -> int:
@@ -74,8 +78,8 @@ class ModelShape:
 
     def weight_bytes(self, held: int, trained: int, low: int = 4) -> int:
         """Bytes of `held` weight elements of which `trained` train: those at `low` bytes (4: fp32; DeepSpeed casts
-        to 16 bits), the frozen rest at their own size where it is smaller."""
-        return low * trained + min(low, self.frozen_bytes) * (held - trained)
+        to 16 bits), the frozen rest at their own size where it is smaller; and the constants every rank holds."""
+        return round(low * trained + min(low, self.frozen_bytes) * (held - trained)) + self.constant_bytes
 
     def expert_numel(self) -> int:
         """The elements of the experts' weights (0 where none are marked)."""
@@ -87,6 +91,7 @@ class ModelShape:
         keep = [i for i in range(len(self.numels)) if not (self.frozen and self.frozen[i])]
         return dataclasses.replace(self, numels=tuple(self.numels[i] for i in keep),
                                    names=tuple(self.names[i] for i in keep) if self.names else (), frozen=(),
+                                   constant_bytes=0,
                                    experts=tuple(self.experts[i] for i in keep) if self.experts else ())
 
 
@@ -109,12 +114,16 @@ def model_shape(recipe: Recipe, cfg: TrainConfig, model: torch.nn.Module | None 
     names, params = zip(*model.named_parameters(), strict=True)
     layers = getattr(getattr(model, "config", None), "num_hidden_layers", None) or \
         sum(isinstance(m, torch.nn.Linear) for m in model.modules())
-    frozen = [p.element_size() for p in params if not p.requires_grad and p.is_floating_point()]
+    four_bit = lora.four_bit_weights(model) if getattr(cfg, "load_in_4bit", False) else set()
+    frozen = [(p.numel(), 0.5 if id(p) in four_bit else p.element_size())
+              for p in params if not p.requires_grad and p.is_floating_point()]
     experts = expert_weights(model)
     return ModelShape(tuple(p.numel() for p in params), hidden_size(model), layers, tuple(names),
                       tuple(cut_plan(model).items()), decoder_shape(model),
-                      tuple(not p.requires_grad for p in params), max(frozen, default=4),
-                      tuple(id(p) in experts for p in params))
+                      tuple(not p.requires_grad for p in params),
+                      sum(n * b for n, b in frozen) / sum(n for n, _ in frozen) if frozen else 4,
+                      tuple(id(p) in experts for p in params),
+                      sum(lora.nf4_constant_bytes(p.numel()) for p in params if id(p) in four_bit))
 
 
 def decoder_shape(model: torch.nn.Module) -> DecoderShape | None:

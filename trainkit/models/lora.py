@@ -65,6 +65,41 @@ def quantised(cfg: Any, dtype: torch.dtype) -> dict:
     return {"quantization_config": config, "device_map": {"": device}}
 
 
+NF4_BLOCK, NESTED_BLOCK = 64, 256  # bitsandbytes' defaults: weights per absmax, absmaxes per absmax of their own
+
+
+def nf4_constant_bytes(numel: int) -> int:
+    """The quantisation constants of one 4-bit weight of `numel` elements, which every rank holds whole (also where
+    the packed weight is sharded): its blocks' absmax in 8 bits, their own fp32 absmax per NESTED_BLOCK, the two
+    code tables (16 and 256 fp32) and the offset."""
+    blocks = -(-numel // NF4_BLOCK)
+    return blocks + 4 * -(-blocks // NESTED_BLOCK) + 4 * (16 + 256 + 1)
+
+
+def four_bit_weights(model: nn.Module) -> set[int]:
+    """The ids of the frozen weights that --load_in_4bit holds in 4 bits: those of the base's linear layers, but for
+    the ones transformers keeps whole (get_keys_to_not_convert: the output head, tied weights)."""
+    from transformers.quantizers.base import get_keys_to_not_convert
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    kept = tuple(get_keys_to_not_convert(base))
+    return {id(module.weight) for name, module in base.named_modules()
+            if type(module) is nn.Linear and not module.weight.requires_grad
+            and not any(key in name.replace(".base_layer", "") for key in kept)}
+
+
+def quant_state_tensors(model: nn.Module) -> list[torch.Tensor]:
+    """The quantisation constants of the model's 4-bit layers (each layer holds them whole, also where its packed
+    weight is sharded): absmax, the code table, and under double quantisation the absmaxes' own."""
+    tensors = []
+    for module in model.modules():
+        state = getattr(module, "quant_state", None) or getattr(getattr(module, "weight", None), "quant_state", None)
+        for part in [state, getattr(state, "state2", None)] if state is not None else []:
+            tensors += [t for t in (getattr(part, "absmax", None), getattr(part, "code", None),
+                                    getattr(part, "offset", None)) if isinstance(t, torch.Tensor)]
+    return tensors
+
+
 def kept_as_quantised(model: nn.Module) -> nn.Module:
     """The 4-bit base held in the layout it was quantised to. bitsandbytes repacks a `Linear4bit` the first time it
     computes without gradients on a CPU with AVX512-BF16 (an evaluation, a generation): its constants rounded to bf16
