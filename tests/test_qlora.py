@@ -12,6 +12,8 @@ written for, a tied Llama and GPT-NeoX (one fused query-key-value layer).
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -180,3 +182,41 @@ def test_qlora_mistakes_are_named_with_the_fix(check_only, chat, tmp_path):
             str(chat[1]), "--load_in_4bit", "true"]
     assert_refused(check_only(tmp_path / "a", *base),
                    "QLoRA (--load_in_4bit) trains adapters over the 4-bit base, and got no --lora_r")
+
+
+# Each fine-tuning recipe over the 4-bit base under a config that shards or replicates it, against one process
+RECIPES = {
+    # the reference is the 4-bit base with the adapters off: the first loss is ln 2 to the digit
+    "dpo": ("fsdp", ["--data", str(ROOT / "data" / "pairs.jsonl"), "--seq_len", "96"]),
+    "reward": ("deepspeed_zero2", ["--data", str(ROOT / "data" / "pairs.jsonl"), "--seq_len", "96"]),
+    # sampling through the 4-bit base, gathered from its ZeRO-3 partitions at every token
+    "grpo": ("deepspeed_zero3", ["--data", str(ROOT / "data" / "prompts.jsonl"), "--reward_funcs",
+                                 "tests.helpers.rl_rewards.even_ids", "--max_completion_length", "8", "--num_generations", "4"]),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_every_fine_tuning_recipe_trains_over_a_4bit_base_like_one_process(chat, run_dir, recipe):
+    """dpo, reward and grpo with --load_in_4bit: the one-process curve (grpo: the same completions, sampled through
+    the 4-bit base), final/ written."""
+    config, flags = RECIPES[recipe]
+    common = ["--recipe", recipe, "--model_name_or_path", str(chat[0]), "--tokenizer", "saved", "--chat_template",
+              "chatml", "--max_steps", "4", "--eval_every", "2", "--lr", "3e-3", "--warmup_steps", "1", "--lora_r", "8",
+              "--load_in_4bit", "true", *flags]
+    one = launch(run_dir("single"), *common, "--batch_size", "8").check()
+    yaml, sizes = entry(config, 8)
+    run = launch(run_dir(config), *common, *sizes, config=yaml).check()
+    if recipe == "grpo":  # on-policy, its loss reads 0 by construction: the same to 1e-6, the gradients relatively
+        assert max(abs(a - b) for a, b in zip(run.losses, one.losses, strict=True)) < 1e-6
+    else:
+        assert max_rel_diff(run.losses, one.losses) < PARITY_BOUND
+    assert max_rel_diff([m["grad_norm"] for m in run.metrics], [m["grad_norm"] for m in one.metrics]) < PARITY_BOUND
+    assert (run.output_dir / "final" / "model.safetensors").is_file()
+    if recipe == "dpo":
+        assert abs(one.losses[0] - 0.6931471805599453) < 1e-6
+    if recipe == "grpo":
+        completions = [[json.loads(line)["completion"] for line in (r.output_dir / "rollouts.jsonl").open()]
+                       for r in (one, run)]
+        assert completions[0] == completions[1] and len(set(completions[0])) > 1
+        assert any(m["grad_norm"] > 0 for m in one.metrics)

@@ -250,7 +250,7 @@ def export(model: nn.Module, state_dict: dict, cfg: FineTuneConfig, out_dir: Pat
         # QLoRA's base is 4-bit in training: the adapters merge into it, dequantised (lora.merged_into_dequantised)
         model = lora.merged(model, state_dict, auto_class) if not cfg.load_in_4bit else pretrained.load(
             "model", cfg, lambda path, **kw: lora.merged_into_dequantised(
-                auto_class, path, str(out_dir / "adapter"), cfg, base_dtype(cfg), **kw))
+                model, auto_class, path, str(out_dir / "adapter"), cfg, base_dtype(cfg), **kw))
         state_dict = None
     model.save_pretrained(str(out_dir), state_dict=state_dict)
     tokenizer.save_pretrained(str(out_dir))

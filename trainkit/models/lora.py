@@ -8,6 +8,7 @@ gradients and optimizer states.
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import os
 from typing import Any
@@ -77,15 +78,23 @@ def nf4_constant_bytes(numel: int) -> int:
 
 
 def four_bit_weights(model: nn.Module) -> set[int]:
-    """The ids of the frozen weights that --load_in_4bit holds in 4 bits: those of the base's linear layers, but for
-    the ones transformers keeps whole (get_keys_to_not_convert: the output head, tied weights)."""
+    """The ids of the frozen weights that --load_in_4bit holds in 4 bits: those of the linear layers of each
+    transformers model inside `model` (the policy of a recipe's wrapper too), but for the ones transformers keeps
+    whole (get_keys_to_not_convert: the output head, tied weights)."""
+    from transformers import PreTrainedModel
     from transformers.quantizers.base import get_keys_to_not_convert
 
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    kept = tuple(get_keys_to_not_convert(base))
-    return {id(module.weight) for name, module in base.named_modules()
-            if type(module) is nn.Linear and not module.weight.requires_grad
-            and not any(key in name.replace(".base_layer", "") for key in kept)}
+    bases: list[nn.Module] = []
+    for module in model.modules():  # outer ones first: a model inside one already found is part of it
+        if isinstance(module, PreTrainedModel) and not any(module is m for b in bases for m in b.modules()):
+            bases.append(module)
+    found = set()
+    for base in bases:
+        kept = tuple(get_keys_to_not_convert(base))
+        found |= {id(module.weight) for name, module in base.named_modules()
+                  if type(module) is nn.Linear and not module.weight.requires_grad
+                  and not any(key in name.replace(".base_layer", "") for key in kept)}
+    return found
 
 
 def quant_state_tensors(model: nn.Module) -> list[torch.Tensor]:
@@ -152,14 +161,17 @@ def merged(model: nn.Module, state_dict: dict, auto_class: Any) -> nn.Module:
     return plain
 
 
-def merged_into_dequantised(auto_class: Any, path: str, adapter: str, cfg: Any, dtype: torch.dtype,
-                            **kwargs: Any) -> nn.Module:
+def merged_into_dequantised(trained: nn.Module, auto_class: Any, path: str, adapter: str, cfg: Any,
+                            dtype: torch.dtype, **kwargs: Any) -> nn.Module:
     """QLoRA's final/: the base quantised again from its folder as the run quantised it (NF4 is a function of the
     weights alone), dequantised to `dtype` (transformers' dequantize), and the adapters merged into it (peft's
     merge_and_unload). The model that trained, to the merge's rounding; the full-precision base with the adapters would
     be another one (its logits 0.06 apart on the tests' Qwen2: the adapters learned to correct the 4-bit base)."""
     from peft import PeftModel
 
-    base = auto_class.from_pretrained(path, dtype=dtype, **quantised(cfg, dtype), **kwargs)
+    config = copy.deepcopy(trained.get_base_model().config)  # the trained head's size (a reward model's 1 label)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    base = auto_class.from_pretrained(path, config=config, dtype=dtype, **quantised(cfg, dtype), **kwargs)
     plain = base.dequantize(dtype=dtype)
     return PeftModel.from_pretrained(plain, adapter).merge_and_unload()
