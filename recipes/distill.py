@@ -64,6 +64,9 @@ class Config(causal_lm.Config):  # the student's and the data's settings: recipe
     # The teacher: a local folder (from_pretrained's layout) or a Hub id, loaded as the student is (its dtype,
     # --allow_pickle, --trust_remote_code), frozen
     teacher_model_name_or_path: str = ""
+    # The teacher's weights quantised to 4-bit NF4 by bitsandbytes, as QLoRA's base (--load_in_4bit): for a teacher
+    # that fits the memory only so; its logits then are the 4-bit model's
+    teacher_load_in_4bit: bool = False
     # The divergence (trainkit/losses/distill.py): beta 0 the forward KL, 0.5 the JSD, 1 the reverse KL (TRL's
     # default); both models' logits divided by temperature first
     beta: float = 1.0
@@ -120,10 +123,12 @@ class Config(causal_lm.Config):  # the student's and the data's settings: recipe
 
 
 def teacher_config(cfg: Config) -> FineTuneConfig:
-    """The teacher's model settings: the student's, but its own folder, whole, frozen."""
+    """The teacher's model settings: the student's, but its own folder, whole (or in 4 bits), frozen."""
     shared = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(FineTuneConfig)}
-    return FineTuneConfig(**{**shared, "model_name_or_path": cfg.teacher_model_name_or_path, "lora_r": 0,
-                             "trainable": "", "gradient_checkpointing": False, "load_in_4bit": False})
+    teacher = FineTuneConfig(**{**shared, "model_name_or_path": cfg.teacher_model_name_or_path, "lora_r": 0,
+                                "trainable": "", "gradient_checkpointing": False, "load_in_4bit": False})
+    teacher.load_in_4bit = cfg.teacher_load_in_4bit  # after the checks: a frozen 4-bit model without adapters
+    return teacher
 
 
 CHECKED_RECORDS = 64  # the data's first records that both tokenizers encode at plan time

@@ -184,6 +184,7 @@ def test_qlora_mistakes_are_named_with_the_fix(check_only, chat, tmp_path):
                    "QLoRA (--load_in_4bit) trains adapters over the 4-bit base, and got no --lora_r")
 
 
+CHAT = "CHAT"  # the chat fixture's conversations
 # Each fine-tuning recipe over the 4-bit base under a config that shards or replicates it, against one process
 RECIPES = {
     # the reference is the 4-bit base with the adapters off: the first loss is ln 2 to the digit
@@ -191,16 +192,27 @@ RECIPES = {
     "reward": ("deepspeed_zero2", ["--data", str(ROOT / "data" / "pairs.jsonl"), "--seq_len", "96"]),
     # sampling through the 4-bit base, gathered from its ZeRO-3 partitions at every token
     "grpo": ("deepspeed_zero3", ["--data", str(ROOT / "data" / "prompts.jsonl"), "--reward_funcs",
-                                 "tests.helpers.rl_rewards.even_ids", "--max_completion_length", "8", "--num_generations", "4"]),
+                                 "tests.helpers.rl_rewards.even_ids", "--max_completion_length", "8",
+                                 "--num_generations", "4"]),
+    # a student's adapters over its 4-bit base, taught by a 4-bit teacher ("TEACHER": a tied Llama)
+    "distill": ("deepspeed_zero3", ["--data", CHAT, "--teacher_model_name_or_path",
+                                    "TEACHER", "--teacher_load_in_4bit", "true", "--seq_len", "64", "--beta", "0"]),
 }
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
-def test_every_fine_tuning_recipe_trains_over_a_4bit_base_like_one_process(chat, run_dir, recipe):
-    """dpo, reward and grpo with --load_in_4bit: the one-process curve (grpo: the same completions, sampled through
-    the 4-bit base), final/ written."""
+def test_every_fine_tuning_recipe_trains_over_a_4bit_base_like_one_process(chat, run_dir, tmp_path, recipe):
+    """dpo, reward, grpo and distill with --load_in_4bit (distill's teacher in 4 bits too): the one-process curve (grpo:
+    the same completions, sampled through the 4-bit base), the estimate within 3% of what rank 0 held (a 4-bit
+    teacher counted as 4 bits), final/ written."""
     config, flags = RECIPES[recipe]
+    if "TEACHER" in flags:
+        from transformers import PreTrainedTokenizerFast
+
+        architecture("llama", "sdpa").save_pretrained(tmp_path / "teacher")
+        PreTrainedTokenizerFast.from_pretrained(chat[0]).save_pretrained(tmp_path / "teacher")
+    flags = [{"TEACHER": str(tmp_path / "teacher"), CHAT: str(chat[1])}.get(f, f) for f in flags]
     common = ["--recipe", recipe, "--model_name_or_path", str(chat[0]), "--tokenizer", "saved", "--chat_template",
               "chatml", "--max_steps", "4", "--eval_every", "2", "--lr", "3e-3", "--warmup_steps", "1", "--lora_r", "8",
               "--load_in_4bit", "true", *flags]
@@ -213,6 +225,9 @@ def test_every_fine_tuning_recipe_trains_over_a_4bit_base_like_one_process(chat,
         assert max_rel_diff(run.losses, one.losses) < PARITY_BOUND
     assert max_rel_diff([m["grad_norm"] for m in run.metrics], [m["grad_norm"] for m in one.metrics]) < PARITY_BOUND
     assert (run.output_dir / "final" / "model.safetensors").is_file()
+    for r in (one, run):
+        estimated, held = r.resolved["estimated_state_bytes"], r.metrics[-1]["state_bytes"]
+        assert abs(estimated - held) <= 0.03 * held, (estimated, held)
     if recipe == "dpo":
         assert abs(one.losses[0] - 0.6931471805599453) < 1e-6
     if recipe == "grpo":

@@ -114,7 +114,7 @@ def model_shape(recipe: Recipe, cfg: TrainConfig, model: torch.nn.Module | None 
     names, params = zip(*model.named_parameters(), strict=True)
     layers = getattr(getattr(model, "config", None), "num_hidden_layers", None) or \
         sum(isinstance(m, torch.nn.Linear) for m in model.modules())
-    four_bit = lora.four_bit_weights(model) if getattr(cfg, "load_in_4bit", False) else set()
+    four_bit = lora.four_bit_weights(model)
     frozen = [(p.numel(), 0.5 if id(p) in four_bit else p.element_size())
               for p in params if not p.requires_grad and p.is_floating_point()]
     experts = expert_weights(model)

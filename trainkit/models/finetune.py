@@ -148,16 +148,18 @@ def build(cfg: FineTuneConfig, auto_class: Any, lora_task: str = "CAUSAL_LM", **
             setattr(config, key, value)
         model = pretrained.load("model", cfg, lambda path, **kw: auto_class.from_config(
             config, dtype=getattr(config, "dtype", None) if dtype == "auto" else dtype, **kernels, **kw))
+        model.is_loaded_in_4bit = cfg.load_in_4bit  # as transformers marks a 4-bit load: the estimate counts it so
         model = _router_weighed(model, cfg)
         return _trained_in_fp32(lora.with_lora(model, cfg, lora_task) if cfg.lora_r else model)
     model = pretrained.load("model", cfg, lambda path, **kw: auto_class.from_pretrained(
         path, dtype=MODEL_DTYPES[cfg.model_dtype], use_safetensors=None if cfg.allow_pickle else True,
         **lora.quantised(cfg, base_dtype(cfg, config)), **kwargs, **kw))
-    if cfg.load_in_4bit:
+    if cfg.load_in_4bit:  # adapters train over it (QLoRA), or it is a frozen model (distill's teacher)
         from peft import prepare_model_for_kbit_training
 
-        model = prepare_model_for_kbit_training(lora.kept_as_quantised(model),
-                                                use_gradient_checkpointing=cfg.gradient_checkpointing)
+        model = lora.kept_as_quantised(model)
+        if cfg.lora_r:
+            model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=cfg.gradient_checkpointing)
     prefixes = [p.strip() for p in cfg.trainable.split(",") if p.strip()]
     if prefixes:
         chosen = {name for name, _ in model.named_parameters() if name.startswith(tuple(prefixes))}

@@ -78,9 +78,10 @@ def nf4_constant_bytes(numel: int) -> int:
 
 
 def four_bit_weights(model: nn.Module) -> set[int]:
-    """The ids of the frozen weights that --load_in_4bit holds in 4 bits: those of the linear layers of each
-    transformers model inside `model` (the policy of a recipe's wrapper too), but for the ones transformers keeps
-    whole (get_keys_to_not_convert: the output head, tied weights)."""
+    """The ids of the frozen weights held in 4 bits: those of the linear layers of each transformers model inside
+    `model` loaded in 4 bits (is_loaded_in_4bit, which finetune.build sets on its meta-device build too: QLoRA's
+    base, distill's --teacher_load_in_4bit), but for the ones transformers keeps whole (get_keys_to_not_convert: the
+    output head, tied weights)."""
     from transformers import PreTrainedModel
     from transformers.quantizers.base import get_keys_to_not_convert
 
@@ -89,7 +90,7 @@ def four_bit_weights(model: nn.Module) -> set[int]:
         if isinstance(module, PreTrainedModel) and not any(module is m for b in bases for m in b.modules()):
             bases.append(module)
     found = set()
-    for base in bases:
+    for base in [b for b in bases if getattr(b, "is_loaded_in_4bit", False)]:
         kept = tuple(get_keys_to_not_convert(base))
         found |= {id(module.weight) for name, module in base.named_modules()
                   if type(module) is nn.Linear and not module.weight.requires_grad
