@@ -235,3 +235,37 @@ def test_every_fine_tuning_recipe_trains_over_a_4bit_base_like_one_process(chat,
                        for r in (one, run)]
         assert completions[0] == completions[1] and len(set(completions[0])) > 1
         assert any(m["grad_norm"] > 0 for m in one.metrics)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", ["ddp", "deepspeed_zero3"])
+def test_a_qlora_run_resumes_bit_exactly_and_a_changed_base_is_refused(chat, qlora_runs, run_dir, tmp_path, config):
+    """The run resumed from its step-3 checkpoint (which holds the adapters, not the quantisation constants that a
+    state dict lists beside the frozen weights: the base is quantised again from its folder) trains steps 4-6 as it
+    did, bit for bit; a run stopped at step 3 whose base folder's weights then changed (one weight moved) is refused
+    at its resume, naming the folder, before anything is built."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    run = qlora_runs(config)
+    copy = run_dir("resumed")
+    shutil.copytree(run.output_dir, copy)
+    shutil.rmtree(copy / "checkpoints" / "step_6")
+    (copy / "checkpoints" / "latest").write_text("step_3\n")
+    yaml, flags = entry(config, 8)
+    resumed = launch(copy, *qlora_args(*chat, copy), *flags, "--resume", "latest", config=yaml).check()
+    assert [m["loss"] for m in resumed.metrics[-3:]] == [m["loss"] for m in run.metrics[-3:]]
+    assert [m["grad_norm"] for m in resumed.metrics[-3:]] == [m["grad_norm"] for m in run.metrics[-3:]]
+    if config != "ddp":
+        return
+    base = tmp_path / "base"
+    shutil.copytree(chat[0], base)
+    stopped = run_dir("stopped")
+    args = [*qlora_args(base, chat[1], stopped), "--batch_size", "8"]
+    launch(stopped, *args, "--stop_at", "3").check()
+    weights = load_file(base / "model.safetensors")
+    weights["model.layers.0.mlp.up_proj.weight"][0, 0] += 1.0
+    save_file(weights, base / "model.safetensors", metadata={"format": "pt"})
+    assert_refused(launch(stopped, *args, "--resume", "latest"),
+                   f"the weights in {base} are not the base the checkpoint's adapters were trained over")

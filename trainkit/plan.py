@@ -36,7 +36,7 @@ from trainkit.estimate import (
 )
 from trainkit.launch.hostfile import check_hosts, environment_note, rendezvous_note
 from trainkit.launch.launcher import Launch, check_machine, check_yaml
-from trainkit.models import expert_bias
+from trainkit.models import expert_bias, pretrained
 from trainkit.models.pretrained import sizing
 from trainkit.recipes import Recipe, load_recipe
 from trainkit.run.checkpoint import Found, auto_resume, find_checkpoint, resume_problems
@@ -173,6 +173,8 @@ def resolved_config(recipe: Recipe, cfg: TrainConfig, sources: dict[str, str], l
         "estimated_state_bytes": estimate.state,
         **config_dict(cfg), **run_options,
     }
+    if getattr(cfg, "lora_r", 0):  # the frozen base is loaded again from its folder at a resume: it must be this one
+        resolved["base_weights_digest"] = pretrained.weights_digest(cfg.model_name_or_path)
     seq_len = recipe.tokens_per_sample(cfg)
     if seq_len is not None and "seq_len" not in resolved:  # a recipe's own seq_len field is what it says (a pair of
         resolved["seq_len"] = seq_len  # dpo.py's has two rows of it)
@@ -183,6 +185,7 @@ def resolved_config(recipe: Recipe, cfg: TrainConfig, sources: dict[str, str], l
     sources["global_batch_size"] = "batch_size x grad_accum x data_parallel_size"
     sources["data_parallel_size"] = "world_size / the ranks that split one model (pipeline stages, tensor parallel)"
     sources["estimated_state_bytes"] = "trainkit.estimate"
+    sources["base_weights_digest"] = "trainkit.models.pretrained.weights_digest"
     sources.update(dict.fromkeys(flops.resolved(), "trainkit.run.metrics.count_flops"))
     resolved["sources"] = sources
     return resolved

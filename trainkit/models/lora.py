@@ -98,6 +98,16 @@ def four_bit_weights(model: nn.Module) -> set[int]:
     return found
 
 
+# The entries a bitsandbytes 4-bit layer writes into a state dict beside its weight (<name>.weight.absmax, ...,
+# <name>.weight.quant_state.bitsandbytes__nf4): the frozen base's, which build_model quantises again in every launch
+QUANT_STATE_ENTRIES = ("absmax", "quant_map", "nested_absmax", "nested_quant_map", "quant_state")
+
+
+def is_quant_constant(key: str) -> bool:
+    """Whether a state dict's key is one of a 4-bit weight's quantisation constants (QUANT_STATE_ENTRIES)."""
+    return ".weight." in key and key.rsplit(".weight.", 1)[1].split(".")[0] in QUANT_STATE_ENTRIES
+
+
 def quant_state_tensors(model: nn.Module) -> list[torch.Tensor]:
     """The quantisation constants of the model's 4-bit layers (each layer holds them whole, also where its packed
     weight is sharded): absmax, the code table, and under double quantisation the absmaxes' own."""

@@ -144,6 +144,31 @@ def source(model_name_or_path: str) -> str:
     return str(folder.resolve()) if folder.is_dir() else model_name_or_path
 
 
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+DIGEST_SAMPLES, DIGEST_BLOCK = 16, 1 << 16  # blocks read per weights file, spread over it, and their size
+
+
+def weights_digest(model_name_or_path: str) -> str:
+    """A digest of the weights a local folder holds (every weights file's name, size and DIGEST_SAMPLES blocks spread
+    over it: a megabyte read per file, whatever the model's size, and any retrained or requantised weights differ in
+    most blocks); "" for a Hub id. What a LoRA run's checkpoint records of the frozen base that a resume loads again
+    from the folder (trainkit/run/checkpoint.py's resume_problems)."""
+    import xxhash
+
+    folder = Path(model_name_or_path)
+    if not folder.is_dir():
+        return ""
+    digest = xxhash.xxh3_64()
+    for file in sorted(f for f in folder.iterdir() if f.suffix in WEIGHT_SUFFIXES):
+        size = file.stat().st_size
+        digest.update(f"{file.name}:{size}".encode())
+        with file.open("rb") as f:
+            for i in range(DIGEST_SAMPLES):
+                f.seek(max(0, size - DIGEST_BLOCK) * i // (DIGEST_SAMPLES - 1))
+                digest.update(f.read(DIGEST_BLOCK))
+    return digest.hexdigest()
+
+
 def text_config(config: Any) -> Any:
     """A transformers config's language model part (a vision-language model nests it), or the config itself."""
     return config.get_text_config() if hasattr(config, "get_text_config") else config

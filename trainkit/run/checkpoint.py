@@ -445,6 +445,13 @@ def resume_problems(found: Found, cfg: TrainConfig, resolved: dict[str, Any],
             problems.append(Problem(f"{name} is {getattr(cfg, name)} but the checkpoint was trained with "
                                     f"{saved[name]}", where,
                                     f"drop {where}: a resumed run keeps the checkpoint's {name}; or start a new run"))
+    if "base_weights_digest" in saved and saved["base_weights_digest"] != resolved.get("base_weights_digest", ""):
+        problems.append(Problem(f"the weights in {cfg.model_name_or_path} are not the base the checkpoint's adapters "
+                                f"were trained over (their digest is {resolved.get('base_weights_digest') or 'none'}, "
+                                f"the checkpoint's {saved.get('base_weights_digest') or 'none'}): the adapters would "
+                                "continue over another model", "--model_name_or_path",
+                                "resume with the base folder the run started from, or start a new run over this one "
+                                "(another --output_dir)"))
     ep, now = run_ep_size(saved), run_ep_size(resolved)
     if (ep > 1 or now > 1) and (ep, saved["zero_stage"], saved["world_size"]) != (now, resolved["zero_stage"],
                                                                                    resolved["world_size"]):

@@ -20,6 +20,8 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 
+from trainkit.models import lora
+
 
 class Checkpointed(Protocol):
     """What a format reads of its engine (strategies/engine.py's Engine, which imports this module for its
@@ -143,7 +145,7 @@ def load_weights(model: torch.nn.Module, folder: Path) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    weights = {"model": get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=True))}
+    weights = {"model": _trained_only(get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=True)))}
     dcp.load(weights, checkpoint_id=str(folder))
     load_trained_weights(model, weights["model"])
 
@@ -198,8 +200,15 @@ def trained_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> t
     with other parameter groups (another pipeline cut) reads them."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    return get_state_dict(model, optimizer, options=StateDictOptions(ignore_frozen_params=True,
-                                                                     flatten_optimizer_state_dict=True))
+    model_state, optim_state = get_state_dict(model, optimizer, options=StateDictOptions(
+        ignore_frozen_params=True, flatten_optimizer_state_dict=True))
+    return _trained_only(model_state), optim_state
+
+
+def _trained_only(model_state: dict) -> dict:
+    """The model's state without a 4-bit base's quantisation constants, which a state dict holds beside the frozen
+    weights but not as parameters (ignore_frozen_params keeps them)."""
+    return {key: value for key, value in model_state.items() if not lora.is_quant_constant(key)}
 
 
 def restore_trained(model: torch.nn.Module, optimizer: torch.optim.Optimizer, model_state: dict,
@@ -221,7 +230,7 @@ def load_trained_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor
 
 def _check_only_frozen_missing(model: torch.nn.Module, keys) -> None:
     frozen = {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
-    missing = [k for k in keys.missing_keys if k not in frozen]
+    missing = [k for k in keys.missing_keys if k not in frozen and not lora.is_quant_constant(k)]
     if missing or keys.unexpected_keys:
         raise RuntimeError(f"the checkpoint does not fit the model: missing {missing[:5]}, unexpected "
                            f"{list(keys.unexpected_keys)[:5]}")
