@@ -177,11 +177,17 @@ def test_qlora_on_architectures_it_was_not_written_for(chat, run_dir, tmp_path, 
     assert all(rank["dequantised"] == reference and rank["moved"] == [] for rank in probes(runs["fsdp"]))
 
 
-def test_qlora_mistakes_are_named_with_the_fix(check_only, chat, tmp_path):
-    base = ["--recipe", "causal_lm", "--model_name_or_path", str(chat[0]), "--tokenizer", "saved", "--data",
-            str(chat[1]), "--load_in_4bit", "true"]
-    assert_refused(check_only(tmp_path / "a", *base),
+def test_qlora_mistakes_are_named_with_the_fix(check_only, chat, moe_folder, tmp_path):
+    """No adapters; a mixture of experts whose fused experts bitsandbytes would leave whole (refused at plan time,
+    as --dry_run shows, rather than trained with most of its weights in fp32 under a flag that says 4 bits)."""
+    base = ["--recipe", "causal_lm", "--tokenizer", "saved", "--data", str(chat[1]), "--load_in_4bit", "true"]
+    assert_refused(check_only(tmp_path / "a", *base, "--model_name_or_path", str(chat[0])),
                    "QLoRA (--load_in_4bit) trains adapters over the 4-bit base, and got no --lora_r")
+    for name in ("qwen3_moe", "mixtral"):
+        assert_refused(check_only(tmp_path / name, *base, "--model_name_or_path", str(moe_folder(name)), "--lora_r",
+                                  "8", "--dry_run"),
+                       "--load_in_4bit quantises linear layers only (bitsandbytes), and this mixture of experts "
+                       "holds its experts as fused parameters")
 
 
 CHAT = "CHAT"  # the chat fixture's conversations

@@ -149,6 +149,8 @@ def build(cfg: FineTuneConfig, auto_class: Any, lora_task: str = "CAUSAL_LM", **
         model = pretrained.load("model", cfg, lambda path, **kw: auto_class.from_config(
             config, dtype=getattr(config, "dtype", None) if dtype == "auto" else dtype, **kernels, **kw))
         model.is_loaded_in_4bit = cfg.load_in_4bit  # as transformers marks a 4-bit load: the estimate counts it so
+        if cfg.load_in_4bit and (problem := _experts_left_whole(model)):
+            raise ConfigError([problem])
         model = _router_weighed(model, cfg)
         return _trained_in_fp32(lora.with_lora(model, cfg, lora_task) if cfg.lora_r else model)
     model = pretrained.load("model", cfg, lambda path, **kw: auto_class.from_pretrained(
@@ -189,6 +191,24 @@ def base_dtype(cfg: FineTuneConfig, config: Any = None) -> torch.dtype:
         config = pretrained.load("model's config", cfg, AutoConfig.from_pretrained)
     dtype = getattr(config, "dtype", None)
     return dtype if isinstance(dtype, torch.dtype) else torch.float32
+
+
+def _experts_left_whole(model: nn.Module) -> Problem | None:
+    """QLoRA over a mixture of experts whose experts bitsandbytes would leave in full precision: it quantises linear
+    layers, and transformers holds a layer's experts as fused 3-D parameters (mlp.experts.gate_up_proj), which are
+    most of such a model's weights; the run would hold them whole while the flag says 4 bits."""
+    from trainkit.strategies.expert_parallel import expert_weights
+
+    experts = expert_weights(model)
+    if not experts:
+        return None
+    numel = sum(p.numel() for p in model.parameters() if id(p) in experts)
+    share = numel / sum(p.numel() for p in model.parameters())
+    return Problem(f"--load_in_4bit quantises linear layers only (bitsandbytes), and this mixture of experts holds its "
+                   f"experts as fused parameters: {numel:,} weights ({share:.0%} of the model) would stay in "
+                   f"{str(next(iter(model.parameters())).dtype).removeprefix('torch.')}", "config field load_in_4bit",
+                   "drop --load_in_4bit (LoRA over the base in --model_dtype bf16), or fine-tune a dense model in 4 "
+                   "bits")
 
 
 def _check_experts(config: Any, implementation: str) -> None:
