@@ -89,7 +89,7 @@ def test_qlora_under_every_config_follows_one_process_on_the_same_4bit_base(qlor
 @pytest.mark.slow
 def test_an_evaluation_in_the_middle_of_a_run_changes_no_later_step(qlora_runs):
     """bitsandbytes repacks a 4-bit layer, lossily, the first time it computes without gradients on a CPU with
-    AVX512-BF16 (trainkit/models/lora.py's kept_as_quantised): the run evaluated and generated at step 3 trains
+    AVX512-BF16 (trainkit/models/four_bit.py's kept_as_quantised): the run evaluated and generated at step 3 trains
     the same steps, bit for bit, as one that never evaluated."""
     evaluated, never = qlora_runs("single"), qlora_runs("single", "--eval_every", "0")
     assert [m["loss"] for m in evaluated.metrics] == [m["loss"] for m in never.metrics]
@@ -133,14 +133,14 @@ def test_final_is_the_trained_4bit_model_and_the_adapter_loads_over_either_base(
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from trainkit.models import lora
+    from trainkit.models import four_bit
 
     run = qlora_runs("single")
     final = run.output_dir / "final"
     merged = AutoModelForCausalLM.from_pretrained(final).eval()
     assert merged.dtype == torch.float32 and "quantization_config" not in merged.config.to_dict()
-    four_bit = AutoModelForCausalLM.from_pretrained(chat[0], **lora.quantised(lora_settings(chat[0]), torch.float32))
-    trained = PeftModel.from_pretrained(four_bit, str(final / "adapter")).eval()
+    base = AutoModelForCausalLM.from_pretrained(chat[0], **four_bit.load_args(lora_settings(chat[0]), torch.float32))
+    trained = PeftModel.from_pretrained(base, str(final / "adapter")).eval()
     full = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(chat[0]), str(final / "adapter")).eval()
     ids = torch.randint(0, 400, (4, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

@@ -17,7 +17,7 @@ from torch import nn
 from trainkit.config import TrainConfig
 from trainkit.data import sft
 from trainkit.errors import ConfigError, Problem
-from trainkit.models import expert_bias, lora, pretrained
+from trainkit.models import expert_bias, four_bit, lora, pretrained
 
 # The attention kernels transformers' from_pretrained takes (what a model supports is its own: Gemma-2 no sdpa)
 ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
@@ -155,11 +155,11 @@ def build(cfg: FineTuneConfig, auto_class: Any, lora_task: str = "CAUSAL_LM", **
         return _trained_in_fp32(lora.with_lora(model, cfg, lora_task) if cfg.lora_r else model)
     model = pretrained.load("model", cfg, lambda path, **kw: auto_class.from_pretrained(
         path, dtype=MODEL_DTYPES[cfg.model_dtype], use_safetensors=None if cfg.allow_pickle else True,
-        **lora.quantised(cfg, base_dtype(cfg, config)), **kwargs, **kw))
+        **four_bit.load_args(cfg, base_dtype(cfg, config)), **kwargs, **kw))
     if cfg.load_in_4bit:  # adapters train over it (QLoRA), or it is a frozen model (distill's teacher)
         from peft import prepare_model_for_kbit_training
 
-        model = lora.kept_as_quantised(model)
+        model = four_bit.kept_as_quantised(model)
         if cfg.lora_r:
             model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=cfg.gradient_checkpointing)
     prefixes = [p.strip() for p in cfg.trainable.split(",") if p.strip()]
@@ -269,9 +269,9 @@ def export(model: nn.Module, state_dict: dict, cfg: FineTuneConfig, out_dir: Pat
     if cfg.lora_r:
         model.save_pretrained(str(out_dir / "adapter"), state_dict=state_dict)  # peft keeps only the adapters' keys
         tokenizer.save_pretrained(str(out_dir / "adapter"))
-        # QLoRA's base is 4-bit in training: the adapters merge into it, dequantised (lora.merged_into_dequantised)
+        # QLoRA's base is 4-bit in training: the adapters merge into it, dequantised (four_bit.merged_into_dequantised)
         model = lora.merged(model, state_dict, auto_class) if not cfg.load_in_4bit else pretrained.load(
-            "model", cfg, lambda path, **kw: lora.merged_into_dequantised(
+            "model", cfg, lambda path, **kw: four_bit.merged_into_dequantised(
                 model, auto_class, path, str(out_dir / "adapter"), cfg, base_dtype(cfg), **kw))
         state_dict = None
     model.save_pretrained(str(out_dir), state_dict=state_dict)
