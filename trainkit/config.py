@@ -32,7 +32,9 @@ class TrainConfig:
     min_lr_ratio: float = 0.1  # the cosine schedule ends at lr * min_lr_ratio
     warmup_steps: int = 10
     weight_decay: float = 0.0
-    optimizer: str = "adamw"  # adamw | sgd (sgd: plain, no momentum; the classic data-parallel check)
+    # adamw | adamw_8bit | sgd: adamw_8bit is bitsandbytes' AdamW8bit (its moments in 8 bits, blockwise scaled: a
+    # quarter of AdamW's state); sgd plain, no momentum (the classic data-parallel check)
+    optimizer: str = "adamw"
     max_steps: int = 100
     max_grad_norm: float = 1.0  # one max-norm for every strategy; 0 turns clipping off
     # fp16's first loss scale (torch's GradScaler: one process, DDP, FSDP2; DeepSpeed's fp16 takes its JSON's
@@ -92,7 +94,8 @@ class TrainConfig:
             ("min_lr_ratio", 0 <= self.min_lr_ratio <= 1, "in [0, 1]", "use --set min_lr_ratio=0.1"),
             ("warmup_steps", self.warmup_steps >= 0, ">= 0", "use --set warmup_steps=0 or more"),
             ("weight_decay", self.weight_decay >= 0, ">= 0", "use --set weight_decay=0 or more"),
-            ("optimizer", self.optimizer in ("adamw", "sgd"), "adamw or sgd", "use --set optimizer=adamw"),
+            ("optimizer", self.optimizer in ("adamw", "adamw_8bit", "sgd"), "adamw, adamw_8bit or sgd",
+             "use --set optimizer=adamw"),
             ("max_steps", self.max_steps >= 1, ">= 1", "pass --max_steps 1 or more"),
             ("max_grad_norm", self.max_grad_norm >= 0, ">= 0 (0 = no clipping)", "use --set max_grad_norm=1.0"),
             ("loss_scale", self.loss_scale > 0, "> 0", "use --set loss_scale=65536 (torch's default)"),

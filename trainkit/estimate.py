@@ -35,8 +35,9 @@ from trainkit.recipes import Recipe
 from trainkit.strategies.expert_parallel import expert_weights
 from trainkit.strategies.tp_plan import cut_plan
 
-# Optimizer state bytes per parameter in fp32: AdamW keeps exp_avg and exp_avg_sq; plain SGD keeps nothing.
-OPTIMIZER_BYTES = {"adamw": 8, "sgd": 0}
+# Optimizer state bytes per parameter: AdamW keeps exp_avg and exp_avg_sq in fp32, bitsandbytes' AdamW8bit in 8 bits
+# each (plus an fp32 scale per block of 256: 1.6% more); plain SGD keeps nothing.
+OPTIMIZER_BYTES = {"adamw": 8, "adamw_8bit": 2, "sgd": 0}
 
 
 @dataclass(frozen=True, slots=True)

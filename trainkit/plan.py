@@ -36,7 +36,7 @@ from trainkit.estimate import (
 )
 from trainkit.launch.hostfile import check_hosts, environment_note, rendezvous_note
 from trainkit.launch.launcher import Launch, check_machine, check_yaml
-from trainkit.models import expert_bias, pretrained
+from trainkit.models import expert_bias, optimizer, pretrained
 from trainkit.models.pretrained import sizing
 from trainkit.recipes import Recipe, load_recipe
 from trainkit.run.checkpoint import Found, auto_resume, find_checkpoint, resume_problems
@@ -92,7 +92,7 @@ def _plan(options: RunOptions, overrides: list[tuple[str, str, str]]) -> Plan:
     strategy = for_launch(launch, cfg, sources, recipe)
     # --estimate sizes the launch, for this machine or another: what only this machine refuses is left out
     problems += check_machine(launch) + strategy.check(this_machine=not options.estimate)
-    problems += recipe.check_strategy(cfg, strategy) + expert_bias.strategy_problems(cfg, strategy)
+    problems += settings_under(recipe, cfg, strategy)
     if options.dry_run:  # a hostfile launch: every host answers over ssh, the slots add up, no secret travels
         problems += check_hosts(launch)
         for note in filter(None, (environment_note(launch), rendezvous_note(launch))):
@@ -160,6 +160,12 @@ def resolve_resume_auto(options: RunOptions) -> tuple[RunOptions, list[str]]:
         return dataclasses.replace(options, resume=None), []
     found, replaces, note = auto_resume(options.output_dir)
     return dataclasses.replace(options, resume=found, overwrite=replaces), [note]
+
+
+def settings_under(recipe: Recipe, cfg: TrainConfig, strategy: Strategy) -> list[Problem]:
+    """The settings this strategy cannot run: the recipe's own rules, a mixture's bias update, the optimizer."""
+    return recipe.check_strategy(cfg, strategy) + expert_bias.strategy_problems(cfg, strategy) + \
+        optimizer.strategy_problems(cfg, strategy)
 
 
 def resolved_config(recipe: Recipe, cfg: TrainConfig, sources: dict[str, str], launch: Launch, strategy: Strategy,

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Any
 
 import torch
 
 from trainkit.config import TrainConfig
+from trainkit.errors import Problem
 from trainkit.models import expert_bias
 
 
@@ -27,10 +29,26 @@ def build_optimizer(cfg: TrainConfig, model: torch.nn.Module,
     else:
         groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
                   {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+        if cfg.optimizer == "adamw_8bit":
+            from bitsandbytes.optim import AdamW8bit
+
+            adam_class = AdamW8bit
         fused = {"fused": True} if adam_class is torch.optim.AdamW else {}
         optimizer = adam_class([g for g in groups if g["params"]], lr=cfg.lr, **fused)
     expert_bias.install(model, optimizer, getattr(cfg, "router_bias_update_rate", 0.0))  # before each step
     return optimizer
+
+
+def strategy_problems(cfg: TrainConfig, strategy: Any) -> list[Problem]:
+    """--optimizer adamw_8bit where its parameters are plain tensors: one process, DDP, DeepSpeed's ZeRO-1/2/3
+    (DeepSpeed's CPU offload runs its own Adam: deepspeed_config.py refuses it there). bitsandbytes' 8-bit update is
+    an operator DTensor has no rule for: FSDP2 and tensor parallelism stop at the first step with "got mixed
+    torch.Tensor and DTensor"; refused when the run is planned instead."""
+    if cfg.optimizer != "adamw_8bit" or strategy.name in ("single", "ddp", "deepspeed"):
+        return []
+    return [Problem(f"--optimizer adamw_8bit under {strategy.label}: bitsandbytes' 8-bit AdamW updates plain tensors, "
+                    "and this strategy holds its parameters as DTensors", "config field optimizer",
+                    "use ddp.yaml or a DeepSpeed ZeRO config without offload, or --set optimizer=adamw")]
 
 
 def build_scheduler(cfg: TrainConfig, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
