@@ -54,16 +54,15 @@ def weights_of(model: nn.Module) -> set[int]:
     """The ids of the frozen weights held in 4 bits: those of the linear layers of each transformers model inside
     `model` loaded in 4 bits (is_loaded_in_4bit, which finetune.build sets on its meta-device build too: QLoRA's
     base, distill's --teacher_load_in_4bit), but for the ones transformers keeps whole (get_keys_to_not_convert: the
-    output head, tied weights)."""
-    from transformers import PreTrainedModel
+    output head, tied weights). A model without one imports nothing (a plain module's run never imports
+    transformers: tests/test_runs.py)."""
+    bases = [module for module in model.modules() if getattr(module, "is_loaded_in_4bit", False) is True]
+    if not bases:
+        return set()
     from transformers.quantizers.base import get_keys_to_not_convert
 
-    bases: list[nn.Module] = []
-    for module in model.modules():  # outer ones first: a model inside one already found is part of it
-        if isinstance(module, PreTrainedModel) and not any(module is m for b in bases for m in b.modules()):
-            bases.append(module)
     found = set()
-    for base in [b for b in bases if getattr(b, "is_loaded_in_4bit", False)]:
+    for base in bases:
         kept = tuple(get_keys_to_not_convert(base))
         found |= {id(module.weight) for name, module in base.named_modules()
                   if type(module) is nn.Linear and not module.weight.requires_grad
