@@ -16,6 +16,7 @@ import json
 
 import pytest
 import torch
+from test_lora import probes  # what tests/zoo/lora_probe.py wrote on each rank
 
 from conftest import PARITY_BOUND, ROOT, architecture, assert_refused, entry, launch, max_rel_diff
 
@@ -48,13 +49,6 @@ def qlora_runs(chat, tmp_path_factory):
         return done[config, more]
 
     return run
-
-
-def probes(run) -> list[dict]:
-    import json
-
-    return [json.loads((run.output_dir / "probe" / f"rank_{r}.json").read_text())
-            for r in range(run.resolved["world_size"])]
 
 
 @pytest.mark.slow
