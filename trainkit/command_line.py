@@ -19,6 +19,8 @@ from typing import Any
 
 # Flags of the contract that set recipe fields; any other `--<field> value` works too, as does `--set field=value`.
 RECIPE_FLAGS = ("max_steps", "batch_size", "grad_accum", "lr", "seed")
+# Other names for recipe fields: the ones transformers' TrainingArguments (and so TRL) give them
+FIELD_ALIASES = {"optim": "optimizer"}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -142,7 +144,7 @@ def _overrides(parser: argparse.ArgumentParser, args: argparse.Namespace,
         name, sep, value = item.partition("=")
         if not sep:
             parser.error(f"--set takes FIELD=VALUE, got {item!r}")
-        overrides.append((name, value, f"--set {item}"))
+        overrides.append((FIELD_ALIASES.get(name, name), value, f"--set {item}"))
     i = 0
     while i < len(rest):
         flag = rest[i]
@@ -154,7 +156,7 @@ def _overrides(parser: argparse.ArgumentParser, args: argparse.Namespace,
                 value, i = rest[i + 1], i + 1
             else:
                 value = "true"
-        overrides.append((name, value, flag if sep else f"--{name}"))
+        overrides.append((FIELD_ALIASES.get(name, name), value, flag if sep else f"--{name}"))
         i += 1
     return overrides
 

@@ -30,7 +30,7 @@ import torch
 
 from trainkit.config import TrainConfig
 from trainkit.losses.chunked_loss import chunk_tokens
-from trainkit.models import four_bit
+from trainkit.models import quantised
 from trainkit.recipes import Recipe
 from trainkit.strategies.expert_parallel import expert_weights
 from trainkit.strategies.tp_plan import cut_plan
@@ -115,8 +115,8 @@ def model_shape(recipe: Recipe, cfg: TrainConfig, model: torch.nn.Module | None 
     names, params = zip(*model.named_parameters(), strict=True)
     layers = getattr(getattr(model, "config", None), "num_hidden_layers", None) or \
         sum(isinstance(m, torch.nn.Linear) for m in model.modules())
-    packed = four_bit.weights_of(model)
-    frozen = [(p.numel(), 0.5 if id(p) in packed else p.element_size())
+    packed = quantised.weights_of(model)
+    frozen = [(p.numel(), packed[id(p)] / 8 if id(p) in packed else p.element_size())
               for p in params if not p.requires_grad and p.is_floating_point()]
     experts = expert_weights(model)
     return ModelShape(tuple(p.numel() for p in params), hidden_size(model), layers, tuple(names),
@@ -124,7 +124,7 @@ def model_shape(recipe: Recipe, cfg: TrainConfig, model: torch.nn.Module | None 
                       tuple(not p.requires_grad for p in params),
                       sum(n * b for n, b in frozen) / sum(n for n, _ in frozen) if frozen else 4,
                       tuple(id(p) in experts for p in params),
-                      sum(four_bit.constant_bytes(p.numel()) for p in params if id(p) in packed))
+                      sum(quantised.constant_bytes(p.shape, packed[id(p)]) for p in params if id(p) in packed))
 
 
 def decoder_shape(model: torch.nn.Module) -> DecoderShape | None:

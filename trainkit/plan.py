@@ -36,7 +36,7 @@ from trainkit.estimate import (
 )
 from trainkit.launch.hostfile import check_hosts, environment_note, rendezvous_note
 from trainkit.launch.launcher import Launch, check_machine, check_yaml
-from trainkit.models import expert_bias, optimizer, pretrained
+from trainkit.models import expert_bias, optimizer, pretrained, quantised
 from trainkit.models.pretrained import sizing
 from trainkit.recipes import Recipe, load_recipe
 from trainkit.run.checkpoint import Found, auto_resume, find_checkpoint, resume_problems
@@ -163,9 +163,10 @@ def resolve_resume_auto(options: RunOptions) -> tuple[RunOptions, list[str]]:
 
 
 def settings_under(recipe: Recipe, cfg: TrainConfig, strategy: Strategy) -> list[Problem]:
-    """The settings this strategy cannot run: the recipe's own rules, a mixture's bias update, the optimizer."""
+    """The settings this strategy cannot run: the recipe's own rules, a mixture's bias update, the optimizer, an
+    8-bit base."""
     return recipe.check_strategy(cfg, strategy) + expert_bias.strategy_problems(cfg, strategy) + \
-        optimizer.strategy_problems(cfg, strategy)
+        optimizer.strategy_problems(cfg, strategy) + quantised.strategy_problems(cfg, strategy)
 
 
 def resolved_config(recipe: Recipe, cfg: TrainConfig, sources: dict[str, str], launch: Launch, strategy: Strategy,
@@ -216,8 +217,9 @@ def estimate_report(plan: Plan) -> str:
     rows = [s.estimate(plan.shape, world_size, run_activations(plan.shape, plan.cfg, per_rank(seq_len, s), precision))
             for s in candidates]
     # A row is offered only where the plan's own checks (those of --dry_run, but this machine's) accept it
-    refused = {s.label: problems[0].what for s in [*candidates, mine]
-               if (problems := s.check(this_machine=False) + s.check_model(model))}
+    refused = {s.label: problems[0].what for s in [*candidates, mine] if (problems := s.check(this_machine=False)
+                                                                          + s.check_model(model)
+                                                                          + settings_under(plan.recipe, plan.cfg, s))}
     per_machine = max(1, world_size // max(1, plan.launch.num_machines))
     pretrained = bool(getattr(model, "name_or_path", ""))  # from_pretrained loads inside zero.Init (ZeRO-3)
     load_host = {s.label: load_host_bytes(plan.shape, per_machine, world_size if getattr(

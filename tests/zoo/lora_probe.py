@@ -2,9 +2,10 @@
 
 At its first micro-batch each rank copies the part of every frozen parameter that it holds (a ZeRO-3 partition, an
 FSDP2 shard, the whole tensor under DDP and ZeRO-1/2); at every later one it compares them bit for bit and writes
-what it compared, and which differed, to --probe_dir/rank_<r>.json. Under QLoRA (--load_in_4bit) it also witnesses
-each 4-bit layer's weight as the layer computes with it (gathered, dequantised from its packed bytes and quantisation
-constants): its checksum at the first call, and the layers whose weight differed at a later call.
+what it compared, and which differed, to --probe_dir/rank_<r>.json. Under QLoRA (--load_in_4bit, --load_in_8bit) it
+also witnesses each quantised layer's weight as the layer computes with it (gathered, dequantised from its packed
+bytes and quantisation constants): its checksum at the first call, and the layers whose weight differed at a later
+call.
 """
 
 from __future__ import annotations
@@ -36,21 +37,24 @@ _probe: dict = {"dir": None, "first": None, "calls": 0, "dequantised": {}, "move
 def build_model(cfg: Config) -> torch.nn.Module:
     _probe["dir"] = Path(cfg.probe_dir) if cfg.probe_dir else None
     model = causal_lm.build_model(cfg)
-    if cfg.load_in_4bit:
-        from bitsandbytes.nn import Linear4bit
+    if cfg.load_in_4bit or cfg.load_in_8bit:
+        from bitsandbytes.nn import Linear4bit, Linear8bitLt
 
         for name, module in model.named_modules():
-            if isinstance(module, Linear4bit):  # after the layer's forward: still gathered under ZeRO-3 and FSDP2
+            if isinstance(module, Linear4bit | Linear8bitLt):  # after its forward: gathered under ZeRO-3 and FSDP2
                 module.register_forward_hook(lambda m, args, out, name=name: _witness(name, m))
     return model
 
 
 def _witness(name: str, layer: torch.nn.Module) -> None:
-    from bitsandbytes.functional import dequantize_4bit
+    from bitsandbytes.functional import dequantize_4bit, int8_vectorwise_dequant
 
     if not torch.is_grad_enabled():  # generation and evaluation: witnessed by the training steps after them
         return
-    weight = dequantize_4bit(layer.weight.data, layer.weight.quant_state).double()
+    if layer.weight.dtype == torch.int8:  # the row scales move from the weight to the layer's state at its first call
+        weight = int8_vectorwise_dequant(layer.weight.data, layer.state.SCB).double()
+    else:
+        weight = dequantize_4bit(layer.weight.data, layer.weight.quant_state).double()
     first = _probe["dequantised"].setdefault(name, weight)
     if first is not weight and not torch.equal(first, weight):
         _probe["moved"].add(name)

@@ -3,7 +3,7 @@
     pretrained.py          from_pretrained safely: safetensors unless allowed, failures with a fix, the tokenizer check
     finetune.py            what the fine-tuning recipes share: the model's settings, loading, tokenizer, export
     lora.py                LoRA through peft: the adapters, the merged model final/ holds
-    four_bit.py            QLoRA's 4-bit base (bitsandbytes): storage per strategy, kept frozen, its bytes, final/
+    quantised.py           QLoRA's 4- or 8-bit base (bitsandbytes): storage per strategy, kept frozen, bytes, final/
     optimizer.py           AdamW / SGD with weight decay on matrices, the warm-up + cosine schedule
     expert_bias.py         --router_bias_update_rate: a mixture of experts' routing biases moved toward an even load
     tiled_mlp.py           --tiled_mlp: each decoder layer's MLP a chunk of positions at a time

@@ -17,7 +17,7 @@ from torch import nn
 from trainkit.config import TrainConfig
 from trainkit.data import sft
 from trainkit.errors import ConfigError, Problem
-from trainkit.models import expert_bias, four_bit, lora, pretrained
+from trainkit.models import expert_bias, lora, pretrained, quantised
 
 # The attention kernels transformers' from_pretrained takes (what a model supports is its own: Gemma-2 no sdpa)
 ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
@@ -64,6 +64,9 @@ class FineTuneConfig(TrainConfig):
     # peft's "all-linear" (every linear layer but the output head), or comma-separated module names (q_proj,v_proj)
     lora_target_modules: str = "all-linear"
     load_in_4bit: bool = False  # QLoRA: the frozen base quantised to 4 bits (NF4) by bitsandbytes, adapters over it
+    # The frozen base in 8 bits (bitsandbytes' LLM.int8), adapters over it: twice 4 bits' memory, closer to the base;
+    # under one process, DDP and DeepSpeed (ZeRO-3 partitions it), not FSDP2
+    load_in_8bit: bool = False
     chat_template: str = ""  # the tokenizer's own; chatml, or a Jinja file, for one that has none
     seq_len: int = 128
     # The training data: local files (comma-separated) or a Hub dataset (data_config: its configuration), in the
@@ -148,18 +151,19 @@ def build(cfg: FineTuneConfig, auto_class: Any, lora_task: str = "CAUSAL_LM", **
             setattr(config, key, value)
         model = pretrained.load("model", cfg, lambda path, **kw: auto_class.from_config(
             config, dtype=getattr(config, "dtype", None) if dtype == "auto" else dtype, **kernels, **kw))
-        model.is_loaded_in_4bit = cfg.load_in_4bit  # as transformers marks a 4-bit load: the estimate counts it so
-        if cfg.load_in_4bit and (problem := _experts_left_whole(model)):
+        # as transformers marks a quantised load: the estimate counts it so
+        model.is_loaded_in_4bit, model.is_loaded_in_8bit = cfg.load_in_4bit, cfg.load_in_8bit
+        if (cfg.load_in_4bit or cfg.load_in_8bit) and (problem := _experts_left_whole(model, cfg)):
             raise ConfigError([problem])
         model = _router_weighed(model, cfg)
         return _trained_in_fp32(lora.with_lora(model, cfg, lora_task) if cfg.lora_r else model)
     model = pretrained.load("model", cfg, lambda path, **kw: auto_class.from_pretrained(
         path, dtype=MODEL_DTYPES[cfg.model_dtype], use_safetensors=None if cfg.allow_pickle else True,
-        **four_bit.load_args(cfg, base_dtype(cfg, config)), **kwargs, **kw))
-    if cfg.load_in_4bit:  # adapters train over it (QLoRA), or it is a frozen model (distill's teacher)
+        **quantised.load_args(cfg, base_dtype(cfg, config)), **kwargs, **kw))
+    if cfg.load_in_4bit or cfg.load_in_8bit:  # adapters train over it (QLoRA), or a frozen model (distill's teacher)
         from peft import prepare_model_for_kbit_training
 
-        model = four_bit.kept_as_quantised(model)
+        model = quantised.kept_as_quantised(model)
         if cfg.lora_r:
             model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=cfg.gradient_checkpointing)
     prefixes = [p.strip() for p in cfg.trainable.split(",") if p.strip()]
@@ -193,7 +197,7 @@ def base_dtype(cfg: FineTuneConfig, config: Any = None) -> torch.dtype:
     return dtype if isinstance(dtype, torch.dtype) else torch.float32
 
 
-def _experts_left_whole(model: nn.Module) -> Problem | None:
+def _experts_left_whole(model: nn.Module, cfg: FineTuneConfig) -> Problem | None:
     """QLoRA over a mixture of experts whose experts bitsandbytes would leave in full precision: it quantises linear
     layers, and transformers holds a layer's experts as fused 3-D parameters (mlp.experts.gate_up_proj), which are
     most of such a model's weights; the run would hold them whole while the flag says 4 bits."""
@@ -204,11 +208,12 @@ def _experts_left_whole(model: nn.Module) -> Problem | None:
         return None
     numel = sum(p.numel() for p in model.parameters() if id(p) in experts)
     share = numel / sum(p.numel() for p in model.parameters())
-    return Problem(f"--load_in_4bit quantises linear layers only (bitsandbytes), and this mixture of experts holds its "
+    flag = "load_in_4bit" if cfg.load_in_4bit else "load_in_8bit"
+    return Problem(f"--{flag} quantises linear layers only (bitsandbytes), and this mixture of experts holds its "
                    f"experts as fused parameters: {numel:,} weights ({share:.0%} of the model) would stay in "
-                   f"{str(next(iter(model.parameters())).dtype).removeprefix('torch.')}", "config field load_in_4bit",
-                   "drop --load_in_4bit (LoRA over the base in --model_dtype bf16), or fine-tune a dense model in 4 "
-                   "bits")
+                   f"{str(next(iter(model.parameters())).dtype).removeprefix('torch.')}", f"config field {flag}",
+                   f"drop --{flag} (LoRA over the base in --model_dtype bf16), or fine-tune a dense model in "
+                   f"{flag[8]} bits")
 
 
 def _check_experts(config: Any, implementation: str) -> None:
@@ -269,10 +274,11 @@ def export(model: nn.Module, state_dict: dict, cfg: FineTuneConfig, out_dir: Pat
     if cfg.lora_r:
         model.save_pretrained(str(out_dir / "adapter"), state_dict=state_dict)  # peft keeps only the adapters' keys
         tokenizer.save_pretrained(str(out_dir / "adapter"))
-        # QLoRA's base is 4-bit in training: the adapters merge into it, dequantised (four_bit.merged_into_dequantised)
-        model = lora.merged(model, state_dict, auto_class) if not cfg.load_in_4bit else pretrained.load(
-            "model", cfg, lambda path, **kw: four_bit.merged_into_dequantised(
+        if cfg.load_in_4bit or cfg.load_in_8bit:  # the base trained quantised: the adapters merge into it, dequantised
+            model = pretrained.load("model", cfg, lambda path, **kw: quantised.merged_into_dequantised(
                 model, auto_class, path, str(out_dir / "adapter"), cfg, base_dtype(cfg), **kw))
+        else:
+            model = lora.merged(model, state_dict, auto_class)
         state_dict = None
     model.save_pretrained(str(out_dir), state_dict=state_dict)
     tokenizer.save_pretrained(str(out_dir))

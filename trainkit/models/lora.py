@@ -25,13 +25,19 @@ def problems(cfg: Any) -> list[Problem]:
         problems.append(Problem(f"LoRA needs lora_r >= 0, lora_alpha > 0 and 0 <= lora_dropout < 1, got "
                                 f"{cfg.lora_r}, {cfg.lora_alpha}, {cfg.lora_dropout}", "config field lora_r",
                                 "use --lora_r 8 --lora_alpha 16 --lora_dropout 0.05"))
-    if cfg.load_in_4bit and not cfg.lora_r:
-        problems.append(Problem("QLoRA (--load_in_4bit) trains adapters over the 4-bit base, and got no --lora_r: a "
-                                "quantised base cannot train itself", "config field load_in_4bit",
-                                "pass --lora_r 8 with --load_in_4bit, or drop --load_in_4bit"))
-    if cfg.load_in_4bit and importlib.util.find_spec("bitsandbytes") is None:
-        problems.append(Problem("QLoRA (--load_in_4bit) quantises the base with bitsandbytes, which is not installed",
-                                "config field load_in_4bit", "pip install -r requirements.txt (it pins bitsandbytes)"))
+    bits = [b for b in (4, 8) if getattr(cfg, f"load_in_{b}bit", False)]
+    if len(bits) == 2:
+        problems.append(Problem("--load_in_4bit and --load_in_8bit each choose how the base is quantised",
+                                "config field load_in_8bit", "pass one of them"))
+    for b in bits[:1]:
+        if not cfg.lora_r:
+            problems.append(Problem(f"QLoRA (--load_in_{b}bit) trains adapters over the {b}-bit base, and got no "
+                                    "--lora_r: a quantised base cannot train itself", f"config field load_in_{b}bit",
+                                    f"pass --lora_r 8 with --load_in_{b}bit, or drop --load_in_{b}bit"))
+        if importlib.util.find_spec("bitsandbytes") is None:
+            problems.append(Problem(f"QLoRA (--load_in_{b}bit) quantises the base with bitsandbytes, which is not "
+                                    "installed", f"config field load_in_{b}bit",
+                                    "pip install -r requirements.txt (it pins bitsandbytes)"))
     if cfg.lora_r and cfg.trainable:
         problems.append(Problem("--trainable and --lora_r each choose what trains", "config field trainable",
                                 "pass one: --lora_r trains adapters with the whole base frozen"))

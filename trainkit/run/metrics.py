@@ -19,7 +19,7 @@ import torch
 from tqdm.auto import tqdm
 
 from trainkit.errors import Problem, writing
-from trainkit.models import four_bit, pretrained
+from trainkit.models import pretrained, quantised
 from trainkit.recipes import SAMPLES
 
 
@@ -102,7 +102,7 @@ def model_state_tensors(model: torch.nn.Module, optimizer: Any) -> Iterator[torc
         yield p
         if p.grad is not None:
             yield p.grad
-    yield from four_bit.constant_tensors(model)  # a 4-bit base's constants, which are no parameters
+    yield from quantised.constant_tensors(model)  # a quantised base's constants, which are no parameters
     inner = optimizer
     while inner is not None:
         for state in getattr(inner, "state", {}).values():

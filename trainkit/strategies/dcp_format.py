@@ -20,7 +20,7 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 
-from trainkit.models import four_bit
+from trainkit.models import quantised
 
 
 class Checkpointed(Protocol):
@@ -208,7 +208,7 @@ def trained_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> t
 def _trained_only(model_state: dict) -> dict:
     """The model's state without a 4-bit base's quantisation constants, which a state dict holds beside the frozen
     weights but not as parameters (ignore_frozen_params keeps them)."""
-    return {key: value for key, value in model_state.items() if not four_bit.is_constant(key)}
+    return {key: value for key, value in model_state.items() if not quantised.is_constant(key)}
 
 
 def restore_trained(model: torch.nn.Module, optimizer: torch.optim.Optimizer, model_state: dict,
@@ -230,7 +230,7 @@ def load_trained_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor
 
 def _check_only_frozen_missing(model: torch.nn.Module, keys) -> None:
     frozen = {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
-    missing = [k for k in keys.missing_keys if k not in frozen and not four_bit.is_constant(k)]
+    missing = [k for k in keys.missing_keys if k not in frozen and not quantised.is_constant(k)]
     if missing or keys.unexpected_keys:
         raise RuntimeError(f"the checkpoint does not fit the model: missing {missing[:5]}, unexpected "
                            f"{list(keys.unexpected_keys)[:5]}")
