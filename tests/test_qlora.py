@@ -58,8 +58,9 @@ def test_qlora_under_every_config_follows_one_process_on_the_same_4bit_base(qlor
     """The curve of one process within 1e-5; on every rank the held part of the base bit-identical at every
     micro-batch to the first, and each 4-bit layer's dequantised weight (as the layer computed with it) the one
     process's at every micro-batch; the sharding configs hold about half of it per rank; final/ (merged) and
-    final/adapter/ the one process's; the estimate within 3% of what rank 0 held (measured: 1.9% under ZeRO-3, 0.1%
-    elsewhere)."""
+    final/adapter/ the one process's; the estimate within 3% of what rank 0 held (measured: 0.1%), 6% under ZeRO-3
+    (5.0% under: this model's packed 4-bit weights are so small that DeepSpeed holds them whole, as parameters below
+    its persistence threshold; the estimate partitions them, as it must for any real model's)."""
     one, run = qlora_runs("single"), qlora_runs(config)
     assert max_rel_diff(run.losses, one.losses) < PARITY_BOUND and run.losses[-1] < run.losses[0]
     reference = probes(one)[0]
@@ -78,7 +79,7 @@ def test_qlora_under_every_config_follows_one_process_on_the_same_4bit_base(qlor
     # the estimate counts the packed base (half a byte a weight, sharded where the config shards) and the constants
     # that every rank holds whole; state_bytes counts those constants too (trainkit/run/metrics.py)
     estimated, held = run.resolved["estimated_state_bytes"], run.metrics[-1]["state_bytes"]
-    assert abs(estimated - held) <= 0.03 * held, (estimated, held)
+    assert abs(estimated - held) <= (0.06 if config.startswith("deepspeed_zero3") else 0.03) * held, (estimated, held)
 
 
 @pytest.mark.slow
@@ -275,8 +276,8 @@ EIGHT_BIT_CONFIGS = ["single", "ddp", "deepspeed_zero2", "deepspeed_zero3"]
 def test_an_8bit_base_trains_like_one_process_resumes_and_merges_into_its_dequantised_weights(chat, run_dir):
     """--load_in_8bit (LLM.int8) under DDP, ZeRO-2 and ZeRO-3 (which partitions the int8 weights): the one-process
     curve, every rank's held base bit-identical throughout and each 8-bit layer's dequantised weight the one
-    process's (an evaluation at step 3 included), the estimate within 10% (measured: 0.05% replicated, 8.9% over
-    under ZeRO-3); the ZeRO-3 run resumed from step 3 trains steps 4-6 bit for bit (its checkpoint holds no row
+    process's (an evaluation at step 3 included), the estimate within 1% (measured: 0.05% replicated, 0.01% under
+    ZeRO-3); the ZeRO-3 run resumed from step 3 trains steps 4-6 bit for bit (its checkpoint holds no row
     scales: the base is quantised again). final/ is the adapters merged into the dequantised base: 3.0e-3 from the
     trained 8-bit model's logits (LLM.int8 also rounds each layer's input to 8 bits), nearer than the adapters over
     the full-precision base (4.5e-3)."""
@@ -305,7 +306,7 @@ def test_an_8bit_base_trains_like_one_process_resumes_and_merges_into_its_dequan
             assert rank["dequantised"] == reference["dequantised"], config
             assert rank["elements"] < 0.6 * reference["elements"] if config == "deepspeed_zero3" else True
         estimated, held = run.resolved["estimated_state_bytes"], run.metrics[-1]["state_bytes"]
-        assert abs(estimated - held) <= (0.1 if config == "deepspeed_zero3" else 0.01) * held, (config, estimated, held)
+        assert abs(estimated - held) <= 0.01 * held, (config, estimated, held)
     copy = run_dir("resumed")
     shutil.copytree(runs["deepspeed_zero3"].output_dir, copy)
     shutil.rmtree(copy / "checkpoints" / "step_6")

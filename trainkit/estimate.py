@@ -71,7 +71,9 @@ class ModelShape:
     # base's packed weights at half a byte
     frozen_bytes: float = 4
     experts: tuple[bool, ...] = ()  # per parameter: a mixture of experts' expert weight (expert parallelism splits)
-    constant_bytes: int = 0  # what every rank holds whole beside its weights: a 4-bit base's quantisation constants
+    constant_bytes: int = 0  # what every rank holds whole beside its weights: a quantised base's constants
+    # the weights held quantised (bitsandbytes' 4 or 8 bits): their elements and packed bytes, which no strategy casts
+    quantised: tuple[int, int] = (0, 0)
 
     @property
     def num_params(self) -> int:
@@ -92,7 +94,7 @@ class ModelShape:
         keep = [i for i in range(len(self.numels)) if not (self.frozen and self.frozen[i])]
         return dataclasses.replace(self, numels=tuple(self.numels[i] for i in keep),
                                    names=tuple(self.names[i] for i in keep) if self.names else (), frozen=(),
-                                   constant_bytes=0,
+                                   constant_bytes=0, quantised=(0, 0),
                                    experts=tuple(self.experts[i] for i in keep) if self.experts else ())
 
 
@@ -124,7 +126,9 @@ def model_shape(recipe: Recipe, cfg: TrainConfig, model: torch.nn.Module | None 
                       tuple(not p.requires_grad for p in params),
                       sum(n * b for n, b in frozen) / sum(n for n, _ in frozen) if frozen else 4,
                       tuple(id(p) in experts for p in params),
-                      sum(quantised.constant_bytes(p.shape, packed[id(p)]) for p in params if id(p) in packed))
+                      sum(quantised.constant_bytes(p.shape, packed[id(p)]) for p in params if id(p) in packed),
+                      (sum(p.numel() for p in params if id(p) in packed),
+                       sum(p.numel() * packed[id(p)] // 8 for p in params if id(p) in packed)))
 
 
 def decoder_shape(model: torch.nn.Module) -> DecoderShape | None:
