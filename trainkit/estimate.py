@@ -72,8 +72,9 @@ class ModelShape:
     frozen_bytes: float = 4
     experts: tuple[bool, ...] = ()  # per parameter: a mixture of experts' expert weight (expert parallelism splits)
     constant_bytes: int = 0  # what every rank holds whole beside its weights: a quantised base's constants
-    # the weights held quantised (bitsandbytes' 4 or 8 bits): their elements and packed bytes, which no strategy casts
-    quantised: tuple[int, int] = (0, 0)
+    # per parameter, for a weight held quantised (bitsandbytes' 4 or 8 bits), which no strategy casts: its packed bytes
+    # and the elements it is stored as (a 4-bit weight's bytes in its compute dtype's elements); (0, 0) for the others
+    quantised: tuple[tuple[int, int], ...] = ()
 
     @property
     def num_params(self) -> int:
@@ -94,7 +95,7 @@ class ModelShape:
         keep = [i for i in range(len(self.numels)) if not (self.frozen and self.frozen[i])]
         return dataclasses.replace(self, numels=tuple(self.numels[i] for i in keep),
                                    names=tuple(self.names[i] for i in keep) if self.names else (), frozen=(),
-                                   constant_bytes=0, quantised=(0, 0),
+                                   constant_bytes=0, quantised=(),
                                    experts=tuple(self.experts[i] for i in keep) if self.experts else ())
 
 
@@ -127,8 +128,17 @@ def model_shape(recipe: Recipe, cfg: TrainConfig, model: torch.nn.Module | None 
                       sum(n * b for n, b in frozen) / sum(n for n, _ in frozen) if frozen else 4,
                       tuple(id(p) in experts for p in params),
                       sum(quantised.constant_bytes(p.shape, packed[id(p)]) for p in params if id(p) in packed),
-                      (sum(p.numel() for p in params if id(p) in packed),
-                       sum(p.numel() * packed[id(p)] // 8 for p in params if id(p) in packed)))
+                      tuple(_stored(p, packed.get(id(p), 0)) for p in params))
+
+
+def _stored(param: torch.Tensor, bits: int) -> tuple[int, int]:
+    """A quantised weight's packed bytes and the elements it is stored as: 8 bits as int8, 4 bits packed into its
+    compute dtype's elements (the storage ZeRO-3 and FSDP2 shard: trainkit/models/quantised.py); (0, 0) for a weight
+    that is not quantised."""
+    if not bits:
+        return 0, 0
+    packed = param.numel() * bits // 8
+    return packed, packed if bits == 8 else packed // param.element_size()
 
 
 def decoder_shape(model: torch.nn.Module) -> DecoderShape | None:

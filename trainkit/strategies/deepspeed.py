@@ -459,13 +459,16 @@ class DeepSpeed(Strategy):
             optimizer += low * math.ceil(t / w)
             return Estimate(self.label, shape.weight_bytes(held, held_trained, low), grads, optimizer,
                             optimizer + grads - staging, activations)
-        persistent = sum(k for k in shape.numels if k < persistence_threshold(shape.hidden))
         # ZeRO-3 partitions every weight in its training dtype, a frozen base too (measured: a LoRA run's bf16 base
         # is held in fp32 under fp32 ZeRO-3 and trains as the fp32 base does; ZeRO-1/2 leave frozen weights alone),
         # but for a quantised base's packed bytes, which it partitions as they are, beside their whole constants. A
-        # parameter below the persistence threshold is held whole beside its partition (measured on a QLoRA run)
-        quantised, packed = shape.quantised
-        params = low * (math.ceil((n - quantised) / w) + persistent) + math.ceil(packed / w) + shape.constant_bytes
+        # parameter stored in fewer elements than the persistence threshold is held whole beside its partition
+        # (measured tensor by tensor on a QLoRA run)
+        threshold, params = persistence_threshold(shape.hidden), shape.constant_bytes
+        for numel, (packed, stored) in zip(shape.numels, shape.quantised or ((0, 0),) * len(shape.numels),
+                                           strict=True):
+            size = packed or low * numel
+            params += math.ceil(size / w) + (size if (stored or numel) < threshold else 0)
         host = (params if self.offloads_params else 0) + (optimizer if self.offloads_optimizer else 0)
         return Estimate(self.label, params, low * math.ceil(t / w), optimizer, host, activations)
 
